@@ -1,1 +1,101 @@
-//! placeholder
+//! The narrow, model-shaped op set models run on, as a trait, and its CPU implementation.
+//!
+//! Ops work on host f32 slices (row-major) and borrowed weight matrices. This is enough for the
+//! CPU; a device backend will add buffer handles behind the same op names (see DESIGN.md §4).
+
+use kapitsa_base::{CpuFeatures, ThreadPool};
+use kapitsa_kernels_cpu::attention::{self, AttnShape, KvSlice};
+use kapitsa_kernels_cpu::matmul::{self, QMatrix};
+use kapitsa_kernels_cpu::ops;
+
+/// Errors from backend ops: shape or type problems found at an op boundary.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// A kernel refused its arguments.
+    #[error("kernel error: {0}")]
+    Kernel(#[from] kapitsa_kernels_cpu::KernelError),
+}
+
+/// Result of a backend op.
+pub type Result<T> = std::result::Result<T, BackendError>;
+
+/// The ops a model forward pass needs. All activations are row-major f32.
+pub trait Backend: Send + Sync {
+    /// Short description for logs (`"cpu avx512 vnni bf16, 2 threads"`).
+    fn describe(&self) -> String;
+
+    /// `y[n_tok, w.n_out] = x[n_tok, w.n_in] @ w^T`.
+    fn matmul(&self, w: &QMatrix<'_>, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()>;
+
+    /// Embedding gather: `out[i, :] = dequant(w[ids[i], :])`, out `[ids.len(), w.n_in]`.
+    fn get_rows(&self, w: &QMatrix<'_>, ids: &[u32], out: &mut [f32]) -> Result<()>;
+
+    /// RMSNorm of each `n`-wide row of `x` in place, weight `w[n] + w_offset`.
+    fn rms_norm(&self, x: &mut [f32], n: usize, w: &[f32], eps: f32, w_offset: f32);
+
+    /// Causal attention of one sequence's new tokens over its cache (see
+    /// [`kapitsa_kernels_cpu::attention`] for layouts).
+    fn attention(
+        &self,
+        shape: AttnShape,
+        q: &[f32],
+        pos: &[u32],
+        k: KvSlice<'_>,
+        v: KvSlice<'_>,
+        out: &mut [f32],
+    );
+
+    /// `gate = silu(gate) * up`.
+    fn silu_mul(&self, gate: &mut [f32], up: &[f32]);
+}
+
+/// The CPU backend: kernels from `kapitsa-kernels-cpu` on a thread pool.
+pub struct CpuBackend {
+    pool: Box<dyn ThreadPool + Send>,
+}
+
+impl CpuBackend {
+    /// A CPU backend running on `pool`.
+    pub fn new(pool: Box<dyn ThreadPool + Send>) -> CpuBackend {
+        CpuBackend { pool }
+    }
+
+    /// The pool this backend runs on.
+    pub fn pool(&self) -> &dyn ThreadPool {
+        &*self.pool
+    }
+}
+
+impl Backend for CpuBackend {
+    fn describe(&self) -> String {
+        format!("cpu {}, {} threads", CpuFeatures::get().describe(), self.pool.n_threads())
+    }
+
+    fn matmul(&self, w: &QMatrix<'_>, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()> {
+        Ok(matmul::matmul(&*self.pool, w, x, n_tok, y)?)
+    }
+
+    fn get_rows(&self, w: &QMatrix<'_>, ids: &[u32], out: &mut [f32]) -> Result<()> {
+        Ok(matmul::get_rows(w, ids, out)?)
+    }
+
+    fn rms_norm(&self, x: &mut [f32], n: usize, w: &[f32], eps: f32, w_offset: f32) {
+        ops::rms_norm(x, n, w, eps, w_offset)
+    }
+
+    fn attention(
+        &self,
+        shape: AttnShape,
+        q: &[f32],
+        pos: &[u32],
+        k: KvSlice<'_>,
+        v: KvSlice<'_>,
+        out: &mut [f32],
+    ) {
+        attention::attention(&*self.pool, shape, q, pos, k, v, out)
+    }
+
+    fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {
+        ops::silu_mul(gate, up)
+    }
+}

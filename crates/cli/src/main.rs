@@ -1,1 +1,46 @@
-fn main() {}
+//! `kapitsa`: run, chat with, inspect and probe models from the command line.
+
+mod commands;
+mod inspect;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Kapitsa: a specialised LLM inference engine.
+#[derive(Parser)]
+#[command(name = "kapitsa", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate text from a prompt, streaming it to stdout.
+    Run(commands::RunArgs),
+    /// Interactive multi-turn chat using the model's chat template.
+    Chat(commands::ChatArgs),
+    /// Print the metadata and tensor table of a GGUF file or a safetensors/MLX directory.
+    Inspect(inspect::InspectArgs),
+    /// Write the logits of every prompt position to a file (raw little-endian f32
+    /// [n_prompt_tokens, n_vocab]); prints the prompt token ids on stdout.
+    Logits(commands::LogitsArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Run(a) => commands::run(a),
+        Cmd::Chat(a) => commands::chat(a),
+        Cmd::Inspect(a) => inspect::inspect(a),
+        Cmd::Logits(a) => commands::logits(a),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

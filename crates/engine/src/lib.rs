@@ -1,1 +1,28 @@
-//! placeholder
+//! Generation: sampling, stop conditions and the prefill/decode loop.
+
+pub mod generate;
+pub mod loader;
+pub mod rng;
+pub mod sampler;
+pub mod stop;
+
+pub use generate::{generate, FinishReason, GenerateOutput, GenerateRequest};
+pub use sampler::{Sampler, SamplingParams};
+pub use stop::StopChecker;
+
+/// Errors of a generation.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The model failed.
+    #[error(transparent)]
+    Model(#[from] kapitsa_models::ModelError),
+    /// Tokenisation or detokenisation failed.
+    #[error(transparent)]
+    Text(#[from] kapitsa_text::TextError),
+    /// The request is invalid.
+    #[error("bad request: {0}")]
+    BadRequest(String),
+}
+
+/// Result of engine operations.
+pub type Result<T> = std::result::Result<T, EngineError>;

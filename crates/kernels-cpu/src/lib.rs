@@ -1,1 +1,13 @@
-//! placeholder
+//! Kapitsa CPU kernels: scalar references and SIMD variants (AVX2, AVX-512) of the ops the
+//! models need. [`quant`] holds the ggml block formats (dequantisation, activation quantisation,
+//! dot products); [`matmul`] the quantised matrix-vector / matrix-matrix driver and row gathers.
+
+pub mod attention;
+pub mod matmul;
+pub mod ops;
+pub mod quant;
+
+pub use matmul::{dequantize_rows, get_rows, matmul, matmul_scalar, matmul_with, QMatrix};
+pub use quant::{
+    dequantize_row, quantize_row, vec_dot, vec_dot_type, vec_dot_with, DotKernel, KernelError, SimdLevel,
+};

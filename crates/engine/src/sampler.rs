@@ -1,0 +1,261 @@
+//! Token sampling: penalties, top-k, top-p, min-p, temperature, seeded draw; greedy when the
+//! temperature is 0.
+//!
+//! Order follows llama.cpp's default chain: penalties -> top-k -> top-p -> min-p ->
+//! temperature -> draw. top-p and min-p see probabilities at temperature 1.
+
+use crate::rng::Rng;
+use crate::{EngineError, Result};
+
+/// Sampling settings of one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 = greedy (argmax after penalties).
+    pub temperature: f32,
+    /// Keep the k most likely tokens; 0 = off.
+    pub top_k: usize,
+    /// Nucleus: keep the smallest set with cumulative probability >= top_p; 1 = off.
+    pub top_p: f32,
+    /// Keep tokens with probability >= min_p * p_max; 0 = off.
+    pub min_p: f32,
+    /// Divide positive / multiply negative logits of recent tokens; 1 = off.
+    pub repetition_penalty: f32,
+    /// Subtract from logits of tokens that appeared; 0 = off.
+    pub presence_penalty: f32,
+    /// Subtract `count *` this from logits of tokens that appeared; 0 = off.
+    pub frequency_penalty: f32,
+    /// How many recent tokens the penalties look at (0 = none).
+    pub penalty_last_n: usize,
+    /// Seed of the draw.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            penalty_last_n: 64,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding.
+    pub fn greedy() -> Self {
+        SamplingParams { temperature: 0.0, ..Default::default() }
+    }
+
+    /// Reject values that make no sense (negative temperature, top_p outside (0, 1], ...).
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(EngineError::BadRequest(m.to_string()));
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return bad("temperature must be a finite number >= 0");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p must be in (0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min_p must be in [0, 1]");
+        }
+        if !(self.repetition_penalty > 0.0) || !self.repetition_penalty.is_finite() {
+            return bad("repetition_penalty must be > 0");
+        }
+        if !self.presence_penalty.is_finite() || !self.frequency_penalty.is_finite() {
+            return bad("presence/frequency penalties must be finite");
+        }
+        Ok(())
+    }
+}
+
+/// A sampler with its own random state.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Rng,
+}
+
+impl Sampler {
+    /// A sampler for `params` (validated).
+    pub fn new(params: SamplingParams) -> Result<Sampler> {
+        params.validate()?;
+        let rng = Rng::new(params.seed);
+        Ok(Sampler { params, rng })
+    }
+
+    /// The settings.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Pick the next token from `logits` (`[n_vocab]`), given the tokens so far (`history`,
+    /// prompt included) for the penalties.
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        let p = &self.params;
+        let mut l = logits.to_vec();
+        apply_penalties(&mut l, history, p);
+        if p.temperature <= 0.0 {
+            return kapitsa_kernels_cpu::ops::argmax(&l) as u32;
+        }
+        // candidates sorted by logit, descending
+        let mut c: Vec<(u32, f32)> = l.iter().enumerate().filter(|(_, v)| !v.is_nan()).map(|(i, &v)| (i as u32, v)).collect();
+        if c.is_empty() {
+            return 0;
+        }
+        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if p.top_k > 0 && p.top_k < c.len() {
+            c.select_nth_unstable_by(p.top_k - 1, by_logit);
+            c.truncate(p.top_k);
+        }
+        c.sort_unstable_by(by_logit);
+        let probs = softmax(&c, 1.0);
+        let mut keep = c.len();
+        if p.top_p < 1.0 {
+            let mut cum = 0.0;
+            for (i, pr) in probs.iter().enumerate() {
+                cum += pr;
+                if cum >= p.top_p as f64 {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        if p.min_p > 0.0 {
+            let thr = probs[0] * p.min_p as f64;
+            let n_min = probs.iter().take_while(|&&pr| pr >= thr).count().max(1);
+            keep = keep.min(n_min);
+        }
+        c.truncate(keep.max(1));
+        let probs = softmax(&c, p.temperature);
+        let u = self.rng.next_f64();
+        let mut cum = 0.0;
+        for (i, pr) in probs.iter().enumerate() {
+            cum += pr;
+            if u < cum {
+                return c[i].0;
+            }
+        }
+        c[c.len() - 1].0
+    }
+}
+
+fn softmax(c: &[(u32, f32)], temp: f32) -> Vec<f64> {
+    let max = c[0].1 as f64;
+    let e: Vec<f64> = c.iter().map(|&(_, v)| ((v as f64 - max) / temp as f64).exp()).collect();
+    let s: f64 = e.iter().sum();
+    e.into_iter().map(|x| x / s).collect()
+}
+
+/// Repetition, presence and frequency penalties over the last `penalty_last_n` tokens
+/// (llama.cpp semantics).
+fn apply_penalties(l: &mut [f32], history: &[u32], p: &SamplingParams) {
+    if p.penalty_last_n == 0
+        || (p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0)
+    {
+        return;
+    }
+    let recent = &history[history.len().saturating_sub(p.penalty_last_n)..];
+    let mut counts: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+    for &t in recent {
+        *counts.entry(t).or_default() += 1;
+    }
+    for (&t, &n) in &counts {
+        let Some(v) = l.get_mut(t as usize) else { continue };
+        if *v > 0.0 {
+            *v /= p.repetition_penalty;
+        } else {
+            *v *= p.repetition_penalty;
+        }
+        *v -= n as f32 * p.frequency_penalty + p.presence_penalty;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        vec![1.0, 3.0, 2.0, 0.5, 2.9, -1.0]
+    }
+
+    #[test]
+    fn greedy_is_argmax() {
+        let mut s = Sampler::new(SamplingParams::greedy()).unwrap();
+        assert_eq!(s.sample(&logits(), &[]), 1);
+    }
+
+    #[test]
+    fn repetition_penalty_changes_greedy_choice() {
+        let p = SamplingParams { repetition_penalty: 2.0, ..SamplingParams::greedy() };
+        let mut s = Sampler::new(p).unwrap();
+        assert_eq!(s.sample(&logits(), &[1]), 4);
+        let p = SamplingParams { presence_penalty: 0.5, ..SamplingParams::greedy() };
+        assert_eq!(Sampler::new(p).unwrap().sample(&logits(), &[1]), 4);
+        let p = SamplingParams { frequency_penalty: 0.05, ..SamplingParams::greedy() };
+        assert_eq!(Sampler::new(p.clone()).unwrap().sample(&logits(), &[1]), 1);
+        assert_eq!(Sampler::new(p).unwrap().sample(&logits(), &[1, 1, 1]), 4);
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_and_seed_reproducible() {
+        let p = SamplingParams { temperature: 1.5, top_k: 1, ..Default::default() };
+        let mut s = Sampler::new(p).unwrap();
+        for _ in 0..20 {
+            assert_eq!(s.sample(&logits(), &[]), 1);
+        }
+        let p = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 7, ..Default::default() };
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(p.clone()).unwrap();
+            (0..50).map(|_| s.sample(&logits(), &[])).collect()
+        };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(p.clone()).unwrap();
+            (0..50).map(|_| s.sample(&logits(), &[])).collect()
+        };
+        assert_eq!(a, b);
+        // every token has non-zero probability at temperature 1 without truncation
+        assert!(a.iter().collect::<std::collections::HashSet<_>>().len() >= 4);
+    }
+
+    #[test]
+    fn top_p_and_min_p_truncate() {
+        // p(1) ~ 0.38, p(4) ~ 0.35, p(2) ~ 0.14 ...
+        let p = SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.5, min_p: 0.0, seed: 3, ..Default::default() };
+        let mut s = Sampler::new(p).unwrap();
+        for _ in 0..200 {
+            let t = s.sample(&logits(), &[]);
+            assert!(t == 1 || t == 4, "top_p kept {t}");
+        }
+        let p = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.5, seed: 3, ..Default::default() };
+        let mut s = Sampler::new(p).unwrap();
+        for _ in 0..200 {
+            let t = s.sample(&logits(), &[]);
+            assert!(t == 1 || t == 4, "min_p kept {t}");
+        }
+    }
+
+    #[test]
+    fn frequencies_follow_probabilities() {
+        let p = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 11, ..Default::default() };
+        let mut s = Sampler::new(p).unwrap();
+        let l = vec![0.0f32, (3.0f32).ln()]; // p = 0.25, 0.75
+        let n = 20000;
+        let ones = (0..n).filter(|_| s.sample(&l, &[]) == 1).count();
+        let f = ones as f64 / n as f64;
+        assert!((f - 0.75).abs() < 0.015, "{f}");
+    }
+
+    #[test]
+    fn rejects_bad_params() {
+        assert!(Sampler::new(SamplingParams { temperature: -1.0, ..Default::default() }).is_err());
+        assert!(Sampler::new(SamplingParams { top_p: 0.0, ..Default::default() }).is_err());
+        assert!(Sampler::new(SamplingParams { min_p: 2.0, ..Default::default() }).is_err());
+        assert!(Sampler::new(SamplingParams { temperature: f32::NAN, ..Default::default() }).is_err());
+    }
+}

@@ -1,0 +1,217 @@
+//! Causal multi-head attention over a per-sequence KV cache (GQA-aware), for prefill and decode.
+//!
+//! Layouts (row-major):
+//! - `q`: `[n_tok, n_head, head_dim]` f32, the new tokens of ONE sequence, token `i` at
+//!   position `pos[i]`;
+//! - `k`, `v`: `[n_ctx, n_head_kv, head_dim]` in f32 or f16, indexed by position; every
+//!   position `0..=max(pos)` must already hold the keys/values (the caller writes the new
+//!   tokens' K/V before calling);
+//! - `out`: `[n_tok, n_head, head_dim]` f32.
+//!
+//! Query head `h` reads KV head `h / (n_head / n_head_kv)`; token `i` attends to positions
+//! `0..=pos[i]`. Work is split by KV head: each task converts its K/V columns to f32 once and
+//! serves every query head of its group and every query token.
+
+use half::f16;
+use kapitsa_base::ThreadPool;
+use std::sync::Mutex;
+
+use crate::ops::{axpy, dot_f32};
+
+/// Borrowed K or V cache storage of one sequence and layer.
+#[derive(Debug, Clone, Copy)]
+pub enum KvSlice<'a> {
+    /// f32 elements.
+    F32(&'a [f32]),
+    /// f16 elements (the default cache type: half the memory, like llama.cpp's default).
+    F16(&'a [f16]),
+}
+
+impl KvSlice<'_> {
+    fn len(&self) -> usize {
+        match self {
+            KvSlice::F32(s) => s.len(),
+            KvSlice::F16(s) => s.len(),
+        }
+    }
+
+    /// Copy column block `[0..n, kvh, :]` to `dst` (`[n, head_dim]`) as f32.
+    fn gather_head(&self, n: usize, n_head_kv: usize, head_dim: usize, kvh: usize, dst: &mut [f32]) {
+        let stride = n_head_kv * head_dim;
+        for j in 0..n {
+            let src = j * stride + kvh * head_dim;
+            let d = &mut dst[j * head_dim..(j + 1) * head_dim];
+            match self {
+                KvSlice::F32(s) => d.copy_from_slice(&s[src..src + head_dim]),
+                KvSlice::F16(s) => {
+                    for (o, h) in d.iter_mut().zip(&s[src..src + head_dim]) {
+                        *o = h.to_f32();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Shape parameters of one [`attention`] call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    /// Query heads.
+    pub n_head: usize,
+    /// KV heads (divides `n_head`).
+    pub n_head_kv: usize,
+    /// Dims per head.
+    pub head_dim: usize,
+    /// Score scale, usually `1/sqrt(head_dim)`.
+    pub scale: f32,
+}
+
+/// Causal attention for one sequence; see the module docs for layouts.
+///
+/// # Panics
+/// Never on valid shapes; shapes are checked with `assert!` at entry because a mismatch is a
+/// programming error in the model code, not bad user input.
+pub fn attention(
+    pool: &dyn ThreadPool,
+    shape: AttnShape,
+    q: &[f32],
+    pos: &[u32],
+    k: KvSlice<'_>,
+    v: KvSlice<'_>,
+    out: &mut [f32],
+) {
+    let AttnShape { n_head, n_head_kv, head_dim, scale } = shape;
+    let n_tok = pos.len();
+    assert!(n_head_kv > 0 && n_head % n_head_kv == 0);
+    assert_eq!(q.len(), n_tok * n_head * head_dim);
+    assert_eq!(out.len(), q.len());
+    let n_ctx = pos.iter().map(|&p| p as usize + 1).max().unwrap_or(0);
+    assert!(k.len() >= n_ctx * n_head_kv * head_dim && v.len() >= n_ctx * n_head_kv * head_dim);
+    let group = n_head / n_head_kv;
+
+    let results: Vec<Mutex<Vec<f32>>> = (0..n_head_kv).map(|_| Mutex::new(Vec::new())).collect();
+    pool.run(n_head_kv, &|kvh| {
+        let mut kf = vec![0f32; n_ctx * head_dim];
+        let mut vf = vec![0f32; n_ctx * head_dim];
+        k.gather_head(n_ctx, n_head_kv, head_dim, kvh, &mut kf);
+        v.gather_head(n_ctx, n_head_kv, head_dim, kvh, &mut vf);
+        // [n_tok, group, head_dim]
+        let mut res = vec![0f32; n_tok * group * head_dim];
+        let mut scores = vec![0f32; n_ctx];
+        for (i, &p) in pos.iter().enumerate() {
+            let n = p as usize + 1;
+            for g in 0..group {
+                let h = kvh * group + g;
+                let qh = &q[(i * n_head + h) * head_dim..(i * n_head + h + 1) * head_dim];
+                let s = &mut scores[..n];
+                for (j, sj) in s.iter_mut().enumerate() {
+                    *sj = dot_f32(qh, &kf[j * head_dim..(j + 1) * head_dim]) * scale;
+                }
+                crate::ops::softmax(s);
+                let o = &mut res[(i * group + g) * head_dim..(i * group + g + 1) * head_dim];
+                for (j, &pj) in s.iter().enumerate() {
+                    axpy(pj, &vf[j * head_dim..(j + 1) * head_dim], o);
+                }
+            }
+        }
+        // A poisoned lock can only come from a panic in another task, which already aborts
+        // the whole `run`; recover the data either way.
+        *results[kvh].lock().unwrap_or_else(|e| e.into_inner()) = res;
+    });
+    for (kvh, r) in results.into_iter().enumerate() {
+        let res = r.into_inner().unwrap_or_else(|e| e.into_inner());
+        for i in 0..n_tok {
+            for g in 0..group {
+                let h = kvh * group + g;
+                out[(i * n_head + h) * head_dim..(i * n_head + h + 1) * head_dim]
+                    .copy_from_slice(&res[(i * group + g) * head_dim..(i * group + g + 1) * head_dim]);
+            }
+        }
+    }
+}
+
+/// Scalar reference of [`attention`]: straightforward f64 loops, no task split.
+pub fn attention_reference(
+    shape: AttnShape,
+    q: &[f32],
+    pos: &[u32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+) {
+    let AttnShape { n_head, n_head_kv, head_dim, scale } = shape;
+    let group = n_head / n_head_kv;
+    for (i, &p) in pos.iter().enumerate() {
+        for h in 0..n_head {
+            let kvh = h / group;
+            let qh = &q[(i * n_head + h) * head_dim..][..head_dim];
+            let n = p as usize + 1;
+            let mut s: Vec<f64> = (0..n)
+                .map(|j| {
+                    let kj = &k[(j * n_head_kv + kvh) * head_dim..][..head_dim];
+                    qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64
+                })
+                .collect();
+            let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let mut sum = 0.0;
+            for x in s.iter_mut() {
+                *x = (*x - m).exp();
+                sum += *x;
+            }
+            for d in 0..head_dim {
+                let mut acc = 0.0;
+                for (j, sj) in s.iter().enumerate() {
+                    acc += sj / sum * v[(j * n_head_kv + kvh) * head_dim + d] as f64;
+                }
+                out[(i * n_head + h) * head_dim + d] = acc as f32;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kapitsa_base::pool::{RayonPool, SerialPool};
+
+    fn rnd(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn matches_reference_gqa_prefill_and_decode() {
+        let pool = RayonPool::new(2).unwrap();
+        for &(n_head, n_head_kv, head_dim, n_ctx, n_tok) in
+            &[(4usize, 2usize, 16usize, 9usize, 9usize), (6, 1, 32, 40, 1), (3, 3, 8, 17, 5), (8, 2, 64, 70, 3)]
+        {
+            let shape = AttnShape { n_head, n_head_kv, head_dim, scale: 1.0 / (head_dim as f32).sqrt() };
+            let k = rnd(n_ctx * n_head_kv * head_dim, 1);
+            let v = rnd(n_ctx * n_head_kv * head_dim, 2);
+            let q = rnd(n_tok * n_head * head_dim, 3);
+            let pos: Vec<u32> = ((n_ctx - n_tok) as u32..n_ctx as u32).collect();
+            let mut want = vec![0f32; q.len()];
+            attention_reference(shape, &q, &pos, &k, &v, &mut want);
+            let mut got = vec![0f32; q.len()];
+            attention(&pool, shape, &q, &pos, KvSlice::F32(&k), KvSlice::F32(&v), &mut got);
+            let mut got1 = vec![0f32; q.len()];
+            attention(&SerialPool, shape, &q, &pos, KvSlice::F32(&k), KvSlice::F32(&v), &mut got1);
+            assert_eq!(got, got1, "thread count changed the result");
+            for (a, b) in got.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+            }
+            // f16 cache: same up to f16 rounding of K and V.
+            let kh: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
+            let vh: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+            attention(&pool, shape, &q, &pos, KvSlice::F16(&kh), KvSlice::F16(&vh), &mut got);
+            for (a, b) in got.iter().zip(&want) {
+                assert!((a - b).abs() < 5e-3, "{a} vs {b}");
+            }
+        }
+    }
+}

@@ -1,0 +1,296 @@
+//! Quantised matrix multiplication `y = x · Wᵀ` (ggml `mul_mat` semantics) and row gathers.
+//!
+//! Layouts: `W` is `n_out` rows of `n_in` elements in a ggml block format ([`QMatrix`]); `x` is
+//! row-major `[n_tok, n_in]` f32; `y` is row-major `[n_tok, n_out]` f32. As in ggml, each
+//! activation row is first quantised to [`vec_dot_type`](crate::quant::vec_dot_type) of the
+//! weight type, then every output is one [`DotKernel::dot`].
+//!
+//! Work split: outputs are cut into tiles of (a chunk of weight rows) x (a block of up to
+//! [`TOK_BLOCK`] tokens); each tile is one pool task, looping rows outer and tokens inner, so a
+//! weight row is streamed from memory once per token block and then stays in L1 while it meets
+//! every activation row of the block (which stay in L2). Decode (`n_tok == 1`) is a pure GEMV
+//! split over row chunks. Results do not depend on the thread count.
+
+use std::ops::Range;
+
+use kapitsa_base::{GgmlType, ThreadPool};
+
+use crate::quant::{self, DotKernel, KernelError, SimdLevel};
+
+/// Tokens per tile for prefill: the quantised activations of a tile (`TOK_BLOCK` rows) should
+/// fit in L2 next to the weight chunk.
+pub const TOK_BLOCK: usize = 32;
+
+/// A borrowed 2-D weight matrix in a ggml block format.
+#[derive(Debug, Clone, Copy)]
+pub struct QMatrix<'a> {
+    /// Element type of the stored rows.
+    pub dtype: GgmlType,
+    /// Number of rows (output features).
+    pub n_out: usize,
+    /// Elements per row (input features); a multiple of the type's block size.
+    pub n_in: usize,
+    /// `n_out` rows of `dtype.row_bytes(n_in)` bytes each, densely packed.
+    pub data: &'a [u8],
+}
+
+impl<'a> QMatrix<'a> {
+    /// Validates the shape against `data` and returns the matrix.
+    pub fn new(
+        dtype: GgmlType,
+        n_out: usize,
+        n_in: usize,
+        data: &'a [u8],
+    ) -> Result<Self, KernelError> {
+        let m = QMatrix {
+            dtype,
+            n_out,
+            n_in,
+            data,
+        };
+        m.check("QMatrix::new")?;
+        Ok(m)
+    }
+
+    /// Checks `data.len()` and the block multiple; returns the bytes per row.
+    fn check(&self, op: &'static str) -> Result<usize, KernelError> {
+        let rb = quant::row_bytes(op, self.dtype, self.n_in)?;
+        let total = rb
+            .checked_mul(self.n_out)
+            .ok_or(KernelError::Overflow { op })?;
+        if self.data.len() != total {
+            return Err(KernelError::BadLength {
+                op,
+                what: "weight data",
+                expected: total,
+                got: self.data.len(),
+            });
+        }
+        Ok(rb)
+    }
+
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> Option<usize> {
+        self.dtype.row_bytes(self.n_in)
+    }
+
+    /// The bytes of row `r`, if in range.
+    pub fn row(&self, r: usize) -> Option<&'a [u8]> {
+        let rb = self.row_bytes()?;
+        self.data
+            .get(r.checked_mul(rb)?..r.checked_add(1)?.checked_mul(rb)?)
+    }
+}
+
+/// A raw pointer that tasks share to write disjoint parts of one output buffer.
+#[derive(Clone, Copy)]
+struct SharedMut<T>(*mut T);
+// SAFETY: used only to write disjoint index ranges from different tasks (see each use), and the
+// owning `&mut` borrow outlives `ThreadPool::run`, which joins all tasks before returning.
+unsafe impl<T: Send> Send for SharedMut<T> {}
+// SAFETY: as above; no two tasks touch the same element.
+unsafe impl<T: Send> Sync for SharedMut<T> {}
+
+impl<T> SharedMut<T> {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper, not the field).
+    fn ptr(&self) -> *mut T {
+        self.0
+    }
+}
+
+fn check_len(
+    op: &'static str,
+    what: &'static str,
+    expected: usize,
+    got: usize,
+) -> Result<(), KernelError> {
+    if expected != got {
+        return Err(KernelError::BadLength {
+            op,
+            what,
+            expected,
+            got,
+        });
+    }
+    Ok(())
+}
+
+/// `y[t, r] = dot(W[r, :], x[t, :])` for `t < n_tok`, `r < w.n_out`, with the fastest kernels
+/// of this CPU. `x` is `[n_tok, n_in]`, `y` is `[n_tok, n_out]` (overwritten).
+pub fn matmul(
+    pool: &dyn ThreadPool,
+    w: &QMatrix<'_>,
+    x: &[f32],
+    n_tok: usize,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    matmul_with(SimdLevel::detect(), pool, w, x, n_tok, y)
+}
+
+/// [`matmul`] using only the scalar twins (the test reference).
+pub fn matmul_scalar(
+    pool: &dyn ThreadPool,
+    w: &QMatrix<'_>,
+    x: &[f32],
+    n_tok: usize,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    matmul_with(SimdLevel::Scalar, pool, w, x, n_tok, y)
+}
+
+/// [`matmul`] with kernels of at most `level` (errors if the CPU lacks `level`).
+pub fn matmul_with(
+    level: SimdLevel,
+    pool: &dyn ThreadPool,
+    w: &QMatrix<'_>,
+    x: &[f32],
+    n_tok: usize,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    const OP: &str = "matmul";
+    let rb = w.check(OP)?;
+    let (n_in, n_out) = (w.n_in, w.n_out);
+    let n_x = n_tok
+        .checked_mul(n_in)
+        .ok_or(KernelError::Overflow { op: OP })?;
+    let n_y = n_tok
+        .checked_mul(n_out)
+        .ok_or(KernelError::Overflow { op: OP })?;
+    check_len(OP, "x", n_x, x.len())?;
+    check_len(OP, "y", n_y, y.len())?;
+    let kernel = DotKernel::with_level(w.dtype, level)?;
+    if n_tok == 0 || n_out == 0 {
+        return Ok(());
+    }
+    if n_in == 0 {
+        y.fill(0.0);
+        return Ok(());
+    }
+
+    // 1. Quantise every activation row once.
+    let dot_ty = kernel.dot_type();
+    let xrb = quant::row_bytes(OP, dot_ty, n_in)?;
+    let mut xq = vec![
+        0u8;
+        n_tok
+            .checked_mul(xrb)
+            .ok_or(KernelError::Overflow { op: OP })?
+    ];
+    if n_tok == 1 || pool.n_threads() == 1 {
+        for (xr, qr) in x.chunks_exact(n_in).zip(xq.chunks_exact_mut(xrb)) {
+            quant::act::quantize_act(dot_ty, xr, qr);
+        }
+    } else {
+        let per = n_tok.div_ceil(pool.n_threads());
+        let n_tasks = n_tok.div_ceil(per);
+        let qp = SharedMut(xq.as_mut_ptr());
+        pool.run(n_tasks, &|task| {
+            let t0 = task * per;
+            let t1 = (t0 + per).min(n_tok);
+            for t in t0..t1 {
+                // SAFETY: task `task` alone writes rows t0..t1 of `xq` (disjoint ranges); `xq`
+                // has n_tok * xrb bytes and outlives `run`.
+                let qr = unsafe { std::slice::from_raw_parts_mut(qp.ptr().add(t * xrb), xrb) };
+                quant::act::quantize_act(dot_ty, &x[t * n_in..(t + 1) * n_in], qr);
+            }
+        });
+    }
+
+    // 2. Tiles of (row chunk) x (token block).
+    let n_tb = n_tok.div_ceil(TOK_BLOCK);
+    let target_tasks = pool.n_threads() * 4;
+    let row_chunks = target_tasks.div_ceil(n_tb).clamp(1, n_out);
+    let chunk = n_out.div_ceil(row_chunks).max(1);
+    let row_chunks = n_out.div_ceil(chunk);
+    let yp = SharedMut(y.as_mut_ptr());
+    let xq = &xq;
+    let tile = |task: usize| {
+        let (rc, tb) = (task % row_chunks, task / row_chunks);
+        let rows = rc * chunk..((rc + 1) * chunk).min(n_out);
+        let toks = tb * TOK_BLOCK..((tb + 1) * TOK_BLOCK).min(n_tok);
+        for r in rows {
+            let wr = &w.data[r * rb..(r + 1) * rb];
+            let xrow = |t: usize| &xq[t * xrb..(t + 1) * xrb];
+            let mut t = toks.start;
+            if kernel.has_dot4() {
+                // Fused 4-token kernel: decodes the weight row once per 4 tokens; each result
+                // is bit-identical to `dot`, so batching never changes outputs.
+                while t + 4 <= toks.end {
+                    let v = kernel.dot4(wr, [xrow(t), xrow(t + 1), xrow(t + 2), xrow(t + 3)]);
+                    for (k, vk) in v.into_iter().enumerate() {
+                        // SAFETY: element (t + k, r) belongs to this tile only; t + k < n_tok,
+                        // r < n_out, so the index is inside `y`, which outlives `run`.
+                        unsafe { *yp.ptr().add((t + k) * n_out + r) = vk };
+                    }
+                    t += 4;
+                }
+            }
+            for t in t..toks.end {
+                let v = kernel.dot(wr, xrow(t));
+                // SAFETY: element (t, r) belongs to exactly one tile (this one); t < n_tok and
+                // r < n_out so the index is inside `y`, which outlives `run`.
+                unsafe { *yp.ptr().add(t * n_out + r) = v };
+            }
+        }
+    };
+    let n_tasks = row_chunks * n_tb;
+    if n_tasks == 1 || pool.n_threads() == 1 {
+        (0..n_tasks).for_each(tile);
+    } else {
+        pool.run(n_tasks, &tile);
+    }
+    Ok(())
+}
+
+/// Embedding lookup: `out[i, :] = dequantize(W[ids[i], :])`; `out` is `[ids.len(), n_in]`.
+/// Errors (before writing anything) if any id is `>= n_out`.
+pub fn get_rows(w: &QMatrix<'_>, ids: &[u32], out: &mut [f32]) -> Result<(), KernelError> {
+    const OP: &str = "get_rows";
+    let rb = w.check(OP)?;
+    let n = ids
+        .len()
+        .checked_mul(w.n_in)
+        .ok_or(KernelError::Overflow { op: OP })?;
+    check_len(OP, "out", n, out.len())?;
+    if let Some(&bad) = ids.iter().find(|&&id| id as usize >= w.n_out) {
+        return Err(KernelError::RowOutOfRange {
+            op: OP,
+            id: u64::from(bad),
+            n_rows: w.n_out,
+        });
+    }
+    if w.n_in == 0 {
+        return Ok(());
+    }
+    for (&id, o) in ids.iter().zip(out.chunks_exact_mut(w.n_in)) {
+        let r = id as usize;
+        quant::dequantize_row(w.dtype, &w.data[r * rb..(r + 1) * rb], o)?;
+    }
+    Ok(())
+}
+
+/// Dequantises rows `rows` of `w` into `out` (`[rows.len(), n_in]`).
+pub fn dequantize_rows(
+    w: &QMatrix<'_>,
+    rows: Range<usize>,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    const OP: &str = "dequantize_rows";
+    let rb = w.check(OP)?;
+    if rows.start > rows.end || rows.end > w.n_out {
+        return Err(KernelError::RowOutOfRange {
+            op: OP,
+            id: rows.end as u64,
+            n_rows: w.n_out,
+        });
+    }
+    let n = rows
+        .len()
+        .checked_mul(w.n_in)
+        .ok_or(KernelError::Overflow { op: OP })?;
+    check_len(OP, "out", n, out.len())?;
+    if w.n_in == 0 {
+        return Ok(());
+    }
+    quant::dequantize_row(w.dtype, &w.data[rows.start * rb..rows.end * rb], out)
+}

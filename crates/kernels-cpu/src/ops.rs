@@ -1,0 +1,211 @@
+//! Element-wise and row-wise f32 ops: RMSNorm, RoPE, activations, softmax, residual add.
+//!
+//! All tensors are row-major f32 slices. These ops are memory-light compared with the matmuls,
+//! so each is written once as a plain loop the compiler vectorises; the loops are their own
+//! scalar reference, and the few places where accumulation order matters accumulate in f64 like
+//! ggml does (`ggml_float`).
+
+/// Sum of `a[i] * b[i]` with 16 independent f32 accumulators (vectorisable; deterministic for a
+/// given length). `a.len()` must equal `b.len()`.
+#[inline]
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0f32; 16];
+    let ca = a.chunks_exact(16);
+    let cb = b.chunks_exact(16);
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..16 {
+            acc[i] = x[i].mul_add(y[i], acc[i]);
+        }
+    }
+    let mut s = 0f32;
+    for (x, y) in ra.iter().zip(rb) {
+        s = x.mul_add(*y, s);
+    }
+    let mut t = [0f32; 8];
+    for i in 0..8 {
+        t[i] = acc[i] + acc[i + 8];
+    }
+    (t[0] + t[4]) + (t[1] + t[5]) + (t[2] + t[6]) + (t[3] + t[7]) + s
+}
+
+/// `y[i] += a * x[i]`.
+#[inline]
+pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    debug_assert_eq!(x.len(), y.len());
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi = a.mul_add(*xi, *yi);
+    }
+}
+
+/// RMSNorm of each row of `x` (`[n_rows, n]`) in place: `x * w / sqrt(mean(x^2) + eps)`.
+/// The sum of squares is accumulated in f64 (as ggml). `w` has `n` elements; `w_offset` is
+/// added to every weight (1.0 for the zero-centred `(1 + w)` norms of Qwen3.5 in HF form).
+pub fn rms_norm(x: &mut [f32], n: usize, w: &[f32], eps: f32, w_offset: f32) {
+    debug_assert_eq!(w.len(), n);
+    debug_assert_eq!(x.len() % n, 0);
+    for row in x.chunks_exact_mut(n) {
+        let ss: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let mean = (ss / n as f64) as f32;
+        let scale = 1.0 / (mean + eps).sqrt();
+        for (v, &wi) in row.iter_mut().zip(w) {
+            *v = (*v * scale) * (wi + w_offset);
+        }
+    }
+}
+
+/// Like [`rms_norm`] but writes to `out` and leaves `x` untouched.
+pub fn rms_norm_to(x: &[f32], out: &mut [f32], n: usize, w: &[f32], eps: f32, w_offset: f32) {
+    out.copy_from_slice(x);
+    rms_norm(out, n, w, eps, w_offset);
+}
+
+/// Precomputed NeoX-style RoPE frequencies for `n_rot` rotated dims (even): `inv_freq[i] =
+/// base^(-2i / n_rot)` for `i in 0..n_rot/2`.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    /// Number of rotated dims at the start of each head (`<= head_dim`).
+    pub n_rot: usize,
+    inv_freq: Vec<f64>,
+}
+
+impl Rope {
+    /// Frequencies for `n_rot` rotated dims with base `theta`.
+    pub fn new(n_rot: usize, theta: f32) -> Rope {
+        let half = n_rot / 2;
+        let inv_freq = (0..half)
+            .map(|i| (theta as f64).powf(-2.0 * i as f64 / n_rot as f64))
+            .collect();
+        Rope { n_rot, inv_freq }
+    }
+
+    /// Number of (cos, sin) pairs per position: `n_rot / 2`.
+    pub fn n_pairs(&self) -> usize {
+        self.n_rot / 2
+    }
+
+    /// Fill `cs` (`n_rot / 2` entries) with `(cos, sin)` of `pos * inv_freq[i]`. Angles are
+    /// computed in f64 and rounded once, so the error stays at f32 rounding for any position.
+    pub fn table(&self, pos: u32, cs: &mut [(f32, f32)]) {
+        debug_assert_eq!(cs.len(), self.n_pairs());
+        for (c, f) in cs.iter_mut().zip(&self.inv_freq) {
+            let t = pos as f64 * f;
+            *c = (t.cos() as f32, t.sin() as f32);
+        }
+    }
+
+    /// Rotate every head of `x` (`[n_head, head_dim]`, one token) in place with the angles in
+    /// `cs` (from [`Rope::table`]), NeoX pairing: dim `i` with dim `i + n_rot/2` for
+    /// `i < n_rot/2`; dims `n_rot..head_dim` pass through.
+    pub fn apply_neox(&self, x: &mut [f32], head_dim: usize, cs: &[(f32, f32)]) {
+        let half = self.n_rot / 2;
+        debug_assert!(self.n_rot <= head_dim && x.len() % head_dim == 0 && cs.len() == half);
+        for head in x.chunks_exact_mut(head_dim) {
+            let (a, b) = head[..self.n_rot].split_at_mut(half);
+            for i in 0..half {
+                let (c, s) = cs[i];
+                let x1 = a[i];
+                let x2 = b[i];
+                a[i] = x1 * c - x2 * s;
+                b[i] = x2 * c + x1 * s;
+            }
+        }
+    }
+}
+
+/// SwiGLU: `gate[i] = silu(gate[i]) * up[i]`.
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    debug_assert_eq!(gate.len(), up.len());
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = silu(*g) * u;
+    }
+}
+
+/// `x / (1 + exp(-x))`.
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// In-place softmax of one row; returns nothing. Max-subtracted; the sum is kept in f64.
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f64;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// `y[i] += x[i]`.
+pub fn add_inplace(y: &mut [f32], x: &[f32]) {
+    debug_assert_eq!(x.len(), y.len());
+    for (a, b) in y.iter_mut().zip(x) {
+        *a += *b;
+    }
+}
+
+/// Index of the largest value (first one on ties); 0 for an empty slice. NaN never wins.
+pub fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    let mut bv = f32::NEG_INFINITY;
+    for (i, &v) in x.iter().enumerate() {
+        if v > bv {
+            bv = v;
+            best = i;
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dot_matches_f64() {
+        for n in [0usize, 1, 15, 16, 17, 64, 131] {
+            let a: Vec<f32> = (0..n).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1).collect();
+            let b: Vec<f32> = (0..n).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.3).collect();
+            let r: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            assert!((dot_f32(&a, &b) as f64 - r).abs() < 1e-4, "n={n}");
+        }
+    }
+
+    #[test]
+    fn rms_norm_unit() {
+        let mut x = vec![3.0f32, 4.0];
+        rms_norm(&mut x, 2, &[1.0, 2.0], 0.0, 0.0);
+        let s = (12.5f32).sqrt();
+        assert!((x[0] - 3.0 / s).abs() < 1e-6 && (x[1] - 8.0 / s).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rope_rotates_pairs_and_preserves_norm() {
+        let rope = Rope::new(4, 10000.0);
+        let mut x = vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let mut cs = vec![(0.0, 0.0); rope.n_pairs()];
+        rope.table(3, &mut cs);
+        rope.apply_neox(&mut x, 6, &cs);
+        // pair (0, 2) rotated by angle 3 * 1, pair (1, 3) by 3 * 10000^-0.5; dims 4,5 untouched
+        let (c, s) = (3f32.cos(), 3f32.sin());
+        assert!((x[0] - (1.0 * c - 3.0 * s)).abs() < 1e-5);
+        assert!((x[2] - (3.0 * c + 1.0 * s)).abs() < 1e-5);
+        assert_eq!(&x[4..], &[5.0, 6.0]);
+        let n: f32 = x[..4].iter().map(|v| v * v).sum();
+        assert!((n - 30.0).abs() < 1e-4);
+    }
+
+    #[test]
+    fn softmax_sums_to_one() {
+        let mut x = vec![1.0f32, 2.0, 3.0, -1e9];
+        softmax(&mut x);
+        assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        assert!(x[3] == 0.0 && x[2] > x[1]);
+    }
+}

@@ -1,0 +1,573 @@
+//! AVX-512 dot products (F/BW/VL/DQ), each also instantiated with VNNI (`vpdpbusd` for
+//! u8 x i8 sums, `vpdpwssd` for the i16 x scale accumulation). Integer parts are exact; only the
+//! float accumulation order differs from the scalar twins.
+//!
+//! The kernel bodies are written once in macros and instantiated per feature set, so that every
+//! helper is inlined into a function compiled with the same target features. Every kernel
+//! processes `min(w blocks, x blocks)` whole blocks and reads only inside its slices; every
+//! `unsafe fn` here requires the features of its level, which [`kernel`]'s caller
+//! (`DotKernel`) guarantees by runtime detection.
+
+use super::SimdLevel;
+use kapitsa_base::GgmlType;
+
+type DotFn = unsafe fn(&[u8], &[u8]) -> f32;
+type Dot4Fn = unsafe fn(&[u8], [&[u8]; 4]) -> [f32; 4];
+
+/// An AVX-512 kernel: its level, the 1-row form and (for the quantised formats) the 4-row form.
+pub(super) type Chosen = (SimdLevel, DotFn, Option<Dot4Fn>);
+
+/// The AVX-512 kernel for `ty` at the best level `<= max`.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn kernel(ty: GgmlType, max: SimdLevel, _bf16: bool) -> Option<Chosen> {
+    use imp::*;
+    use GgmlType as T;
+    if max < SimdLevel::Avx512 {
+        return None;
+    }
+    let vnni = max >= SimdLevel::Avx512Vnni;
+    let plain: Option<DotFn> = match ty {
+        T::F32 => Some(f32_f32),
+        T::F16 => Some(f16_f16),
+        T::BF16 => Some(bf16_bf16),
+        _ => None,
+    };
+    if let Some(f) = plain {
+        return Some((SimdLevel::Avx512, f, None));
+    }
+    macro_rules! pick {
+        ($one:ident, $four:ident) => {
+            if vnni {
+                (
+                    SimdLevel::Avx512Vnni,
+                    vn::$one as DotFn,
+                    Some(vn::$four as Dot4Fn),
+                )
+            } else {
+                (
+                    SimdLevel::Avx512,
+                    bw::$one as DotFn,
+                    Some(bw::$four as Dot4Fn),
+                )
+            }
+        };
+    }
+    Some(match ty {
+        T::Q8_0 => pick!(q8_0_q8_0, q8_0_q8_0_x4),
+        T::Q4_0 => pick!(q4_0_q8_0, q4_0_q8_0_x4),
+        T::Q5_0 => pick!(q5_0_q8_0, q5_0_q8_0_x4),
+        T::IQ4_NL => pick!(iq4_nl_q8_0, iq4_nl_q8_0_x4),
+        T::MXFP4 => pick!(mxfp4_q8_0, mxfp4_q8_0_x4),
+        T::Q4_K => pick!(q4_k_q8_k, q4_k_q8_k_x4),
+        T::Q5_K => pick!(q5_k_q8_k, q5_k_q8_k_x4),
+        T::Q6_K => pick!(q6_k_q8_k, q6_k_q8_k_x4),
+        _ => return None,
+    })
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) fn kernel(_ty: GgmlType, _max: SimdLevel, _bf16: bool) -> Option<Chosen> {
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+mod imp {
+    use std::arch::x86_64::*;
+
+    use crate::quant::blocks::{e8m0_to_f32_half, KVALUES_IQ4NL, KVALUES_MXFP4};
+    use crate::quant::dot_avx2::{bits_to_bytes, e8m0x8, f16c, f16x8, ld128, ld256, nibbles32, yd};
+
+    /// Loads 64 bytes from `p[o..o + 64]`.
+    ///
+    /// # Safety
+    /// `o + 64 <= p.len()`; AVX-512F.
+    #[inline(always)]
+    pub(super) unsafe fn ld512(p: &[u8], o: usize) -> __m512i {
+        debug_assert!(o + 64 <= p.len());
+        // SAFETY: caller guarantees the 64 bytes are inside `p`; the load is unaligned.
+        unsafe { _mm512_loadu_si512(p.as_ptr().add(o).cast()) }
+    }
+
+    /// The Q4_K/Q5_K 12-byte scale field as 16 bytes: 8 scales then 8 mins (6 bits each).
+    #[inline(always)]
+    pub(super) fn k4_scales(s: &[u8]) -> [u32; 4] {
+        const M1: u32 = 0x3f3f_3f3f;
+        const M2: u32 = 0x0f0f_0f0f;
+        const M3: u32 = 0x0303_0303;
+        let a = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+        let b = u32::from_le_bytes([s[4], s[5], s[6], s[7]]);
+        let c = u32::from_le_bytes([s[8], s[9], s[10], s[11]]);
+        // scales 0..4 = a & 63; scales 4..8 = low nibbles of c | top bits of a;
+        // mins 0..4 = b & 63; mins 4..8 = high nibbles of c | top bits of b.
+        [
+            a & M1,
+            (c & M2) | (((a >> 6) & M3) << 4),
+            b & M1,
+            ((c >> 4) & M2) | (((b >> 6) & M3) << 4),
+        ]
+    }
+
+    macro_rules! avx512_kernels {
+        ($m:ident, $feat:literal, $bdot:path, $wacc:path) => {
+            pub(super) mod $m {
+                use super::*;
+                use $bdot as bdot;
+                use $wacc as wacc;
+
+                #[inline]
+                #[target_feature(enable = $feat)]
+                fn join(lo: __m256i, hi: __m256i) -> __m512i {
+                    _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
+                }
+
+                /// Signed weights prepared for `bdot`: |w| and the lanes where w < 0.
+                #[inline]
+                #[target_feature(enable = $feat)]
+                fn sprep(w: __m512i) -> (__m512i, __mmask64) {
+                    (_mm512_abs_epi8(w), _mm512_movepi8_mask(w))
+                }
+
+                /// Signed i8 x i8 dot in groups of 4, from `sprep(w)` (x must not be -128 where
+                /// w < 0; our activation quantisers never produce -128).
+                #[inline]
+                #[target_feature(enable = $feat)]
+                fn sdot(aw: __m512i, neg: __mmask64, x: __m512i) -> __m512i {
+                    bdot(aw, _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x))
+                }
+
+                /// `T` activation rows against one weight row of a 32-element format, two
+                /// blocks per step; `decode` gives a block's 32 signed values, `scale` one
+                /// block's weight scale, `scales8` those of 8 consecutive blocks. The work for
+                /// each activation row is exactly the same sequence of operations whatever `T`
+                /// is, so results are bit-identical between the 1-row and multi-row forms.
+                ///
+                /// # Safety
+                /// Requires the features of this module; `decode` reads only inside its block.
+                #[inline]
+                #[target_feature(enable = $feat)]
+                unsafe fn q8_family<const T: usize>(
+                    w: &[u8],
+                    xs: [&[u8]; T],
+                    ts: usize,
+                    decode: impl Fn(&[u8]) -> __m256i,
+                    scale: impl Fn(&[u8]) -> f32,
+                    scales8: impl Fn(&[u8]) -> __m256,
+                ) -> [f32; T] {
+                    let nb = xs.iter().fold(w.len() / ts, |m, x| m.min(x.len() / 34));
+                    let mut acc = [[_mm512_setzero_ps(); 2]; T];
+                    // lanes 0..8 <- scale 2j, lanes 8..16 <- scale 2j + 1
+                    let idx: [__m512i; 4] = std::array::from_fn(|j| {
+                        join(_mm256_set1_epi32(2 * j as i32), _mm256_set1_epi32(2 * j as i32 + 1))
+                    });
+                    let mut i = 0;
+                    while i + 8 <= nb {
+                        let dw = scales8(&w[i * ts..(i + 8) * ts]);
+                        // (explicit loops, not `array::from_fn`: its closure is not always inlined
+                        // into this target-feature function)
+                        let mut wv = [(_mm512_setzero_si512(), 0 as __mmask64); 4];
+                        for (j, v) in wv.iter_mut().enumerate() {
+                            let k = i + 2 * j;
+                            *v = sprep(join(decode(&w[k * ts..(k + 1) * ts]), decode(&w[(k + 1) * ts..(k + 2) * ts])));
+                        }
+                        for (x, a) in xs.iter().zip(acc.iter_mut()) {
+                            let d = _mm512_castps256_ps512(_mm256_mul_ps(dw, f16x8(&x[i * 34..(i + 8) * 34], 34, 0)));
+                            for (j, ix) in idx.iter().enumerate() {
+                                let k = i + 2 * j;
+                                // SAFETY: qs is bytes 2..34 of the Q8_0 blocks k, k + 1 < nb.
+                                let xv = unsafe { join(ld256(x, k * 34 + 2), ld256(x, k * 34 + 36)) };
+                                let p = sdot(wv[j].0, wv[j].1, xv);
+                                let dk = _mm512_permutexvar_ps(*ix, d);
+                                a[j & 1] = _mm512_fmadd_ps(dk, _mm512_cvtepi32_ps(p), a[j & 1]);
+                            }
+                        }
+                        i += 8;
+                    }
+                    let mut s: [f32; T] = std::array::from_fn(|t| _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1])));
+                    while i < nb {
+                        let b0 = &w[i * ts..(i + 1) * ts];
+                        let (aw, neg) = sprep(_mm512_castsi256_si512(decode(b0)));
+                        for (x, st) in xs.iter().zip(s.iter_mut()) {
+                            let y0 = &x[i * 34..(i + 1) * 34];
+                            // SAFETY: qs is bytes 2..34 of the block.
+                            let xv = unsafe { ld256(y0, 2) };
+                            let p = _mm512_castsi512_si256(sdot(aw, neg, _mm512_castsi256_si512(xv)));
+                            let v = _mm256_mul_ps(_mm256_set1_ps(scale(b0) * f16c(y0, 0)), _mm256_cvtepi32_ps(p));
+                            *st += crate::quant::dot_avx2::hsum_ps(v);
+                        }
+                        i += 1;
+                    }
+                    s
+                }
+
+                #[inline]
+                #[target_feature(enable = $feat)]
+                fn table(t: &[i8; 16]) -> __m256i {
+                    // SAFETY: `t` is exactly 16 bytes.
+                    let v = unsafe { _mm_loadu_si128(t.as_ptr().cast()) };
+                    _mm256_set_m128i(v, v)
+                }
+
+                /// Defines the 1-row and 4-row entry points of a 32-element format.
+                macro_rules! q8_entry {
+                    ($one:ident, $four:ident, $ts:expr, |$b:ident| $decode:expr, $scale:expr, $scales8:expr) => {
+                        /// # Safety
+                        /// Requires the features of this module.
+                        #[target_feature(enable = $feat)]
+                        pub(crate) unsafe fn $one(w: &[u8], x: &[u8]) -> f32 {
+                            // SAFETY: features present; the decoder's loads are inside its block
+                            // (see the SAFETY note at the invocations).
+                            unsafe { q8_family::<1>(w, [x], $ts, |$b: &[u8]| $decode, $scale, $scales8)[0] }
+                        }
+
+                        /// # Safety
+                        /// Requires the features of this module.
+                        #[target_feature(enable = $feat)]
+                        pub(crate) unsafe fn $four(w: &[u8], xs: [&[u8]; 4]) -> [f32; 4] {
+                            // SAFETY: as in the 1-row form.
+                            unsafe { q8_family::<4>(w, xs, $ts, |$b: &[u8]| $decode, $scale, $scales8) }
+                        }
+                    };
+                }
+
+                // SAFETY (each decoder): `ld128`/`ld256` read the quant bytes inside the block
+                // (Q8_0 qs at 2..34, Q4_0/IQ4_NL qs at 2..18, Q5_0 qs at 6..22, MXFP4 at 1..17).
+                q8_entry!(q8_0_q8_0, q8_0_q8_0_x4, 34, |b| ld256(b, 2),
+                    |b: &[u8]| f16c(b, 0), |bl: &[u8]| f16x8(bl, 34, 0));
+                q8_entry!(q4_0_q8_0, q4_0_q8_0_x4, 18,
+                    |b| _mm256_sub_epi8(nibbles32(ld128(b, 2)), _mm256_set1_epi8(8)),
+                    |b: &[u8]| f16c(b, 0), |bl: &[u8]| f16x8(bl, 18, 0));
+                q8_entry!(q5_0_q8_0, q5_0_q8_0_x4, 22,
+                    |b| {
+                        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                        let q = nibbles32(ld128(b, 6));
+                        // nibble | 0xF0 where the 5th bit is clear == nibble - 16 as i8
+                        _mm256_or_si256(q, _mm256_andnot_si256(bits_to_bytes(qh), _mm256_set1_epi8(0xF0u8 as i8)))
+                    },
+                    |b: &[u8]| f16c(b, 0), |bl: &[u8]| f16x8(bl, 22, 0));
+                q8_entry!(iq4_nl_q8_0, iq4_nl_q8_0_x4, 18,
+                    |b| _mm256_shuffle_epi8(table(&KVALUES_IQ4NL), nibbles32(ld128(b, 2))),
+                    |b: &[u8]| f16c(b, 0), |bl: &[u8]| f16x8(bl, 18, 0));
+                q8_entry!(mxfp4_q8_0, mxfp4_q8_0_x4, 17,
+                    |b| _mm256_shuffle_epi8(table(&KVALUES_MXFP4), nibbles32(ld128(b, 1))),
+                    |b: &[u8]| e8m0_to_f32_half(b[0]), |bl: &[u8]| e8m0x8(bl));
+
+                /// Q4_K / Q5_K share everything but the 5th bit: `qh_off` is the offset of `qh`
+                /// (None for Q4_K) and `qs_off` of the nibbles. `T` activation rows; per row the
+                /// operation sequence does not depend on `T` (bit-identical results).
+                ///
+                /// # Safety
+                /// Requires the features of this module.
+                #[inline]
+                #[target_feature(enable = $feat)]
+                unsafe fn k45<const T: usize>(
+                    w: &[u8],
+                    xs: [&[u8]; T],
+                    ts: usize,
+                    qh_off: Option<usize>,
+                    qs_off: usize,
+                ) -> [f32; T] {
+                    let nb = xs.iter().fold(w.len() / ts, |m, x| m.min(x.len() / 292));
+                    let m4 = _mm512_set1_epi8(0xF);
+                    let one = _mm256_set1_epi8(1);
+                    let mut acc = [_mm512_setzero_ps(); T];
+                    let mut acc_m = [_mm256_setzero_ps(); T];
+                    // shuffle masks picking scale 2c (low 256) and 2c+1 (high 256) as i16
+                    let smask: [__m512i; 4] = std::array::from_fn(|c| {
+                        let lo = (((4 * c + 1) << 8) | (4 * c)) as i16;
+                        let hi = (((4 * c + 3) << 8) | (4 * c + 2)) as i16;
+                        join(_mm256_set1_epi16(lo), _mm256_set1_epi16(hi))
+                    });
+                    for i in 0..nb {
+                        let b = &w[i * ts..(i + 1) * ts];
+                        let u = k4_scales(&b[4..16]);
+                        let sm = _mm_set_epi32(u[3] as i32, u[2] as i32, u[1] as i32, u[0] as i32);
+                        let sc16 = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm));
+                        let mins2 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
+                        // SAFETY: qh (if any) is 32 bytes inside the block.
+                        let mut qh = qh_off.map(|o| unsafe { ld256(b, o) });
+                        let (d, dmin) = (f16c(b, 0), f16c(b, 2));
+                        let mut wv = [_mm512_setzero_si512(); 4];
+                        let mut sv = [_mm512_setzero_si512(); 4];
+                        for c in 0..4 {
+                            // SAFETY: nibbles at qs_off + 32c + 32 <= ts.
+                            let q = unsafe { ld256(b, qs_off + 32 * c) };
+                            let mut v = _mm512_and_si512(join(q, _mm256_srli_epi16(q, 4)), m4);
+                            if let Some(h) = qh.as_mut() {
+                                let hlo = _mm256_slli_epi16(_mm256_and_si256(*h, one), 4);
+                                let hhi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(*h, 1), one), 4);
+                                *h = _mm256_srli_epi16(*h, 2);
+                                v = _mm512_or_si512(v, join(hlo, hhi));
+                            }
+                            wv[c] = v;
+                            sv[c] = _mm512_shuffle_epi8(sc16, smask[c]);
+                        }
+                        for t in 0..T {
+                            let y = &xs[t][i * 292..(i + 1) * 292];
+                            // SAFETY: bsums are bytes 260..292 of the Q8_K block.
+                            let prod_m = _mm256_madd_epi16(unsafe { ld256(y, 260) }, mins2);
+                            let mut sumi = _mm512_setzero_si512();
+                            for c in 0..4 {
+                                // SAFETY: q8 at 4 + 64c + 64 <= 260.
+                                let yv = unsafe { ld512(y, 4 + 64 * c) };
+                                sumi = wacc(sumi, _mm512_maddubs_epi16(wv[c], yv), sv[c]);
+                            }
+                            let yd = yd(y);
+                            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * yd), _mm512_cvtepi32_ps(sumi), acc[t]);
+                            acc_m[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * yd), _mm256_cvtepi32_ps(prod_m), acc_m[t]);
+                        }
+                    }
+                    std::array::from_fn(|t| _mm512_reduce_add_ps(acc[t]) - crate::quant::dot_avx2::hsum_ps(acc_m[t]))
+                }
+
+                /// Q6_K against `T` Q8_K rows; per row the operation sequence does not depend
+                /// on `T` (bit-identical results).
+                ///
+                /// # Safety
+                /// Requires the features of this module.
+                #[inline]
+                #[target_feature(enable = $feat)]
+                unsafe fn q6k<const T: usize>(w: &[u8], xs: [&[u8]; T]) -> [f32; T] {
+                    let nb = xs.iter().fold(w.len() / 210, |m, x| m.min(x.len() / 292));
+                    let m4 = _mm512_set1_epi8(0xF);
+                    let m2 = _mm512_set1_epi8(3);
+                    // permutation indices: 128-bit lane k of piece p gets scale 4p + k
+                    let sidx: [__m512i; 4] = std::array::from_fn(|p| {
+                        let g = 4 * p as i64;
+                        let lane = |k: i64| (g + k) * 0x0001_0001_0001_0001;
+                        _mm512_set_epi64(lane(3), lane(3), lane(2), lane(2), lane(1), lane(1), lane(0), lane(0))
+                    });
+                    let mut acc = [_mm512_setzero_ps(); T];
+                    let mut acc_o = [_mm256_setzero_ps(); T];
+                    for i in 0..nb {
+                        let b = &w[i * 210..(i + 1) * 210];
+                        // SAFETY: scales are bytes 192..208 of the block.
+                        let sc8 = unsafe { ld128(b, 192) };
+                        let sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
+                        let sc16_256 = _mm512_castsi512_si256(sc16);
+                        // values of elements 64p .. 64p + 64 (p = 2h + k), unsigned 0..63
+                        let mut wv = [_mm512_setzero_si512(); 4];
+                        for h in 0..2 {
+                            // SAFETY: ql at 64h..64h+64, qh at 128+32h..+32 inside 210 bytes.
+                            let (ql, qh) = unsafe { (ld512(b, 64 * h), ld256(b, 128 + 32 * h)) };
+                            let h01 = join(qh, _mm256_srli_epi16(qh, 2));
+                            let h23 = join(_mm256_srli_epi16(qh, 4), _mm256_srli_epi16(qh, 6));
+                            wv[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(_mm512_and_si512(h01, m2), 4));
+                            wv[2 * h + 1] = _mm512_or_si512(
+                                _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                _mm512_slli_epi16(_mm512_and_si512(h23, m2), 4),
+                            );
+                        }
+                        let mut sv = [_mm512_setzero_si512(); 4];
+                        for (p, v) in sv.iter_mut().enumerate() {
+                            *v = _mm512_permutexvar_epi16(sidx[p], sc16);
+                        }
+                        let d = f16c(b, 208);
+                        for t in 0..T {
+                            let y = &xs[t][i * 292..(i + 1) * 292];
+                            // SAFETY: bsums are bytes 260..292 of the Q8_K block.
+                            let offs = _mm256_madd_epi16(unsafe { ld256(y, 260) }, sc16_256);
+                            let mut sumi = _mm512_setzero_si512();
+                            for p in 0..4 {
+                                // SAFETY: q8 at 4 + 64p + 64 <= 260.
+                                let yv = unsafe { ld512(y, 4 + 64 * p) };
+                                sumi = wacc(sumi, _mm512_maddubs_epi16(wv[p], yv), sv[p]);
+                            }
+                            let dd = d * yd(y);
+                            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(sumi), acc[t]);
+                            acc_o[t] = _mm256_fmadd_ps(_mm256_set1_ps(-32.0 * dd), _mm256_cvtepi32_ps(offs), acc_o[t]);
+                        }
+                    }
+                    std::array::from_fn(|t| _mm512_reduce_add_ps(acc[t]) + crate::quant::dot_avx2::hsum_ps(acc_o[t]))
+                }
+
+                /// # Safety
+                /// Requires the features of this module.
+                #[target_feature(enable = $feat)]
+                pub(crate) unsafe fn q4_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
+                    // SAFETY: features present; Q4_K nibbles at 16..144.
+                    unsafe { k45::<1>(w, [x], 144, None, 16)[0] }
+                }
+
+                /// # Safety
+                /// Requires the features of this module.
+                #[target_feature(enable = $feat)]
+                pub(crate) unsafe fn q4_k_q8_k_x4(w: &[u8], xs: [&[u8]; 4]) -> [f32; 4] {
+                    // SAFETY: features present; Q4_K nibbles at 16..144.
+                    unsafe { k45::<4>(w, xs, 144, None, 16) }
+                }
+
+                /// # Safety
+                /// Requires the features of this module.
+                #[target_feature(enable = $feat)]
+                pub(crate) unsafe fn q5_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
+                    // SAFETY: features present; Q5_K qh at 16..48, nibbles at 48..176.
+                    unsafe { k45::<1>(w, [x], 176, Some(16), 48)[0] }
+                }
+
+                /// # Safety
+                /// Requires the features of this module.
+                #[target_feature(enable = $feat)]
+                pub(crate) unsafe fn q5_k_q8_k_x4(w: &[u8], xs: [&[u8]; 4]) -> [f32; 4] {
+                    // SAFETY: features present; Q5_K qh at 16..48, nibbles at 48..176.
+                    unsafe { k45::<4>(w, xs, 176, Some(16), 48) }
+                }
+
+                /// # Safety
+                /// Requires the features of this module.
+                #[target_feature(enable = $feat)]
+                pub(crate) unsafe fn q6_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
+                    // SAFETY: features present.
+                    unsafe { q6k::<1>(w, [x])[0] }
+                }
+
+                /// # Safety
+                /// Requires the features of this module.
+                #[target_feature(enable = $feat)]
+                pub(crate) unsafe fn q6_k_q8_k_x4(w: &[u8], xs: [&[u8]; 4]) -> [f32; 4] {
+                    // SAFETY: features present.
+                    unsafe { q6k::<4>(w, xs) }
+                }
+            }
+        };
+    }
+
+    /// u8 x i8 products summed in groups of 4 to 16 x i32 (`vpdpbusd` from zero).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    fn bdot_vnni(a: __m512i, b: __m512i) -> __m512i {
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), a, b)
+    }
+
+    /// acc + pairwise i16 products as 16 x i32 (`vpdpwssd`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    fn wacc_vnni(acc: __m512i, p: __m512i, s: __m512i) -> __m512i {
+        _mm512_dpwssd_epi32(acc, p, s)
+    }
+
+    /// u8 x i8 products summed in groups of 4 to 16 x i32 (`vpmaddubsw` + `vpmaddwd`; the i16
+    /// pair sums cannot saturate for our operands: |u8| <= 128, |i8| <= 127).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    fn bdot_bw(a: __m512i, b: __m512i) -> __m512i {
+        _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1))
+    }
+
+    /// acc + pairwise i16 products as 16 x i32 (`vpmaddwd` + `vpaddd`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    fn wacc_bw(acc: __m512i, p: __m512i, s: __m512i) -> __m512i {
+        _mm512_add_epi32(acc, _mm512_madd_epi16(p, s))
+    }
+
+    avx512_kernels!(
+        vn,
+        "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c",
+        super::bdot_vnni,
+        super::wacc_vnni
+    );
+    avx512_kernels!(
+        bw,
+        "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c",
+        super::bdot_bw,
+        super::wacc_bw
+    );
+
+    /// # Safety
+    /// Requires AVX-512F/BW/VL/DQ and AVX2/FMA/F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    pub(super) unsafe fn f32_f32(w: &[u8], x: &[u8]) -> f32 {
+        let n = (w.len() / 4).min(x.len() / 4);
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        // SAFETY: each load reads 16 f32 (64 bytes) at element `o` with `o + 16 <= n`.
+        unsafe {
+            while i + 64 <= n {
+                for (k, a) in acc.iter_mut().enumerate() {
+                    let o = 4 * (i + 16 * k);
+                    *a = _mm512_fmadd_ps(
+                        _mm512_castsi512_ps(ld512(w, o)),
+                        _mm512_castsi512_ps(ld512(x, o)),
+                        *a,
+                    );
+                }
+                i += 64;
+            }
+            while i + 16 <= n {
+                let o = 4 * i;
+                acc[0] = _mm512_fmadd_ps(
+                    _mm512_castsi512_ps(ld512(w, o)),
+                    _mm512_castsi512_ps(ld512(x, o)),
+                    acc[0],
+                );
+                i += 16;
+            }
+        }
+        let v = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+        let mut s = f64::from(_mm512_reduce_add_ps(v));
+        for j in i..n {
+            let a = f32::from_le_bytes([w[4 * j], w[4 * j + 1], w[4 * j + 2], w[4 * j + 3]]);
+            let b = f32::from_le_bytes([x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3]]);
+            s += f64::from(a * b);
+        }
+        s as f32
+    }
+
+    /// Shared f16/bf16 loop: `cvt` widens 16 packed halves to f32.
+    ///
+    /// # Safety
+    /// Requires AVX-512F/BW/VL/DQ and AVX2/FMA/F16C.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    unsafe fn half16(
+        w: &[u8],
+        x: &[u8],
+        cvt: impl Fn(__m256i) -> __m512,
+        one: impl Fn(&[u8], usize) -> f32,
+    ) -> f32 {
+        let n = (w.len() / 2).min(x.len() / 2);
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        // SAFETY: each load reads 16 halves (32 bytes) at element `o` with `o + 16 <= n`.
+        unsafe {
+            while i + 64 <= n {
+                for (k, a) in acc.iter_mut().enumerate() {
+                    let o = 2 * (i + 16 * k);
+                    *a = _mm512_fmadd_ps(cvt(ld256(w, o)), cvt(ld256(x, o)), *a);
+                }
+                i += 64;
+            }
+            while i + 16 <= n {
+                let o = 2 * i;
+                acc[0] = _mm512_fmadd_ps(cvt(ld256(w, o)), cvt(ld256(x, o)), acc[0]);
+                i += 16;
+            }
+        }
+        let v = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+        let mut s = f64::from(_mm512_reduce_add_ps(v));
+        for j in i..n {
+            s += f64::from(one(w, 2 * j) * one(x, 2 * j));
+        }
+        s as f32
+    }
+
+    /// # Safety
+    /// Requires AVX-512F/BW/VL/DQ and AVX2/FMA/F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    pub(super) unsafe fn f16_f16(w: &[u8], x: &[u8]) -> f32 {
+        // SAFETY: features present.
+        unsafe { half16(w, x, |v| _mm512_cvtph_ps(v), f16c) }
+    }
+
+    /// # Safety
+    /// Requires AVX-512F/BW/VL/DQ and AVX2/FMA/F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    pub(super) unsafe fn bf16_bf16(w: &[u8], x: &[u8]) -> f32 {
+        let cvt = |v: __m256i| _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+        let one = |p: &[u8], o: usize| {
+            crate::quant::blocks::bf16_bits_to_f32(u16::from_le_bytes([p[o], p[o + 1]]))
+        };
+        // SAFETY: features present.
+        unsafe { half16(w, x, cvt, one) }
+    }
+}

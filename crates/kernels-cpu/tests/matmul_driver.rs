@@ -1,0 +1,426 @@
+//! Matmul driver: against a plain f32 reference, against the scalar driver, thread-count
+//! invariance, row gathers and argument validation. Plus an `#[ignore]`d GEMV bandwidth probe.
+
+use kapitsa_base::pool::{RayonPool, SerialPool};
+use kapitsa_base::{GgmlType, ThreadPool};
+use kapitsa_kernels_cpu::quant::WEIGHT_TYPES;
+use kapitsa_kernels_cpu::{
+    dequantize_row, dequantize_rows, get_rows, matmul, matmul_scalar, matmul_with, quantize_row,
+    vec_dot_type, QMatrix, SimdLevel,
+};
+
+struct Rng(u64);
+impl Rng {
+    fn u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn f32(&mut self) -> f32 {
+        (self.u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    fn normal(&mut self) -> f32 {
+        (0..4).map(|_| self.f32()).sum::<f32>() * 1.732 - 3.464
+    }
+}
+
+fn f16_fields(ty: GgmlType) -> &'static [usize] {
+    use GgmlType as T;
+    match ty {
+        T::Q4_0 | T::Q5_0 | T::Q8_0 | T::IQ4_NL | T::IQ4_XS => &[0],
+        T::Q4_1 | T::Q5_1 | T::Q4_K | T::Q5_K => &[0, 2],
+        T::Q2_K => &[80, 82],
+        T::Q3_K => &[108],
+        T::Q6_K => &[208],
+        _ => &[],
+    }
+}
+
+fn random_matrix(ty: GgmlType, n_out: usize, n_in: usize, rng: &mut Rng) -> Vec<u8> {
+    let mut out = Vec::new();
+    for _ in 0..n_out {
+        match ty {
+            GgmlType::F32 => {
+                (0..n_in).for_each(|_| out.extend_from_slice(&(rng.normal() * 0.05).to_le_bytes()))
+            }
+            GgmlType::F16 => (0..n_in).for_each(|_| {
+                out.extend_from_slice(
+                    &half::f16::from_f32(rng.normal() * 0.05)
+                        .to_bits()
+                        .to_le_bytes(),
+                )
+            }),
+            GgmlType::BF16 => (0..n_in).for_each(|_| {
+                out.extend_from_slice(
+                    &(((rng.normal() * 0.05).to_bits() >> 16) as u16).to_le_bytes(),
+                )
+            }),
+            _ => {
+                for _ in 0..n_in / ty.block_size() {
+                    let mut b: Vec<u8> = (0..ty.type_size()).map(|_| rng.u64() as u8).collect();
+                    for &o in f16_fields(ty) {
+                        b[o..o + 2].copy_from_slice(
+                            &half::f16::from_f32(rng.normal() * 0.002)
+                                .to_bits()
+                                .to_le_bytes(),
+                        );
+                    }
+                    if ty == GgmlType::MXFP4 {
+                        b[0] = 118 + (rng.u64() % 6) as u8;
+                    }
+                    out.extend_from_slice(&b);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// y_ref[t, r] = sum_i W[r, i] * xq[t, i] in f64, with both operands dequantised: the exact
+/// value the quantised kernels approximate only by float rounding.
+fn reference(w: &QMatrix<'_>, x: &[f32], n_tok: usize) -> (Vec<f64>, Vec<f64>) {
+    let mut wf = vec![0f32; w.n_out * w.n_in];
+    dequantize_rows(w, 0..w.n_out, &mut wf).unwrap();
+    let dt = vec_dot_type(w.dtype).unwrap();
+    let mut xf = vec![0f32; x.len()];
+    for (xr, o) in x.chunks_exact(w.n_in).zip(xf.chunks_exact_mut(w.n_in)) {
+        let mut q = vec![0u8; dt.row_bytes(w.n_in).unwrap()];
+        quantize_row(dt, xr, &mut q).unwrap();
+        dequantize_row(dt, &q, o).unwrap();
+    }
+    let mut y = vec![0f64; n_tok * w.n_out];
+    let mut scale = vec![0f64; n_tok * w.n_out];
+    for t in 0..n_tok {
+        for r in 0..w.n_out {
+            let (a, b) = (
+                &wf[r * w.n_in..(r + 1) * w.n_in],
+                &xf[t * w.n_in..(t + 1) * w.n_in],
+            );
+            y[t * w.n_out + r] = a
+                .iter()
+                .zip(b)
+                .map(|(p, q)| f64::from(*p) * f64::from(*q))
+                .sum();
+            scale[t * w.n_out + r] = a
+                .iter()
+                .zip(b)
+                .map(|(p, q)| (f64::from(*p) * f64::from(*q)).abs())
+                .sum();
+        }
+    }
+    (y, scale)
+}
+
+/// The unquantised f32 product (activations not quantised), in f64.
+fn f32_reference(w: &QMatrix<'_>, x: &[f32], n_tok: usize) -> Vec<f64> {
+    let mut wf = vec![0f32; w.n_out * w.n_in];
+    dequantize_rows(w, 0..w.n_out, &mut wf).unwrap();
+    let mut y = vec![0f64; n_tok * w.n_out];
+    for t in 0..n_tok {
+        for r in 0..w.n_out {
+            y[t * w.n_out + r] = wf[r * w.n_in..(r + 1) * w.n_in]
+                .iter()
+                .zip(&x[t * w.n_in..(t + 1) * w.n_in])
+                .map(|(p, q)| f64::from(*p) * f64::from(*q))
+                .sum();
+        }
+    }
+    y
+}
+
+#[test]
+fn matmul_matches_references_for_every_type() {
+    let mut rng = Rng(77);
+    let pool2 = RayonPool::new(2).unwrap();
+    for ty in WEIGHT_TYPES {
+        let bs = ty.block_size().max(32);
+        for &(n_out, in_blocks, n_tok) in &[
+            (1usize, 1usize, 1usize),
+            (7, 3, 1),
+            (33, 2, 5),
+            (64, 4, 37),
+            (5, 1, 70),
+        ] {
+            let n_in = bs * in_blocks;
+            let data = random_matrix(ty, n_out, n_in, &mut rng);
+            let w = QMatrix::new(ty, n_out, n_in, &data).unwrap();
+            let x: Vec<f32> = (0..n_tok * n_in).map(|_| rng.normal()).collect();
+            let mut y_fast = vec![f32::NAN; n_tok * n_out];
+            let mut y_fast1 = vec![f32::NAN; n_tok * n_out];
+            let mut y_scalar = vec![f32::NAN; n_tok * n_out];
+            matmul(&pool2, &w, &x, n_tok, &mut y_fast).unwrap();
+            matmul(&SerialPool, &w, &x, n_tok, &mut y_fast1).unwrap();
+            matmul_scalar(&pool2, &w, &x, n_tok, &mut y_scalar).unwrap();
+            // Thread count never changes results.
+            assert!(
+                y_fast
+                    .iter()
+                    .zip(&y_fast1)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{ty}: 1 vs 2 threads"
+            );
+            let (y_ref, scale) = reference(&w, &x, n_tok);
+            let y_f32 = f32_reference(&w, &x, n_tok);
+            let rel_q = if matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1) {
+                2e-3
+            } else {
+                1e-5
+            };
+            for i in 0..y_ref.len() {
+                let tol = rel_q * scale[i] + 1e-30;
+                let (f, s) = (f64::from(y_fast[i]), f64::from(y_scalar[i]));
+                assert!(
+                    (f - s).abs() <= 2.0 * tol,
+                    "{ty} {n_out}x{n_in} t={n_tok} i={i}: fast {f} scalar {s}"
+                );
+                assert!(
+                    (s - y_ref[i]).abs() <= tol,
+                    "{ty} i={i}: scalar {s} vs quantised ref {}",
+                    y_ref[i]
+                );
+                // Against the unquantised product: activation quantisation error bound
+                // (Q8: 1/254 of the block max per element; f16/bf16 rounding otherwise).
+                let act_rel = match vec_dot_type(ty).unwrap() {
+                    GgmlType::F32 => 1e-5,
+                    GgmlType::F16 => 1e-3,
+                    GgmlType::BF16 => 8e-3,
+                    _ => 0.05,
+                };
+                assert!(
+                    (s - y_f32[i]).abs() <= act_rel * scale[i] * 4.0 + 1e-6,
+                    "{ty} i={i}: scalar {s} vs f32 ref {}",
+                    y_f32[i]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_available_level_agrees_and_is_thread_invariant() {
+    let mut rng = Rng(5);
+    let pool2 = RayonPool::new(2).unwrap();
+    for ty in [
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+        GgmlType::Q5_0,
+        GgmlType::F16,
+    ] {
+        let (n_out, n_in, n_tok) = (96, 512, 9);
+        let data = random_matrix(ty, n_out, n_in, &mut rng);
+        let w = QMatrix::new(ty, n_out, n_in, &data).unwrap();
+        let x: Vec<f32> = (0..n_tok * n_in).map(|_| rng.normal()).collect();
+        let mut base = vec![0f32; n_tok * n_out];
+        matmul_scalar(&SerialPool, &w, &x, n_tok, &mut base).unwrap();
+        for level in SimdLevel::available() {
+            let mut a = vec![0f32; n_tok * n_out];
+            let mut b = vec![0f32; n_tok * n_out];
+            matmul_with(level, &SerialPool, &w, &x, n_tok, &mut a).unwrap();
+            matmul_with(level, &pool2, &w, &x, n_tok, &mut b).unwrap();
+            assert_eq!(a, b, "{ty} {level:?}: thread variance");
+            for (p, q) in a.iter().zip(&base) {
+                assert!(
+                    (p - q).abs() <= 1e-4 * (1.0 + q.abs()),
+                    "{ty} {level:?}: {p} vs {q}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn batched_tokens_equal_single_token_results_bitwise() {
+    // prefill in one chunk == token-by-token decode: the fused multi-token kernels must give
+    // exactly the single-token results.
+    let mut rng = Rng(31);
+    let pool2 = RayonPool::new(2).unwrap();
+    for ty in WEIGHT_TYPES {
+        let bs = ty.block_size().max(32);
+        let (n_out, n_in, n_tok) = (19, 3 * bs, 41);
+        let data = random_matrix(ty, n_out, n_in, &mut rng);
+        let w = QMatrix::new(ty, n_out, n_in, &data).unwrap();
+        let x: Vec<f32> = (0..n_tok * n_in).map(|_| rng.normal()).collect();
+        for level in SimdLevel::available() {
+            let mut all = vec![0f32; n_tok * n_out];
+            matmul_with(level, &pool2, &w, &x, n_tok, &mut all).unwrap();
+            for t in 0..n_tok {
+                let mut one = vec![0f32; n_out];
+                matmul_with(
+                    level,
+                    &SerialPool,
+                    &w,
+                    &x[t * n_in..(t + 1) * n_in],
+                    1,
+                    &mut one,
+                )
+                .unwrap();
+                let row = &all[t * n_out..(t + 1) * n_out];
+                assert!(
+                    row.iter()
+                        .zip(&one)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{ty} {level:?} token {t}: batched {row:?} vs single {one:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn get_rows_dequantises_and_checks_ids() {
+    let mut rng = Rng(9);
+    for ty in [
+        GgmlType::Q5_0,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+        GgmlType::F16,
+        GgmlType::F32,
+    ] {
+        let (n_out, n_in) = (10, 256);
+        let data = random_matrix(ty, n_out, n_in, &mut rng);
+        let w = QMatrix::new(ty, n_out, n_in, &data).unwrap();
+        let ids = [3u32, 0, 9, 3];
+        let mut out = vec![0f32; ids.len() * n_in];
+        get_rows(&w, &ids, &mut out).unwrap();
+        let rb = ty.row_bytes(n_in).unwrap();
+        for (i, &id) in ids.iter().enumerate() {
+            let mut want = vec![0f32; n_in];
+            dequantize_row(
+                ty,
+                &data[id as usize * rb..(id as usize + 1) * rb],
+                &mut want,
+            )
+            .unwrap();
+            assert_eq!(&out[i * n_in..(i + 1) * n_in], &want[..]);
+        }
+        assert!(get_rows(&w, &[10], &mut vec![0f32; n_in]).is_err());
+        assert!(get_rows(&w, &[1], &mut vec![0f32; n_in - 1]).is_err());
+    }
+}
+
+#[test]
+fn matmul_rejects_bad_shapes() {
+    let data = vec![0u8; 144 * 2];
+    assert!(QMatrix::new(GgmlType::Q4_K, 2, 256, &data).is_ok());
+    assert!(QMatrix::new(GgmlType::Q4_K, 3, 256, &data).is_err());
+    assert!(QMatrix::new(GgmlType::Q4_K, 2, 200, &data).is_err());
+    let w = QMatrix {
+        dtype: GgmlType::Q4_K,
+        n_out: 2,
+        n_in: 256,
+        data: &data,
+    };
+    let x = vec![0f32; 256 * 3];
+    let mut y = vec![0f32; 2 * 3];
+    assert!(matmul(&SerialPool, &w, &x, 3, &mut y).is_ok());
+    assert!(matmul(&SerialPool, &w, &x, 2, &mut y).is_err());
+    assert!(matmul(&SerialPool, &w, &x[1..], 3, &mut y).is_err());
+    assert!(matmul(&SerialPool, &w, &x, 3, &mut y[1..]).is_err());
+    let bad = QMatrix {
+        dtype: GgmlType::Q4_K,
+        n_out: 3,
+        n_in: 256,
+        data: &data,
+    };
+    assert!(matmul(&SerialPool, &bad, &x, 3, &mut [0f32; 9]).is_err());
+    let int = QMatrix {
+        dtype: GgmlType::I32,
+        n_out: 1,
+        n_in: 2,
+        data: &data[..8],
+    };
+    assert!(matmul(&SerialPool, &int, &x[..2], 1, &mut y[..1]).is_err());
+}
+
+fn bench_one(
+    pool: &dyn ThreadPool,
+    ty: GgmlType,
+    n_out: usize,
+    n_in: usize,
+    n_tok: usize,
+    level: SimdLevel,
+) {
+    let mut rng = Rng(1);
+    let data = random_matrix(ty, n_out, n_in, &mut rng);
+    let w = QMatrix::new(ty, n_out, n_in, &data).unwrap();
+    let x: Vec<f32> = (0..n_tok * n_in).map(|_| rng.normal()).collect();
+    let mut y = vec![0f32; n_tok * n_out];
+    matmul_with(level, pool, &w, &x, n_tok, &mut y).unwrap();
+    // Best of N: the machine is shared, the minimum is the least disturbed run.
+    let iters = if n_tok == 1 { 200 } else { 5 };
+    let mut dt = f64::INFINITY;
+    for _ in 0..iters {
+        let t = std::time::Instant::now();
+        matmul_with(level, pool, &w, &x, n_tok, &mut y).unwrap();
+        dt = dt.min(t.elapsed().as_secs_f64());
+    }
+    let gbs = data.len() as f64 / dt / 1e9;
+    let gflops = 2.0 * (n_out * n_in * n_tok) as f64 / dt / 1e9;
+    eprintln!(
+        "{ty:>6} {n_out}x{n_in} n_tok={n_tok:<4} {level:?} threads={}: {:.3} ms, weights {:.1} GB/s, {:.1} GFLOP/s",
+        pool.n_threads(),
+        dt * 1e3,
+        gbs,
+        gflops
+    );
+}
+
+/// Kernel-only comparison of the levels for a few types, in cache, interleaved to share noise.
+#[test]
+#[ignore]
+fn bench_levels_in_cache() {
+    for _round in 0..3 {
+        for ty in [
+            GgmlType::Q8_0,
+            GgmlType::Q4_0,
+            GgmlType::Q4_K,
+            GgmlType::Q6_K,
+        ] {
+            for level in SimdLevel::available().into_iter().skip(1) {
+                bench_one(&SerialPool, ty, 256, 1536, 1, level);
+            }
+        }
+    }
+}
+
+/// Rough timings; run with `cargo test --release -p kapitsa-kernels-cpu --test matmul_driver --
+/// --ignored --nocapture`.
+#[test]
+#[ignore]
+fn bench_gemv_bandwidth() {
+    let pool1 = SerialPool;
+    let pool2 = RayonPool::new(2).unwrap();
+    let best = SimdLevel::detect();
+    for ty in [
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+        GgmlType::Q5_0,
+        GgmlType::IQ4_NL,
+        GgmlType::F16,
+    ] {
+        bench_one(&pool1, ty, 8960, 1536, 1, best);
+        bench_one(&pool2, ty, 8960, 1536, 1, best);
+    }
+    for level in SimdLevel::available() {
+        bench_one(&pool2, GgmlType::Q4_K, 8960, 1536, 1, level);
+        bench_one(&pool2, GgmlType::Q4_K, 1536, 8960, 1, level);
+    }
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
+        bench_one(&pool2, ty, 1536, 1536, 128, best);
+    }
+    // In-cache compute rate of the kernels, one thread.
+    for level in SimdLevel::available().into_iter().skip(1) {
+        for ty in [
+            GgmlType::Q4_K,
+            GgmlType::Q6_K,
+            GgmlType::Q8_0,
+            GgmlType::Q5_0,
+            GgmlType::IQ4_NL,
+        ] {
+            bench_one(&pool1, ty, 256, 1536, 1, level);
+        }
+    }
+}

@@ -1,0 +1,111 @@
+//! The flat batch a forward pass consumes and the logits it returns.
+
+use crate::{ModelError, Result};
+
+/// The new tokens of one sequence inside a [`BatchInputs`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqChunk {
+    /// Cache slot of the sequence (`< KvCache::n_slots()`).
+    pub slot: usize,
+    /// First index of this sequence's tokens in the flat arrays.
+    pub start: usize,
+    /// Number of new tokens (>= 1).
+    pub len: usize,
+}
+
+/// A step's input: several sequences, each with one or more new tokens (prefill chunks,
+/// decode steps and speculative verification all look the same).
+///
+/// Invariants (checked by [`BatchInputs::validate`]): `tokens.len() == positions.len()`; the
+/// chunks tile `0..tokens.len()` in order; within a chunk positions are consecutive
+/// (`p, p+1, ...`), and position `p` means the slot already holds positions `0..p`;
+/// every `logit_rows` entry is `< tokens.len()`.
+#[derive(Debug, Clone, Default)]
+pub struct BatchInputs {
+    /// Token ids, `[n_tokens]`.
+    pub tokens: Vec<u32>,
+    /// Position of each token in its sequence, `[n_tokens]`.
+    pub positions: Vec<u32>,
+    /// Per-sequence chunks.
+    pub seqs: Vec<SeqChunk>,
+    /// Flat token indices whose logits are wanted, in output order.
+    pub logit_rows: Vec<usize>,
+}
+
+impl BatchInputs {
+    /// A batch with one sequence: `tokens` at positions `start_pos..`, logits for the rows in
+    /// `logit_rows`.
+    pub fn single(slot: usize, tokens: &[u32], start_pos: u32, logit_rows: Vec<usize>) -> Self {
+        let mut b = BatchInputs::default();
+        b.push_seq(slot, tokens, start_pos, false);
+        b.logit_rows = logit_rows;
+        b
+    }
+
+    /// Append a sequence chunk; with `want_last` its last token's logits are requested.
+    pub fn push_seq(&mut self, slot: usize, tokens: &[u32], start_pos: u32, want_last: bool) {
+        let start = self.tokens.len();
+        self.tokens.extend_from_slice(tokens);
+        self.positions.extend((0..tokens.len() as u32).map(|i| start_pos + i));
+        self.seqs.push(SeqChunk { slot, start, len: tokens.len() });
+        if want_last && !tokens.is_empty() {
+            self.logit_rows.push(start + tokens.len() - 1);
+        }
+    }
+
+    /// Number of tokens in the batch.
+    pub fn n_tokens(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Check the invariants listed on the type.
+    pub fn validate(&self, n_slots: usize) -> Result<()> {
+        let bad = |m: String| Err(ModelError::Batch(m));
+        if self.tokens.len() != self.positions.len() {
+            return bad(format!("{} tokens but {} positions", self.tokens.len(), self.positions.len()));
+        }
+        let mut next = 0;
+        let mut seen = vec![false; n_slots];
+        for c in &self.seqs {
+            if c.start != next || c.len == 0 {
+                return bad(format!("sequence chunks must tile the batch (chunk at {} len {})", c.start, c.len));
+            }
+            if c.slot >= n_slots {
+                return bad(format!("slot {} out of range ({} slots)", c.slot, n_slots));
+            }
+            if std::mem::replace(&mut seen[c.slot], true) {
+                return bad(format!("slot {} appears twice in one batch", c.slot));
+            }
+            let p = &self.positions[c.start..c.start + c.len];
+            if p.windows(2).any(|w| w[1] != w[0] + 1) {
+                return bad(format!("positions of slot {} are not consecutive", c.slot));
+            }
+            next += c.len;
+        }
+        if next != self.tokens.len() {
+            return bad(format!("chunks cover {next} of {} tokens", self.tokens.len()));
+        }
+        if let Some(r) = self.logit_rows.iter().find(|&&r| r >= self.tokens.len()) {
+            return bad(format!("logit row {r} out of range"));
+        }
+        Ok(())
+    }
+}
+
+/// Logits for the requested rows: `data` is `[rows.len(), n_vocab]` row-major f32.
+#[derive(Debug, Clone)]
+pub struct Logits {
+    /// Vocabulary size (row width).
+    pub n_vocab: usize,
+    /// The flat token index of each row (copied from `BatchInputs::logit_rows`).
+    pub rows: Vec<usize>,
+    /// Row-major values.
+    pub data: Vec<f32>,
+}
+
+impl Logits {
+    /// Row `i` of the output (the `i`-th requested token).
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.n_vocab..(i + 1) * self.n_vocab]
+    }
+}

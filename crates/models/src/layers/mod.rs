@@ -1,0 +1,3 @@
+//! Layers shared by several architectures.
+
+pub mod dense;

@@ -1,0 +1,35 @@
+//! Qwen3 (dense): like Qwen2 without q/k/v biases, with per-head RMSNorm on q and k before
+//! RoPE and an explicit `head_dim`.
+//!
+//! HF `Qwen3ForCausalLM` (transformers `models/qwen3/modeling_qwen3.py`), GGUF arch `qwen3`
+//! (llama.cpp `src/models/qwen3.cpp`).
+
+use std::sync::Arc;
+
+use kapitsa_backend::Backend;
+
+use crate::layers::dense::DenseModel;
+use crate::qwen2::{dense_config, load_dense};
+use crate::{BatchInputs, CausalLm, KvCache, Logits, ModelSource, ModelSpec, Result};
+
+/// A loaded Qwen3 model.
+pub struct Qwen3 {
+    inner: DenseModel,
+}
+
+impl Qwen3 {
+    /// Load from a GGUF file (arch `qwen3`) or an HF directory (`model_type` `qwen3`).
+    pub fn load(src: &ModelSource, backend: Arc<dyn Backend>) -> Result<Qwen3> {
+        let cfg = dense_config(src, "qwen3")?;
+        Ok(Qwen3 { inner: load_dense(src, cfg, backend, false, true)? })
+    }
+}
+
+impl CausalLm for Qwen3 {
+    fn spec(&self) -> &ModelSpec {
+        self.inner.spec()
+    }
+    fn forward(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
+        self.inner.forward(batch, cache)
+    }
+}

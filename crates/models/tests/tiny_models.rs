@@ -1,0 +1,201 @@
+//! Tiny random Qwen2/Qwen3 checkpoints made with transformers (tests/fixtures/tiny, see the
+//! README there): our logits against transformers' and llama.cpp's, greedy tokens, and the
+//! self-consistency invariants (chunking, batching).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kapitsa_backend::{Backend, CpuBackend};
+use kapitsa_base::pool::RayonPool;
+use kapitsa_models::{load_model, BatchInputs, CausalLm, KvCache, KvType, LoadOptions};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny")
+}
+
+fn backend() -> Arc<dyn Backend> {
+    Arc::new(CpuBackend::new(Box::new(RayonPool::new(2).expect("pool"))))
+}
+
+fn model_dirs() -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(fixtures())
+        .expect("tests/fixtures/tiny exists")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("reference.json").exists())
+        .collect();
+    v.sort();
+    assert!(v.len() >= 4, "expected at least 4 tiny models, found {v:?}");
+    v
+}
+
+struct Prompt {
+    ids: Vec<u32>,
+    hf_logits: Vec<f32>,
+    llama_logits: Option<Vec<f32>>,
+    hf_greedy: Vec<u32>,
+}
+
+fn read_f32(path: &Path) -> Vec<f32> {
+    let b = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+fn prompts(dir: &Path) -> (usize, Vec<Prompt>) {
+    let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let ids = |v: &serde_json::Value| v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();
+    let ps = j["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| Prompt {
+            ids: ids(&p["ids"]),
+            hf_logits: read_f32(&dir.join(p["hf_logits"].as_str().unwrap())),
+            llama_logits: p["llama_logits"].as_str().map(|f| read_f32(&dir.join(f))),
+            hf_greedy: ids(&p["hf_greedy"]),
+        })
+        .collect();
+    (j["vocab_size"].as_u64().unwrap() as usize, ps)
+}
+
+/// All-position logits of one prompt, prefilled in chunks of `chunk` tokens.
+fn logits(model: &dyn CausalLm, ids: &[u32], chunk: usize) -> Vec<f32> {
+    let mut cache = KvCache::for_model(model, 1, ids.len() + 40, KvType::F32).unwrap();
+    let mut out = Vec::new();
+    let mut pos = 0;
+    for c in ids.chunks(chunk) {
+        let l = model.forward(&BatchInputs::single(0, c, pos, (0..c.len()).collect()), &mut cache).unwrap();
+        out.extend_from_slice(&l.data);
+        pos += c.len() as u32;
+    }
+    out
+}
+
+fn greedy(model: &dyn CausalLm, ids: &[u32], n: usize) -> Vec<u32> {
+    let mut cache = KvCache::for_model(model, 1, ids.len() + n + 1, KvType::F32).unwrap();
+    let l = model.forward(&BatchInputs::single(0, ids, 0, vec![ids.len() - 1]), &mut cache).unwrap();
+    let mut t = kapitsa_kernels_cpu::ops::argmax(l.row(0)) as u32;
+    let mut out = vec![t];
+    let mut pos = ids.len() as u32;
+    while out.len() < n {
+        let l = model.forward(&BatchInputs::single(0, &[t], pos, vec![0]), &mut cache).unwrap();
+        t = kapitsa_kernels_cpu::ops::argmax(l.row(0)) as u32;
+        out.push(t);
+        pos += 1;
+    }
+    out
+}
+
+/// max |a - b| / max(1, max |b|): the relative error measure the acceptance criteria use.
+fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(1f32, |m, v| m.max(v.abs()));
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+#[test]
+fn hf_safetensors_match_transformers() {
+    for dir in model_dirs() {
+        let m = load_model(&dir, backend(), &LoadOptions::default()).unwrap();
+        let (n_vocab, ps) = prompts(&dir);
+        assert_eq!(m.model.spec().n_vocab, n_vocab);
+        for (i, p) in ps.iter().enumerate() {
+            let got = logits(&*m.model, &p.ids, 512);
+            let e = rel_err(&got, &p.hf_logits);
+            println!("{} prompt {i}: {} tokens, rel err vs transformers {e:.2e}", dir.display(), p.ids.len());
+            assert!(e < 1e-4, "{}: prompt {i} rel err {e}", dir.display());
+            let g = greedy(&*m.model, &p.ids, p.hf_greedy.len());
+            assert_eq!(g, p.hf_greedy, "{}: prompt {i} greedy tokens", dir.display());
+        }
+    }
+}
+
+#[test]
+fn gguf_conversion_matches_transformers_and_llama_cpp() {
+    for dir in model_dirs() {
+        let m = load_model(&dir.join("model-f32.gguf"), backend(), &LoadOptions::default()).unwrap();
+        let (_, ps) = prompts(&dir);
+        for (i, p) in ps.iter().enumerate() {
+            let got = logits(&*m.model, &p.ids, 512);
+            let e = rel_err(&got, &p.hf_logits);
+            let el = p.llama_logits.as_ref().map(|l| rel_err(&got, l));
+            println!("{} gguf prompt {i}: rel err vs transformers {e:.2e}, vs llama.cpp {el:?}", dir.display());
+            assert!(e < 1e-4, "{}: gguf prompt {i} rel err {e}", dir.display());
+            if let Some(el) = el {
+                assert!(el < 2e-3, "{}: gguf prompt {i} rel err vs llama.cpp {el}", dir.display());
+            }
+            let g = greedy(&*m.model, &p.ids, p.hf_greedy.len());
+            assert_eq!(g, p.hf_greedy, "{}: gguf prompt {i} greedy tokens", dir.display());
+        }
+    }
+}
+
+#[test]
+fn chunked_prefill_equals_one_chunk_equals_token_by_token() {
+    for dir in model_dirs() {
+        let m = load_model(&dir, backend(), &LoadOptions::default()).unwrap();
+        let (_, ps) = prompts(&dir);
+        let ids = &ps.last().unwrap().ids;
+        let one = logits(&*m.model, ids, ids.len());
+        for chunk in [1, 3, 7] {
+            let e = rel_err(&logits(&*m.model, ids, chunk), &one);
+            assert!(e < 1e-6, "{}: chunk {chunk} differs by {e}", dir.display());
+        }
+    }
+}
+
+#[test]
+fn batch_of_three_equals_each_alone() {
+    for dir in model_dirs() {
+        let m = load_model(&dir, backend(), &LoadOptions::default()).unwrap();
+        let model = &*m.model;
+        let (_, ps) = prompts(&dir);
+        assert!(ps.len() >= 3);
+        let alone: Vec<Vec<f32>> = ps.iter().map(|p| logits(model, &p.ids, 512)).collect();
+        // All three prompts in one batch, every row's logits, slots in reverse order.
+        let max_len = ps.iter().map(|p| p.ids.len()).max().unwrap();
+        let mut cache = KvCache::for_model(model, 3, max_len + 8, KvType::F32).unwrap();
+        let mut b = BatchInputs::default();
+        for (i, p) in ps.iter().enumerate().take(3) {
+            b.push_seq(2 - i, &p.ids, 0, false);
+        }
+        b.logit_rows = (0..b.n_tokens()).collect();
+        let l = model.forward(&b, &mut cache).unwrap();
+        let mut row = 0;
+        for (i, p) in ps.iter().enumerate().take(3) {
+            let n = p.ids.len() * l.n_vocab;
+            let e = rel_err(&l.data[row..row + n], &alone[i]);
+            assert!(e < 1e-6, "{}: prompt {i} in a batch differs by {e}", dir.display());
+            row += n;
+        }
+        // Then a mixed step: one decode token for each sequence, in one batch.
+        let mut b = BatchInputs::default();
+        for (i, p) in ps.iter().enumerate().take(3) {
+            b.push_seq(2 - i, &[p.hf_greedy[0]], p.ids.len() as u32, true);
+        }
+        let l = model.forward(&b, &mut cache).unwrap();
+        for (i, p) in ps.iter().enumerate().take(3) {
+            let mut ids = p.ids.clone();
+            ids.push(p.hf_greedy[0]);
+            let want = logits(model, &ids, 512);
+            let last = &want[(ids.len() - 1) * l.n_vocab..];
+            assert!(rel_err(l.row(i), last) < 1e-6, "{}: decode step of prompt {i}", dir.display());
+        }
+    }
+}
+
+#[test]
+fn bad_batches_are_errors_not_panics() {
+    let dir = &model_dirs()[0];
+    let m = load_model(dir, backend(), &LoadOptions::default()).unwrap();
+    let model = &*m.model;
+    let mut cache = KvCache::for_model(model, 1, 8, KvType::F32).unwrap();
+    let n_vocab = model.spec().n_vocab as u32;
+    // token out of range
+    assert!(model.forward(&BatchInputs::single(0, &[n_vocab], 0, vec![0]), &mut cache).is_err());
+    // slot out of range
+    assert!(model.forward(&BatchInputs::single(1, &[1], 0, vec![0]), &mut cache).is_err());
+    // past the context
+    assert!(model.forward(&BatchInputs::single(0, &[1, 2, 3], 6, vec![0]), &mut cache).is_err());
+    // logit row out of range
+    assert!(model.forward(&BatchInputs::single(0, &[1], 0, vec![1]), &mut cache).is_err());
+}

@@ -1,0 +1,403 @@
+//! [`ChatTemplate`]: Hugging Face chat templates rendered with minijinja, configured to behave
+//! like `transformers`' jinja2 environment (trim/lstrip blocks, loop controls, Python string
+//! methods, `raise_exception`, `strftime_now`, a `json.dumps`-compatible `tojson`).
+
+use minijinja::value::{Kwargs, Value, ValueKind};
+use minijinja::{Environment, Error, ErrorKind, State};
+
+use crate::error::jinja_message;
+use crate::pyfmt::{self, JsonOpts};
+use crate::TextError;
+
+/// Name under which the template is stored in its environment (no extension, so minijinja does
+/// not turn on HTML auto-escaping).
+const NAME: &str = "chat";
+
+/// A compiled chat template.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Replace the training-only `{% generation %}` / `{% endgeneration %}` tags by an always-true
+/// `if` block, keeping their whitespace-control markers.
+fn strip_generation_tags(src: &str) -> String {
+    let mut out = String::with_capacity(src.len());
+    let mut rest = src;
+    while let Some(pos) = rest.find("{%") {
+        out.push_str(&rest[..pos]);
+        let tag = &rest[pos..];
+        let Some(end) = tag.find("%}") else {
+            out.push_str(tag);
+            return out;
+        };
+        let inner = &tag[2..end];
+        let lead = inner.chars().next().filter(|c| *c == '-' || *c == '+');
+        let body = inner.trim_start_matches(['-', '+']);
+        let trail = body
+            .trim_end()
+            .chars()
+            .last()
+            .filter(|c| *c == '-' || *c == '+');
+        let word = body.trim_end_matches(['-', '+']).trim();
+        let replacement = match word {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
+        match replacement {
+            Some(r) => {
+                out.push_str("{%");
+                out.extend(lead);
+                out.push(' ');
+                out.push_str(r);
+                out.push(' ');
+                out.extend(trail);
+                out.push_str("%}");
+            }
+            None => out.push_str(&tag[..end + 2]),
+        }
+        rest = &tag[end + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// `raise_exception(msg)`: abort rendering with the template's message.
+fn raise_exception(msg: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, msg))
+}
+
+/// `tojson` with Python `json.dumps` semantics (`ensure_ascii=False` by default, separators
+/// `", "` / `": "`, no HTML escaping); honours `indent`, `sort_keys` and `ensure_ascii`.
+fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
+    let indent = match kwargs.get::<Option<Value>>("indent")? {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => match v.kind() {
+            ValueKind::Number => Some(" ".repeat(v.as_usize().unwrap_or(0))),
+            _ => Some(v.as_str().unwrap_or_default().to_string()),
+        },
+    };
+    let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    let ensure_ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
+    // Accepted for compatibility; the default separators are the only ones supported.
+    let _ = kwargs.get::<Option<Value>>("separators")?;
+    kwargs.assert_all_used()?;
+    let opts = JsonOpts {
+        indent,
+        sort_keys,
+        ensure_ascii,
+    };
+    Ok(Value::from_safe_string(pyfmt::json_dumps(value, &opts)?))
+}
+
+/// `string` filter with Python `str()` semantics (`True`, `None`, `1.0`, `['a']`).
+fn string_filter(value: &Value) -> Value {
+    match value.kind() {
+        ValueKind::String => value.clone(),
+        _ => Value::from(pyfmt::py_str(value)),
+    }
+}
+
+/// Python's `iterable` / `sequence` tests: strings, lists, dicts and undefined qualify; none,
+/// numbers and booleans do not (minijinja's own `iterable` accepts none).
+fn is_py_iterable(value: &Value) -> bool {
+    matches!(
+        value.kind(),
+        ValueKind::Undefined
+            | ValueKind::String
+            | ValueKind::Seq
+            | ValueKind::Map
+            | ValueKind::Iterable
+            | ValueKind::Bytes
+    )
+}
+
+/// Output formatter: print `None`, booleans, floats and containers the way Python does.
+fn formatter(out: &mut minijinja::Output, state: &mut State, value: &Value) -> Result<(), Error> {
+    match value.kind() {
+        ValueKind::None | ValueKind::Bool | ValueKind::Seq | ValueKind::Map => {
+            out.write_str(&pyfmt::py_str(value)).map_err(Error::from)
+        }
+        ValueKind::Number if !value.is_integer() => {
+            out.write_str(&pyfmt::py_str(value)).map_err(Error::from)
+        }
+        _ => minijinja::escape_formatter(out, state, value),
+    }
+}
+
+/// `strftime_now(format)`: the current UTC time formatted with a subset of C `strftime`
+/// (`%Y %y %m %d %e %H %I %M %S %p %j %B %b %A %a %%`).
+fn strftime_now(format: String) -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    strftime(&format, secs)
+}
+
+/// Format a UNIX timestamp (UTC) with the `strftime` subset of [`strftime_now`].
+fn strftime(format: &str, secs: u64) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+    ];
+    let days = (secs / 86_400) as i64;
+    let sod = secs % 86_400;
+    let (hour, minute, second) = (sod / 3600, (sod / 60) % 60, sod % 60);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy_mar = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy_mar + 2) / 153;
+    let day = doy_mar - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    let cum = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = cum[(month - 1) as usize] + day + i64::from(leap && month > 2);
+    let weekday = (days + 3).rem_euclid(7) as usize; // 1970-01-01 was a Thursday
+    let month_name = MONTHS[(month - 1) as usize];
+    let day_name = DAYS[weekday];
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year.rem_euclid(100))),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('e') => out.push_str(&format!("{day:>2}")),
+            Some('H') => out.push_str(&format!("{hour:02}")),
+            Some('I') => out.push_str(&format!(
+                "{:02}",
+                if hour % 12 == 0 { 12 } else { hour % 12 }
+            )),
+            Some('M') => out.push_str(&format!("{minute:02}")),
+            Some('S') => out.push_str(&format!("{second:02}")),
+            Some('p') => out.push_str(if hour < 12 { "AM" } else { "PM" }),
+            Some('j') => out.push_str(&format!("{yday:03}")),
+            Some('B') => out.push_str(month_name),
+            Some('b') => out.push_str(&month_name[..3]),
+            Some('A') => out.push_str(day_name),
+            Some('a') => out.push_str(&day_name[..3]),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+/// Names a message's reasoning may be given under; the first is the one templates read.
+const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
+
+/// What `transformers` 5 does to messages before rendering (`_normalize_chat_messages`,
+/// `_alias_reasoning_fields`): drop keys whose value is null, and when any reasoning field is set,
+/// expose it as both `thinking` (first key) and `reasoning_content`.
+fn normalize_messages(messages: &serde_json::Value) -> Result<serde_json::Value, TextError> {
+    use serde_json::Value as J;
+    let list = messages
+        .as_array()
+        .ok_or_else(|| TextError::TemplateInput("messages must be an array".into()))?;
+    if list.is_empty() {
+        return Err(TextError::TemplateInput(
+            "cannot apply a chat template to an empty conversation".into(),
+        ));
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for m in list {
+        let J::Object(obj) = m else {
+            return Err(TextError::TemplateInput(format!(
+                "chat messages must be objects, got {m}"
+            )));
+        };
+        let obj: serde_json::Map<String, J> = obj
+            .iter()
+            .filter(|(_, v)| !v.is_null())
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let reasoning = REASONING_FIELDS.iter().find_map(|k| obj.get(*k)).cloned();
+        let obj = match reasoning {
+            None => obj,
+            Some(r) => {
+                let mut aliased = serde_json::Map::with_capacity(obj.len() + 2);
+                aliased.insert("thinking".into(), r.clone());
+                for (k, v) in obj {
+                    aliased.insert(k, v);
+                }
+                aliased.insert("reasoning_content".into(), r);
+                aliased
+            }
+        };
+        out.push(J::Object(obj));
+    }
+    Ok(J::Array(out))
+}
+
+impl ChatTemplate {
+    /// Compile a chat template. `bos_token` / `eos_token` are exposed to the template under
+    /// those names, as `transformers` does.
+    pub fn new(
+        source: &str,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> Result<ChatTemplate, TextError> {
+        let mut env = Environment::new();
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| TextError::TemplateSyntax(jinja_message(&e)))?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_formatter(formatter);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        env.add_filter("string", string_filter);
+        env.add_test("iterable", is_py_iterable);
+        env.add_test("sequence", is_py_iterable);
+        env.add_template_owned(NAME, strip_generation_tags(source))
+            .map_err(|e| TextError::TemplateSyntax(jinja_message(&e)))?;
+        Ok(ChatTemplate {
+            env,
+            bos_token,
+            eos_token,
+        })
+    }
+
+    /// Render a conversation.
+    ///
+    /// `messages`: array of OpenAI-style messages (`role`, `content` string or null,
+    /// `tool_calls`, `tool_call_id`, `reasoning_content`, ...), passed through unchanged.
+    /// `tools`: array of tool definitions or `None` (the template then sees `tools` as none).
+    /// `extra`: an object of extra template variables (e.g. `{"enable_thinking": false}`); they
+    /// override the standard ones.
+    pub fn render(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        extra: Option<&serde_json::Value>,
+    ) -> Result<String, TextError> {
+        let messages = normalize_messages(messages)?;
+        let mut ctx = serde_json::Map::new();
+        ctx.insert("messages".into(), messages);
+        ctx.insert(
+            "tools".into(),
+            tools.cloned().unwrap_or(serde_json::Value::Null),
+        );
+        ctx.insert("documents".into(), serde_json::Value::Null);
+        ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
+        if let Some(b) = &self.bos_token {
+            ctx.insert("bos_token".into(), b.clone().into());
+        }
+        if let Some(e) = &self.eos_token {
+            ctx.insert("eos_token".into(), e.clone().into());
+        }
+        match extra {
+            None | Some(serde_json::Value::Null) => {}
+            Some(serde_json::Value::Object(map)) => {
+                for (k, v) in map {
+                    ctx.insert(k.clone(), v.clone());
+                }
+            }
+            Some(_) => return Err(TextError::TemplateInput("extra must be an object".into())),
+        }
+        let tmpl = self
+            .env
+            .get_template(NAME)
+            .map_err(|e| TextError::TemplateRender(jinja_message(&e)))?;
+        tmpl.render(Value::from(minijinja::value::Serde(&ctx)))
+            .map_err(|e| TextError::TemplateRender(jinja_message(&e)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generation_tags_removed() {
+        let src = "a{%- generation -%}b{% endgeneration %}c{% if x %}d{% endif %}";
+        assert_eq!(
+            strip_generation_tags(src),
+            "a{%- if true -%}b{% endif %}c{% if x %}d{% endif %}"
+        );
+    }
+
+    #[test]
+    fn strftime_known_date() {
+        // 2024-02-29 13:05:09 UTC, a Thursday.
+        let t = 1_709_211_909;
+        assert_eq!(
+            strftime("%Y-%m-%d %H:%M:%S %a %b %j %%", t),
+            "2024-02-29 13:05:09 Thu Feb 060 %"
+        );
+        assert_eq!(strftime("%d %B %Y", 0), "01 January 1970");
+    }
+
+    #[test]
+    fn python_semantics() {
+        let t = ChatTemplate::new(
+            "{{ x | tojson }}|{{ x.b | string }}|{{ x.n }}|{{ x.f }}|{% for m in messages[::-1] %}{{ m.role }}{% endfor %}|{{ raise_exception is defined }}",
+            None,
+            None,
+        );
+        let t = match t {
+            Ok(t) => t,
+            Err(e) => panic!("{e}"),
+        };
+        let msgs = serde_json::json!([{"role": "1", "content": null}, {"role": "2"}]);
+        let extra =
+            serde_json::json!({"x": {"s": "Don't <b> & é", "b": true, "n": null, "f": 2.0}});
+        let out = t.render(&msgs, None, false, Some(&extra));
+        assert_eq!(
+            out.ok().as_deref(),
+            Some(r#"{"s": "Don't <b> & é", "b": true, "n": null, "f": 2.0}|True|None|2.0|21|True"#)
+        );
+        let t = ChatTemplate::new("{{ raise_exception('boom') }}", None, None);
+        let err = t.ok().map(|t| t.render(&msgs, None, false, None));
+        assert!(matches!(err, Some(Err(TextError::TemplateRender(m))) if m.contains("boom")));
+    }
+}
