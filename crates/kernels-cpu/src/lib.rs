@@ -9,5 +9,6 @@ pub mod quant;
 
 pub use matmul::{dequantize_rows, get_rows, matmul, matmul_scalar, matmul_with, QMatrix};
 pub use quant::{
-    dequantize_row, quantize_row, vec_dot, vec_dot_type, vec_dot_with, DotKernel, KernelError, SimdLevel,
+    dequantize_row, quantize_row, vec_dot, vec_dot_type, vec_dot_with, DotKernel, KernelError,
+    SimdLevel,
 };

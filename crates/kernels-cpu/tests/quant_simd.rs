@@ -147,6 +147,31 @@ fn simd_kernels_match_scalar_twins() {
 }
 
 #[test]
+fn dot4_is_bitwise_four_dots() {
+    let mut rng = Rng(0xD074);
+    for ty in WEIGHT_TYPES {
+        for level in SimdLevel::available() {
+            let k = DotKernel::with_level(ty, level).unwrap();
+            for n in lengths(ty) {
+                let w = random_row(ty, n, &mut rng);
+                let xs: Vec<Vec<u8>> = (0..4)
+                    .map(|_| quantized_x(ty, &random_x(n, &mut rng)))
+                    .collect();
+                let got = k.dot4(&w, [&xs[0], &xs[1], &xs[2], &xs[3]]);
+                for t in 0..4 {
+                    let one = k.dot(&w, &xs[t]);
+                    assert_eq!(
+                        got[t].to_bits(),
+                        one.to_bits(),
+                        "{ty} {level:?} n={n} row {t}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn scalar_twins_match_dequantised_f64_dot() {
     let mut rng = Rng(12345);
     for ty in WEIGHT_TYPES {

@@ -14,30 +14,32 @@ use kapitsa_base::GgmlType;
 
 /// A dot kernel (see `DotKernel`).
 type DotFn = unsafe fn(&[u8], &[u8]) -> f32;
+/// A 4-row dot kernel (see `DotKernel::dot4`).
+type Dot4Fn = unsafe fn(&[u8], [&[u8]; 4]) -> [f32; 4];
 
-/// The AVX2 kernel for `ty`, if there is one.
+/// The AVX2 kernel for `ty` (1-row form and, where fused, 4-row form), if there is one.
 #[cfg(target_arch = "x86_64")]
-pub(super) fn kernel(ty: GgmlType) -> Option<DotFn> {
+pub(super) fn kernel(ty: GgmlType) -> Option<(DotFn, Option<Dot4Fn>)> {
     use GgmlType as T;
     Some(match ty {
-        T::F32 => f32_f32,
-        T::F16 => f16_f16,
-        T::BF16 => bf16_bf16,
-        T::Q4_0 => q4_0_q8_0,
-        T::Q5_0 => q5_0_q8_0,
-        T::Q8_0 => q8_0_q8_0,
-        T::IQ4_NL => iq4_nl_q8_0,
-        T::MXFP4 => mxfp4_q8_0,
-        T::Q4_K => q4_k_q8_k,
-        T::Q5_K => q5_k_q8_k,
-        T::Q6_K => q6_k_q8_k,
-        T::IQ4_XS => iq4_xs_q8_k,
+        T::F32 => (f32_f32, None),
+        T::F16 => (f16_f16, None),
+        T::BF16 => (bf16_bf16, None),
+        T::Q4_0 => (q4_0_q8_0, Some(q4_0_q8_0_x4)),
+        T::Q5_0 => (q5_0_q8_0, Some(q5_0_q8_0_x4)),
+        T::Q8_0 => (q8_0_q8_0, Some(q8_0_q8_0_x4)),
+        T::IQ4_NL => (iq4_nl_q8_0, Some(iq4_nl_q8_0_x4)),
+        T::MXFP4 => (mxfp4_q8_0, Some(mxfp4_q8_0_x4)),
+        T::Q4_K => (q4_k_q8_k, Some(q4_k_q8_k_x4)),
+        T::Q5_K => (q5_k_q8_k, None),
+        T::Q6_K => (q6_k_q8_k, Some(q6_k_q8_k_x4)),
+        T::IQ4_XS => (iq4_xs_q8_k, None),
         _ => return None,
     })
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-pub(super) fn kernel(_ty: GgmlType) -> Option<DotFn> {
+pub(super) fn kernel(_ty: GgmlType) -> Option<(DotFn, Option<Dot4Fn>)> {
     None
 }
 
@@ -106,16 +108,6 @@ mod imp {
     pub(crate) fn nibbles32(v: __m128i) -> __m256i {
         let both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
         _mm256_and_si256(both, _mm256_set1_epi8(0xF))
-    }
-
-    /// Signed int8 x signed int8 dot, summed in pairs to 8 x i32. `x` must not contain -128
-    /// where `w` is negative (our activation quantisers never produce -128).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(crate) fn dot_i8(w: __m256i, x: __m256i) -> __m256i {
-        let aw = _mm256_sign_epi8(w, w);
-        let sx = _mm256_sign_epi8(x, w);
-        _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1))
     }
 
     /// Byte `i` of the result is 0xFF if bit `i` of `bits` is set, else 0.
@@ -282,141 +274,149 @@ mod imp {
         unsafe { _mm256_loadu_ps(e.as_ptr()) }
     }
 
-    /// Shared loop of the 32-element formats against Q8_0: `decode(block)` gives the 32 signed
-    /// weight values (element order), `scale(block)` the weight scale as f32 and
-    /// `scales8(8 blocks)` the weight scales of 8 consecutive blocks (vector conversion: scalar
-    /// f16 conversions would dominate a 32-element block).
+    /// Shared loop of the 32-element formats: one weight row against `T` Q8_0 rows.
+    /// `decode(block)` gives the 32 signed weight values (element order), `scale(block)` the
+    /// weight scale as f32 and `scales8(8 blocks)` the weight scales of 8 consecutive blocks
+    /// (vector conversion: scalar f16 conversions would dominate a 32-element block). Each
+    /// activation row sees the same operation sequence whatever `T` is (bit-identical results).
     ///
     /// # Safety
     /// Requires AVX2, FMA and F16C; `decode` may read anywhere inside the block it is given.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q8_0_family(
+    unsafe fn q8_0_family<const T: usize>(
         w: &[u8],
-        x: &[u8],
+        xs: [&[u8]; T],
         ts: usize,
         decode: impl Fn(&[u8]) -> __m256i,
         scale: impl Fn(&[u8]) -> f32,
         scales8: impl Fn(&[u8]) -> __m256,
-    ) -> f32 {
-        let nb = (w.len() / ts).min(x.len() / 34);
-        let mut acc = [_mm256_setzero_ps(); 2];
+    ) -> [f32; T] {
+        let nb = xs.iter().fold(w.len() / ts, |m, x| m.min(x.len() / 34));
+        let mut acc = [[_mm256_setzero_ps(); 2]; T];
         let mut i = 0;
         while i + 8 <= nb {
-            let d = _mm256_mul_ps(
-                scales8(&w[i * ts..(i + 8) * ts]),
-                f16x8(&x[i * 34..(i + 8) * 34], 34, 0),
-            );
+            let dw = scales8(&w[i * ts..(i + 8) * ts]);
+            let mut d = [_mm256_setzero_ps(); T];
+            for (dt, x) in d.iter_mut().zip(xs.iter()) {
+                *dt = _mm256_mul_ps(dw, f16x8(&x[i * 34..(i + 8) * 34], 34, 0));
+            }
             for k in 0..8 {
-                let b = &w[(i + k) * ts..(i + k + 1) * ts];
-                // SAFETY: qs is bytes 2..34 of the 34-byte Q8_0 block i + k < nb.
-                let yv = unsafe { ld256(x, (i + k) * 34 + 2) };
-                let p = dot_i8(decode(b), yv);
-                let dk = _mm256_permutevar8x32_ps(d, _mm256_set1_epi32(k as i32));
-                acc[k & 1] = _mm256_fmadd_ps(dk, _mm256_cvtepi32_ps(p), acc[k & 1]);
+                let wv = decode(&w[(i + k) * ts..(i + k + 1) * ts]);
+                let aw = _mm256_sign_epi8(wv, wv);
+                let kk = _mm256_set1_epi32(k as i32);
+                for t in 0..T {
+                    // SAFETY: qs is bytes 2..34 of the 34-byte Q8_0 block i + k < nb.
+                    let yv = unsafe { ld256(xs[t], (i + k) * 34 + 2) };
+                    let p = dot_i8_prepared(aw, wv, yv);
+                    let dk = _mm256_permutevar8x32_ps(d[t], kk);
+                    acc[t][k & 1] = _mm256_fmadd_ps(dk, _mm256_cvtepi32_ps(p), acc[t][k & 1]);
+                }
             }
             i += 8;
         }
         while i < nb {
-            let (b, y) = (&w[i * ts..(i + 1) * ts], &x[i * 34..(i + 1) * 34]);
-            // SAFETY: qs is bytes 2..34 of the block.
-            let p = dot_i8(decode(b), unsafe { ld256(y, 2) });
-            acc[0] = _mm256_fmadd_ps(
-                _mm256_set1_ps(scale(b) * f16c(y, 0)),
-                _mm256_cvtepi32_ps(p),
-                acc[0],
-            );
+            let b = &w[i * ts..(i + 1) * ts];
+            let wv = decode(b);
+            let aw = _mm256_sign_epi8(wv, wv);
+            for t in 0..T {
+                let y = &xs[t][i * 34..(i + 1) * 34];
+                // SAFETY: qs is bytes 2..34 of the block.
+                let p = dot_i8_prepared(aw, wv, unsafe { ld256(y, 2) });
+                let d = _mm256_set1_ps(scale(b) * f16c(y, 0));
+                acc[t][0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[t][0]);
+            }
             i += 1;
         }
-        hsum_ps(_mm256_add_ps(acc[0], acc[1]))
-    }
-
-    /// # Safety
-    /// Requires AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(crate) unsafe fn q8_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
-        // SAFETY: features present (caller); `ld256(b, 2)` is inside the 34-byte block.
-        unsafe {
-            q8_0_family(
-                w,
-                x,
-                34,
-                |b| ld256(b, 2),
-                |b| f16c(b, 0),
-                |bl| f16x8(bl, 34, 0),
-            )
+        let mut out = [0f32; T];
+        for (o, a) in out.iter_mut().zip(acc.iter()) {
+            *o = hsum_ps(_mm256_add_ps(a[0], a[1]));
         }
+        out
     }
 
-    /// # Safety
-    /// Requires AVX2, FMA and F16C.
+    /// Signed int8 x signed int8 dot, summed to 8 x i32, with `aw = |w|` precomputed. `x`
+    /// must not contain -128 where `w` is negative (our activation quantisers never produce
+    /// -128); pair sums fit i16 (|w| <= 128, |x| <= 127).
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(crate) unsafe fn q4_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
-        let off = _mm256_set1_epi8(8);
-        // SAFETY: features present (caller); `ld128(b, 2)` is inside the 18-byte block.
-        unsafe {
-            q8_0_family(
-                w,
-                x,
-                18,
-                |b| _mm256_sub_epi8(nibbles32(ld128(b, 2)), off),
-                |b| f16c(b, 0),
-                |bl| f16x8(bl, 18, 0),
-            )
-        }
+    fn dot_i8_prepared(aw: __m256i, w: __m256i, x: __m256i) -> __m256i {
+        let sx = _mm256_sign_epi8(x, w);
+        _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1))
     }
 
-    /// # Safety
-    /// Requires AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(crate) unsafe fn q5_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
-        let hi = _mm256_set1_epi8(0xF0u8 as i8);
-        let decode = |b: &[u8]| {
-            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-            // SAFETY: `ld128(b, 6)` is inside the 22-byte block.
-            let q = nibbles32(unsafe { ld128(b, 6) });
-            // nibble | 0xF0 where the 5th bit is clear == nibble - 16 as i8.
-            _mm256_or_si256(q, _mm256_andnot_si256(bits_to_bytes(qh), hi))
+    /// Defines the 1-row and 4-row entry points of a 32-element format.
+    macro_rules! q8_entry {
+        ($one:ident, $four:ident, $ts:expr, $decode:expr, $scale:expr, $scales8:expr) => {
+            /// # Safety
+            /// Requires AVX2, FMA and F16C.
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub(crate) unsafe fn $one(w: &[u8], x: &[u8]) -> f32 {
+                // SAFETY: features present (caller); the decoder's loads are inside its block
+                // (see the note at the invocations).
+                unsafe { q8_0_family::<1>(w, [x], $ts, $decode, $scale, $scales8)[0] }
+            }
+
+            /// # Safety
+            /// Requires AVX2, FMA and F16C.
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub(crate) unsafe fn $four(w: &[u8], xs: [&[u8]; 4]) -> [f32; 4] {
+                // SAFETY: as in the 1-row form.
+                unsafe { q8_0_family::<4>(w, xs, $ts, $decode, $scale, $scales8) }
+            }
         };
-        // SAFETY: features present (caller).
-        unsafe { q8_0_family(w, x, 22, decode, |b| f16c(b, 0), |bl| f16x8(bl, 22, 0)) }
     }
 
-    /// # Safety
-    /// Requires AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(crate) unsafe fn iq4_nl_q8_0(w: &[u8], x: &[u8]) -> f32 {
-        let t = table16(&KVALUES_IQ4NL);
-        // SAFETY: features present (caller); `ld128(b, 2)` is inside the 18-byte block.
-        unsafe {
-            q8_0_family(
-                w,
-                x,
-                18,
-                |b| _mm256_shuffle_epi8(t, nibbles32(ld128(b, 2))),
-                |b| f16c(b, 0),
-                |bl| f16x8(bl, 18, 0),
+    // Decoder loads: Q8_0 qs at 2..34, Q4_0/IQ4_NL qs at 2..18, Q5_0 qs at 6..22, MXFP4 qs at
+    // 1..17 -- all inside the block slice the decoder is given.
+    q8_entry!(
+        q8_0_q8_0,
+        q8_0_q8_0_x4,
+        34,
+        |b: &[u8]| ld256(b, 2),
+        |b: &[u8]| f16c(b, 0),
+        |bl: &[u8]| { f16x8(bl, 34, 0) }
+    );
+    q8_entry!(
+        q4_0_q8_0,
+        q4_0_q8_0_x4,
+        18,
+        |b: &[u8]| _mm256_sub_epi8(nibbles32(ld128(b, 2)), _mm256_set1_epi8(8)),
+        |b: &[u8]| f16c(b, 0),
+        |bl: &[u8]| f16x8(bl, 18, 0)
+    );
+    q8_entry!(
+        q5_0_q8_0,
+        q5_0_q8_0_x4,
+        22,
+        |b: &[u8]| {
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            let q = nibbles32(ld128(b, 6));
+            // nibble | 0xF0 where the 5th bit is clear == nibble - 16 as i8.
+            _mm256_or_si256(
+                q,
+                _mm256_andnot_si256(bits_to_bytes(qh), _mm256_set1_epi8(0xF0u8 as i8)),
             )
-        }
-    }
-
-    /// # Safety
-    /// Requires AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(crate) unsafe fn mxfp4_q8_0(w: &[u8], x: &[u8]) -> f32 {
-        let t = table16(&KVALUES_MXFP4);
-        // SAFETY: features present (caller); `ld128(b, 1)` is inside the 17-byte block.
-        unsafe {
-            q8_0_family(
-                w,
-                x,
-                17,
-                |b| _mm256_shuffle_epi8(t, nibbles32(ld128(b, 1))),
-                |b| e8m0_to_f32_half(b[0]),
-                |bl| e8m0x8(bl),
-            )
-        }
-    }
+        },
+        |b: &[u8]| f16c(b, 0),
+        |bl: &[u8]| f16x8(bl, 22, 0)
+    );
+    q8_entry!(
+        iq4_nl_q8_0,
+        iq4_nl_q8_0_x4,
+        18,
+        |b: &[u8]| _mm256_shuffle_epi8(table16(&KVALUES_IQ4NL), nibbles32(ld128(b, 2))),
+        |b: &[u8]| f16c(b, 0),
+        |bl: &[u8]| f16x8(bl, 18, 0)
+    );
+    q8_entry!(
+        mxfp4_q8_0,
+        mxfp4_q8_0_x4,
+        17,
+        |b: &[u8]| _mm256_shuffle_epi8(table16(&KVALUES_MXFP4), nibbles32(ld128(b, 1))),
+        |b: &[u8]| e8m0_to_f32_half(b[0]),
+        |bl: &[u8]| e8m0x8(bl)
+    );
 
     /// Q8_K block: `(d, mins-weighted bsums helper input)`; returns bsums as i32.
     #[inline(always)]
@@ -433,53 +433,73 @@ mod imp {
         f32::from_le_bytes([y[0], y[1], y[2], y[3]])
     }
 
+    /// Q4_K against `T` Q8_K rows; per row the operation sequence does not depend on `T`.
+    ///
+    /// # Safety
+    /// Requires AVX2, FMA and F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4k<const T: usize>(w: &[u8], xs: [&[u8]; T]) -> [f32; T] {
+        let nb = xs.iter().fold(w.len() / 144, |m, x| m.min(x.len() / 292));
+        let m4 = _mm256_set1_epi8(0xF);
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut summ = [0.0f32; T];
+        for i in 0..nb {
+            let b = &w[i * 144..(i + 1) * 144];
+            let (sc, mn) = scale_min_k4(&b[4..16]);
+            let mut sumi = [_mm256_setzero_si256(); T];
+            for c in 0..4 {
+                // SAFETY: 16 + 32c + 32 <= 144.
+                let q4 = unsafe { ld256(b, 16 + 32 * c) };
+                let lo = _mm256_and_si256(q4, m4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+                let (slo, shi) = (
+                    _mm256_set1_epi16(i16::from(sc[2 * c])),
+                    _mm256_set1_epi16(i16::from(sc[2 * c + 1])),
+                );
+                for t in 0..T {
+                    let y = &xs[t][i * 292..(i + 1) * 292];
+                    // SAFETY: 4 + 64c + 64 <= 260 <= 292.
+                    let (ylo, yhi) = unsafe { (ld256(y, 4 + 64 * c), ld256(y, 36 + 64 * c)) };
+                    let plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo), slo);
+                    let phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi), shi);
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(plo, phi));
+                }
+            }
+            let (d, dmin) = (f16c(b, 0), f16c(b, 2));
+            for t in 0..T {
+                let y = &xs[t][i * 292..(i + 1) * 292];
+                let bs = bsums(y);
+                let msum: i32 = (0..8)
+                    .map(|j| i32::from(mn[j]) * (bs[2 * j] + bs[2 * j + 1]))
+                    .sum();
+                let yd = yd(y);
+                acc[t] =
+                    _mm256_fmadd_ps(_mm256_set1_ps(d * yd), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+                summ[t] += (dmin * yd) * msum as f32;
+            }
+        }
+        let mut out = [0f32; T];
+        for t in 0..T {
+            out[t] = hsum_ps(acc[t]) - summ[t];
+        }
+        out
+    }
+
     /// # Safety
     /// Requires AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn q4_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
-        let nb = (w.len() / 144).min(x.len() / 292);
-        let m4 = _mm256_set1_epi8(0xF);
-        let mut acc = _mm256_setzero_ps();
-        let mut summ = 0.0f32;
-        for i in 0..nb {
-            let b = &w[i * 144..(i + 1) * 144];
-            let y = &x[i * 292..(i + 1) * 292];
-            let (sc, mn) = scale_min_k4(&b[4..16]);
-            let bs = bsums(y);
-            let msum: i32 = (0..8)
-                .map(|j| i32::from(mn[j]) * (bs[2 * j] + bs[2 * j + 1]))
-                .sum();
-            let mut sumi = _mm256_setzero_si256();
-            for c in 0..4 {
-                // SAFETY: 16 + 32c + 32 <= 144 and 4 + 64c + 64 <= 260 <= 292.
-                let (q4, ylo, yhi) = unsafe {
-                    (
-                        ld256(b, 16 + 32 * c),
-                        ld256(y, 4 + 64 * c),
-                        ld256(y, 36 + 64 * c),
-                    )
-                };
-                let lo = _mm256_and_si256(q4, m4);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
-                let plo = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(lo, ylo),
-                    _mm256_set1_epi16(i16::from(sc[2 * c])),
-                );
-                let phi = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(hi, yhi),
-                    _mm256_set1_epi16(i16::from(sc[2 * c + 1])),
-                );
-                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(plo, phi));
-            }
-            let yd = yd(y);
-            acc = _mm256_fmadd_ps(
-                _mm256_set1_ps(f16c(b, 0) * yd),
-                _mm256_cvtepi32_ps(sumi),
-                acc,
-            );
-            summ += (f16c(b, 2) * yd) * msum as f32;
-        }
-        hsum_ps(acc) - summ
+        // SAFETY: features present (caller).
+        unsafe { q4k::<1>(w, [x])[0] }
+    }
+
+    /// # Safety
+    /// Requires AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn q4_k_q8_k_x4(w: &[u8], xs: [&[u8]; 4]) -> [f32; 4] {
+        // SAFETY: features present (caller).
+        unsafe { q4k::<4>(w, xs) }
     }
 
     /// # Safety
@@ -537,22 +557,21 @@ mod imp {
         hsum_ps(acc) - summ
     }
 
+    /// Q6_K against `T` Q8_K rows; per row the operation sequence does not depend on `T`.
+    ///
     /// # Safety
     /// Requires AVX2, FMA and F16C.
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(crate) unsafe fn q6_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
-        let nb = (w.len() / 210).min(x.len() / 292);
+    unsafe fn q6k<const T: usize>(w: &[u8], xs: [&[u8]; T]) -> [f32; T] {
+        let nb = xs.iter().fold(w.len() / 210, |m, x| m.min(x.len() / 292));
         let m4 = _mm256_set1_epi8(0xF);
         let m2 = _mm256_set1_epi8(3);
-        let mut acc = _mm256_setzero_ps();
+        let mut acc = [_mm256_setzero_ps(); T];
         for i in 0..nb {
             let b = &w[i * 210..(i + 1) * 210];
-            let y = &x[i * 292..(i + 1) * 292];
-            let bs = bsums(y);
             let sc: [i8; 16] = std::array::from_fn(|g| b[192 + g] as i8);
-            // The stored values are q + 32; subtract 32 * sum(sc * bsums) at the end.
-            let offs: i32 = (0..16).map(|g| i32::from(sc[g]) * bs[g]).sum();
-            let mut sumi = _mm256_setzero_si256();
+            let mut sumi = [_mm256_setzero_si256(); T];
             for h in 0..2 {
                 // SAFETY: ql at 64h..64h+64 and qh at 128+32h..+32 are inside the 210 bytes.
                 let (ql0, ql1, qh) = unsafe {
@@ -582,23 +601,54 @@ mod imp {
                 ];
                 for (k, qk) in q.iter().enumerate() {
                     let g = 8 * h + 2 * k;
-                    // SAFETY: q8 offset 4 + 128h + 32k + 32 <= 260.
-                    let yv = unsafe { ld256(y, 4 + 128 * h + 32 * k) };
                     let s16 = _mm256_set_m128i(
                         _mm_set1_epi16(i16::from(sc[g + 1])),
                         _mm_set1_epi16(i16::from(sc[g])),
                     );
-                    sumi = _mm256_add_epi32(
-                        sumi,
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(*qk, yv), s16),
-                    );
+                    for t in 0..T {
+                        // SAFETY: q8 offset 4 + 128h + 32k + 32 <= 260.
+                        let yv =
+                            unsafe { ld256(&xs[t][i * 292..(i + 1) * 292], 4 + 128 * h + 32 * k) };
+                        sumi[t] = _mm256_add_epi32(
+                            sumi[t],
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(*qk, yv), s16),
+                        );
+                    }
                 }
             }
-            let d = f16c(b, 208) * yd(y);
-            let sumi = _mm256_sub_epi32(sumi, _mm256_setr_epi32(32 * offs, 0, 0, 0, 0, 0, 0, 0));
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+            let dw = f16c(b, 208);
+            for t in 0..T {
+                let y = &xs[t][i * 292..(i + 1) * 292];
+                let bs = bsums(y);
+                // The stored values are q + 32; subtract 32 * sum(sc * bsums).
+                let offs: i32 = (0..16).map(|g| i32::from(sc[g]) * bs[g]).sum();
+                let si =
+                    _mm256_sub_epi32(sumi[t], _mm256_setr_epi32(32 * offs, 0, 0, 0, 0, 0, 0, 0));
+                acc[t] =
+                    _mm256_fmadd_ps(_mm256_set1_ps(dw * yd(y)), _mm256_cvtepi32_ps(si), acc[t]);
+            }
         }
-        hsum_ps(acc)
+        let mut out = [0f32; T];
+        for t in 0..T {
+            out[t] = hsum_ps(acc[t]);
+        }
+        out
+    }
+
+    /// # Safety
+    /// Requires AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn q6_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
+        // SAFETY: features present (caller).
+        unsafe { q6k::<1>(w, [x])[0] }
+    }
+
+    /// # Safety
+    /// Requires AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn q6_k_q8_k_x4(w: &[u8], xs: [&[u8]; 4]) -> [f32; 4] {
+        // SAFETY: features present (caller).
+        unsafe { q6k::<4>(w, xs) }
     }
 
     /// # Safety

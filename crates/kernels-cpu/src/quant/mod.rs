@@ -224,7 +224,7 @@ impl DotKernel {
             chosen = dot_avx512::kernel(ty, max_level, CpuFeatures::get().avx512_bf16);
         }
         if chosen.is_none() && max_level >= SimdLevel::Avx2 {
-            chosen = dot_avx2::kernel(ty).map(|f| (SimdLevel::Avx2, f as DotFn, None));
+            chosen = dot_avx2::kernel(ty).map(|(f, f4)| (SimdLevel::Avx2, f, f4));
         }
         let (level, f, f4) = match chosen {
             Some(c) => c,
