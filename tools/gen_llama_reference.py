@@ -235,6 +235,9 @@ def main():
     ap.add_argument("--out", type=Path, default=REPO / "tests" / "fixtures" / "real")
     ap.add_argument("--n-gen", type=int, default=64)
     ap.add_argument("--topk", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2,
+                    help="llama_ref threads; results are bit-identical for 1 and 2, but on a busy "
+                         "2-core machine 1 thread is several times faster (no spinning barriers)")
     ap.add_argument("--llama-version", default="", help="recorded in the JSON")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -264,7 +267,7 @@ def main():
             (td / "prompts.txt").write_text("".join(" ".join(map(str, p["ids"])) + "\n" for p in prompts))
             r = subprocess.run([str(a.llama_ref), str(gguf), str(td / "prompts.txt"), str(td),
                                 "--n-gen", str(a.n_gen), "--topk", str(a.topk), "--kv", "f32",
-                                "--threads", "2"], env=env, capture_output=True, text=True)
+                                "--threads", str(a.threads)], env=env, capture_output=True, text=True)
             if r.returncode != 0:
                 sys.stderr.write(r.stderr[-4000:])
                 raise SystemExit("llama_ref failed")

@@ -315,7 +315,7 @@ def llama_reference(folder: Path, prompts, llama_ref: Path):
         (td / "prompts.txt").write_text("".join(" ".join(map(str, p)) + "\n" for p in prompts))
         r = subprocess.run([str(llama_ref), str(folder / "model-f32.gguf"), str(td / "prompts.txt"),
                             str(td), "--n-gen", str(N_GEN), "--all-logits", "--kv", "f32",
-                            "--threads", "2"], capture_output=True, text=True)
+                            "--threads", "1"], capture_output=True, text=True)
         if r.returncode != 0:
             sys.stderr.write(r.stderr[-4000:])
             raise SystemExit(f"llama_ref on {folder.name} failed")

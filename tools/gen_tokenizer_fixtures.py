@@ -3,6 +3,7 @@
 
 Usage:
     python tools/gen_tokenizer_fixtures.py GGUF LLAMA_TOKENIZE [OUT_DIR]
+    python tools/gen_tokenizer_fixtures.py --pre-variants GGUF LLAMA_TOKENIZE [OUT_DIR]
 
 GGUF            path to qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 LLAMA_TOKENIZE  path to llama.cpp's llama-tokenize binary (its shared libraries must be on
@@ -21,6 +22,10 @@ Writes:
                                                equal tokenizer.ggml.tokens / merges exactly
   qwen2.5-coder-0.5b/expected_llama_cpp.json   ids from llama-tokenize (--no-bos), with and without
                                                --no-parse-special
+  qwen2.5-coder-0.5b/expected_llama_cpp_pre_{qwen35,pixtral}.json
+                                               the same vocabulary re-labelled with another
+                                               tokenizer.ggml.pre (vocab-only GGUF copy), to check
+                                               the Qwen3.5 and Nemotron 3 (pixtral) pre-tokenizers
   qwen2.5-coder-0.5b/expected_transformers.json ids from transformers (add_special_tokens=False),
                                                with and without split_special_tokens
 
@@ -253,7 +258,49 @@ def write_llama(binary, gguf_path, texts, tok_dir):
         f.write("\n")
 
 
+def vocab_only_gguf(src_path, dst_path, pre):
+    """Copy the GGUF's metadata (no tensors) with tokenizer.ggml.pre replaced, so llama.cpp
+    tokenizes the same vocabulary with another pre-tokenizer (llama-tokenize loads vocab only)."""
+    r = gguf.GGUFReader(src_path)
+    w = gguf.GGUFWriter(dst_path, r.fields["general.architecture"].contents())
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = pre if key == "tokenizer.ggml.pre" else f.contents()
+        sub = f.types[1] if len(f.types) > 1 else None
+        w.add_key_value(key, value, f.types[0], sub_type=sub)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+
+
+PRE_VARIANTS = ["qwen35", "pixtral"]
+
+
+def write_pre_variants(binary, gguf_path, texts, tok_dir):
+    for pre in PRE_VARIANTS:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, f"vocab-{pre}.gguf")
+            vocab_only_gguf(gguf_path, path, pre)
+            expected = {
+                "tool": f"llama-tokenize --ids --no-bos --no-escape on a vocab-only copy of the GGUF with tokenizer.ggml.pre = {pre}",
+                "pre": pre,
+                "parse_special": [llama_ids(binary, path, t, True) for t in texts],
+            }
+        with open(os.path.join(tok_dir, f"expected_llama_cpp_pre_{pre}.json"), "w", encoding="utf-8") as f:
+            json.dump(expected, f)
+            f.write("\n")
+
+
 def main():
+    if len(sys.argv) >= 2 and sys.argv[1] == "--pre-variants":
+        # Only the pre-tokenizer variants: --pre-variants GGUF LLAMA_TOKENIZE [OUT_DIR]
+        gguf_path, binary = sys.argv[2], sys.argv[3]
+        out_dir = sys.argv[4] if len(sys.argv) > 4 else os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "text")
+        with open(os.path.join(out_dir, "corpus.json"), encoding="utf-8") as f:
+            texts = json.load(f)
+        write_pre_variants(binary, gguf_path, texts, os.path.join(out_dir, NAME))
+        return
     if len(sys.argv) < 3:
         sys.exit(__doc__)
     gguf_path, binary = sys.argv[1], sys.argv[2]
@@ -320,6 +367,7 @@ def main():
             assert len(json.load(f)["parse_special"]) == len(texts), "corpus changed: rerun llama-tokenize"
     else:
         write_llama(binary, gguf_path, texts, tok_dir)
+        write_pre_variants(binary, gguf_path, texts, tok_dir)
 
     # 5. transformers, from the committed tokenizer.json
     tok = AutoTokenizer.from_pretrained(tok_dir)

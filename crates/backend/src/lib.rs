@@ -68,7 +68,11 @@ impl CpuBackend {
 
 impl Backend for CpuBackend {
     fn describe(&self) -> String {
-        format!("cpu {}, {} threads", CpuFeatures::get().describe(), self.pool.n_threads())
+        format!(
+            "cpu {}, {} threads",
+            CpuFeatures::get().describe(),
+            self.pool.n_threads()
+        )
     }
 
     fn matmul(&self, w: &QMatrix<'_>, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()> {

@@ -13,8 +13,16 @@ pub struct SlotCache {
 
 impl SlotCache {
     /// `n_slots` sequences of up to `n_ctx` tokens for `model`.
-    pub fn new(model: &dyn CausalLm, n_slots: usize, n_ctx: usize, kv_type: KvType) -> Result<SlotCache> {
-        Ok(SlotCache { kv: KvCache::for_model(model, n_slots, n_ctx, kv_type)?, slots: vec![None; n_slots] })
+    pub fn new(
+        model: &dyn CausalLm,
+        n_slots: usize,
+        n_ctx: usize,
+        kv_type: KvType,
+    ) -> Result<SlotCache> {
+        Ok(SlotCache {
+            kv: KvCache::for_model(model, n_slots, n_ctx, kv_type)?,
+            slots: vec![None; n_slots],
+        })
     }
 
     /// Claim a free slot, or `None` when all are in use.
@@ -38,7 +46,10 @@ impl SlotCache {
 
     /// Tokens stored in `slot` (empty for a free slot).
     pub fn tokens(&self, slot: usize) -> &[u32] {
-        self.slots.get(slot).and_then(|s| s.as_deref()).unwrap_or(&[])
+        self.slots
+            .get(slot)
+            .and_then(|s| s.as_deref())
+            .unwrap_or(&[])
     }
 
     /// Record that `slot` now holds `tokens` (after a forward pass wrote them).

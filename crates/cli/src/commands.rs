@@ -36,7 +36,7 @@ pub struct ModelArgs {
 #[derive(Args, Clone)]
 pub struct SampleArgs {
     /// Temperature (0 = greedy).
-    #[arg(long = "temp", default_value_t = 0.8)]
+    #[arg(long = "temp", default_value_t = 0.8, allow_negative_numbers = true)]
     temperature: f32,
     /// Top-k (0 = off).
     #[arg(long, default_value_t = 40)]
@@ -100,7 +100,7 @@ pub struct RunArgs {
     #[arg(long)]
     chat: Option<String>,
     /// System prompt for --chat.
-    #[arg(long, requires = "chat")]
+    #[arg(long, requires = "chat", conflicts_with = "prompt")]
     system: Option<String>,
     /// Maximum number of tokens to generate.
     #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
@@ -128,7 +128,12 @@ pub struct LogitsArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// Prompt text (special tokens parsed).
-    #[arg(short, long, conflicts_with = "tokens", required_unless_present = "tokens")]
+    #[arg(
+        short,
+        long,
+        conflicts_with = "tokens",
+        required_unless_present = "tokens"
+    )]
     prompt: Option<String>,
     /// Comma-separated prompt token ids.
     #[arg(long, value_delimiter = ',')]
@@ -168,15 +173,27 @@ fn load(a: &ModelArgs) -> Result<(LoadedModel, Tokenizer)> {
         ProgressStyle::with_template("loading {msg} [{bar:30}] {bytes}/{total_bytes} ({eta})")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    bar.set_message(a.model.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
+    bar.set_message(
+        a.model
+            .file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+    );
     let progress = |done: u64, total: u64| {
         bar.set_length(total);
         bar.set_position(done);
     };
-    let loaded = kapitsa_models::load_model(&a.model, be.clone(), &LoadOptions { progress: Some(&progress) })
-        .with_context(|| format!("loading {}", a.model.display()))?;
+    let loaded = kapitsa_models::load_model(
+        &a.model,
+        be.clone(),
+        &LoadOptions {
+            progress: Some(&progress),
+        },
+    )
+    .with_context(|| format!("loading {}", a.model.display()))?;
     bar.finish_and_clear();
-    let tok = tokenizer_for(&loaded.source).context("building the tokenizer")?;
+    let tok = tokenizer_for(&loaded.source)
+        .with_context(|| format!("building the tokenizer of {}", a.model.display()))?;
     let spec = loaded.model.spec();
     eprintln!(
         "kapitsa: {} ({} layers, vocab {}) on {}",
@@ -190,7 +207,11 @@ fn load(a: &ModelArgs) -> Result<(LoadedModel, Tokenizer)> {
 
 fn session(a: &ModelArgs) -> Result<Session> {
     let (loaded, tok) = load(a)?;
-    let n_ctx = if a.ctx == 0 { loaded.model.spec().n_ctx_train.min(32768) } else { a.ctx };
+    let n_ctx = if a.ctx == 0 {
+        loaded.model.spec().n_ctx_train.min(32768)
+    } else {
+        a.ctx
+    };
     let cache = SlotCache::new(&*loaded.model, 1, n_ctx, kv_type(&a.kv_type)?)?;
     Ok(Session { loaded, tok, cache })
 }
@@ -202,6 +223,7 @@ fn template(s: &Session) -> Result<ChatTemplate> {
 
 /// `kapitsa run`.
 pub fn run(a: RunArgs) -> Result<()> {
+    a.sample.params().validate()?; // reject bad sampling options before the slow load
     let mut s = session(&a.model)?;
     let text = match (&a.prompt, &a.chat) {
         (Some(p), None) => p.clone(),
@@ -256,13 +278,16 @@ fn rate(n: usize, secs: f64) -> f64 {
 
 /// `kapitsa chat`.
 pub fn chat(a: ChatArgs) -> Result<()> {
+    a.sample.params().validate()?; // a bad option must fail the command, not each turn
     let mut s = session(&a.model)?;
     let tmpl = template(&s)?;
     let mut msgs = Vec::new();
     if let Some(sys) = &a.system {
         msgs.push(serde_json::json!({"role": "system", "content": sys}));
     }
-    eprintln!("chat: type a message and press Enter; /reset clears the history, /exit or Ctrl-D quits.");
+    eprintln!(
+        "chat: type a message and press Enter; /reset clears the history, /exit or Ctrl-D quits."
+    );
     let stdin = std::io::stdin();
     let mut lines = stdin.lock().lines();
     loop {
@@ -331,20 +356,41 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
         bail!("--batch must be >= 1");
     }
     let model = &*loaded.model;
-    let mut cache = KvCache::for_model(model, 1, ids.len(), kv_type(&a.model.kv_type)?)?;
-    let mut f = std::io::BufWriter::new(
-        std::fs::File::create(&a.out).with_context(|| format!("creating {}", a.out.display()))?,
-    );
-    let mut pos = 0;
-    for chunk in ids.chunks(a.batch) {
-        let rows = (0..chunk.len()).collect();
-        let out = model.forward(&BatchInputs::single(0, chunk, pos as u32, rows), &mut cache)?;
-        for v in &out.data {
-            f.write_all(&v.to_le_bytes())?;
-        }
-        pos += chunk.len();
+    let n_vocab = model.spec().n_vocab as u32;
+    if let Some(t) = ids.iter().find(|&&t| t >= n_vocab) {
+        bail!("token id {t} is outside the vocabulary ({n_vocab})");
     }
-    f.flush().with_context(|| format!("writing {}", a.out.display()))?;
+    let mut cache = KvCache::for_model(model, 1, ids.len(), kv_type(&a.model.kv_type)?)?;
+    // Write to a temporary file next to the output and rename it on success, so a failure
+    // never leaves a partial or empty logits file behind.
+    // (Special files such as /dev/null or a pipe are written directly.)
+    let special = a.out.exists() && !a.out.is_file();
+    let tmp = if special { a.out.clone() } else { a.out.with_extension("partial") };
+    let write = || -> Result<()> {
+        let mut f = std::io::BufWriter::new(
+            std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?,
+        );
+        let mut pos = 0;
+        for chunk in ids.chunks(a.batch) {
+            let rows = (0..chunk.len()).collect();
+            let out = model.forward(&BatchInputs::single(0, chunk, pos as u32, rows), &mut cache)?;
+            for v in &out.data {
+                f.write_all(&v.to_le_bytes())?;
+            }
+            pos += chunk.len();
+        }
+        f.flush().with_context(|| format!("writing {}", tmp.display()))?;
+        if !special {
+            std::fs::rename(&tmp, &a.out).with_context(|| format!("writing {}", a.out.display()))?;
+        }
+        Ok(())
+    };
+    if let Err(e) = write() {
+        if !special {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        return Err(e);
+    }
     let s: Vec<String> = ids.iter().map(|t| t.to_string()).collect();
     println!("{}", s.join(","));
     Ok(())

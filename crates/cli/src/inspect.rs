@@ -22,9 +22,13 @@ pub struct InspectArgs {
 /// Run the subcommand.
 pub fn inspect(a: InspectArgs) -> Result<()> {
     if a.path.is_dir() {
-        let h = HfModelDir::open(&a.path).with_context(|| format!("opening {}", a.path.display()))?;
+        let h =
+            HfModelDir::open(&a.path).with_context(|| format!("opening {}", a.path.display()))?;
         println!("format: safetensors directory");
-        println!("config.json:\n{}", serde_json::to_string_pretty(h.config())?);
+        println!(
+            "config.json:\n{}",
+            serde_json::to_string_pretty(h.config())?
+        );
         if let Some(q) = h.mlx_quantization() {
             println!("mlx quantization: {q:?}");
         }
@@ -41,7 +45,11 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
         return Ok(());
     }
     let g = GgufFile::open(&a.path).with_context(|| format!("opening {}", a.path.display()))?;
-    println!("format: GGUF v{} (alignment {})", g.version(), g.alignment());
+    println!(
+        "format: GGUF v{} (alignment {})",
+        g.version(),
+        g.alignment()
+    );
     println!("\n{} metadata keys:", g.metadata().len());
     for (k, v) in g.metadata() {
         println!("  {k} = {}", show(v, a.full));
@@ -49,9 +57,19 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
     if !a.no_tensors {
         let infos = g.tensor_infos();
         let total: usize = infos.iter().map(|t| t.n_bytes).sum();
-        println!("\n{} tensors, {:.2} MiB:", infos.len(), total as f64 / (1 << 20) as f64);
+        println!(
+            "\n{} tensors, {:.2} MiB:",
+            infos.len(),
+            total as f64 / (1 << 20) as f64
+        );
         for t in infos {
-            println!("  {:<40} {:<7} {:<22} {:>12} bytes", t.name, t.dtype.name(), format!("{:?}", t.shape), t.n_bytes);
+            println!(
+                "  {:<40} {:<7} {:<22} {:>12} bytes",
+                t.name,
+                t.dtype.name(),
+                format!("{:?}", t.shape),
+                t.n_bytes
+            );
         }
     }
     Ok(())

@@ -90,7 +90,9 @@ pub fn generate(
     }
     let n_vocab = model.spec().n_vocab;
     if let Some(t) = req.prompt.iter().find(|&&t| t as usize >= n_vocab) {
-        return Err(EngineError::BadRequest(format!("prompt token {t} is outside the vocabulary ({n_vocab})")));
+        return Err(EngineError::BadRequest(format!(
+            "prompt token {t} is outside the vocabulary ({n_vocab})"
+        )));
     }
     let n_ctx = cache.n_ctx();
     if req.prompt.len() >= n_ctx {
@@ -110,7 +112,10 @@ pub fn generate(
     for chunk in req.prompt[n_cached..].chunks(req.prefill_chunk) {
         let last = pos + chunk.len() == req.prompt.len();
         let rows = if last { vec![chunk.len() - 1] } else { vec![] };
-        let out = model.forward(&BatchInputs::single(slot, chunk, pos as u32, rows), cache.kv_mut())?;
+        let out = model.forward(
+            &BatchInputs::single(slot, chunk, pos as u32, rows),
+            cache.kv_mut(),
+        )?;
         pos += chunk.len();
         if last {
             logits = out.row(0).to_vec();
@@ -155,7 +160,10 @@ pub fn generate(
             break;
         }
         let p = history.len() - 1;
-        let out = model.forward(&BatchInputs::single(slot, &[t], p as u32, vec![0]), cache.kv_mut())?;
+        let out = model.forward(
+            &BatchInputs::single(slot, &[t], p as u32, vec![0]),
+            cache.kv_mut(),
+        )?;
         cache.set_tokens(slot, history.clone());
         logits = out.row(0).to_vec();
     }

@@ -12,11 +12,17 @@ pub fn tokenizer_for(src: &ModelSource) -> Result<Tokenizer> {
     if let Some(g) = src.gguf() {
         return Ok(Tokenizer::from_gguf_vocab(&gguf_vocab(g)?)?);
     }
-    let h = src.hf().ok_or_else(|| EngineError::BadRequest("unknown model source".into()))?;
-    let path = h
-        .tokenizer_json_path()
-        .ok_or_else(|| EngineError::BadRequest(format!("{} has no tokenizer.json", src.path().display())))?;
-    Ok(Tokenizer::from_tokenizer_json(path, h.tokenizer_config(), h.generation_config())?)
+    let h = src
+        .hf()
+        .ok_or_else(|| EngineError::BadRequest("unknown model source".into()))?;
+    let path = h.tokenizer_json_path().ok_or_else(|| {
+        EngineError::BadRequest(format!("{} has no tokenizer.json", src.path().display()))
+    })?;
+    Ok(Tokenizer::from_tokenizer_json(
+        path,
+        h.tokenizer_config(),
+        h.generation_config(),
+    )?)
 }
 
 /// Read the `tokenizer.ggml.*` keys.
@@ -30,10 +36,20 @@ pub fn gguf_vocab(g: &GgufFile) -> Result<GgufVocab> {
     Ok(GgufVocab {
         model: g.get_str("tokenizer.ggml.model").map_err(fe)?.to_string(),
         pre: g.get_str("tokenizer.ggml.pre").ok().map(str::to_string),
-        tokens: g.get_str_array("tokenizer.ggml.tokens").map_err(fe)?.iter().map(|s| s.to_string()).collect(),
+        tokens: g
+            .get_str_array("tokenizer.ggml.tokens")
+            .map_err(fe)?
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
         token_types: g.get_i32_array("tokenizer.ggml.token_type").ok(),
         merges: match g.get("tokenizer.ggml.merges") {
-            Some(_) => g.get_str_array("tokenizer.ggml.merges").map_err(fe)?.iter().map(|s| s.to_string()).collect(),
+            Some(_) => g
+                .get_str_array("tokenizer.ggml.merges")
+                .map_err(fe)?
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
             None => Vec::new(),
         },
         bos_id: opt_u32("tokenizer.ggml.bos_token_id")?,
@@ -49,15 +65,28 @@ pub fn gguf_vocab(g: &GgufFile) -> Result<GgufVocab> {
 /// The model's own chat template, if it ships one.
 pub fn chat_template_for(src: &ModelSource, tok: &Tokenizer) -> Result<Option<ChatTemplate>> {
     let source: Option<String> = if let Some(g) = src.gguf() {
-        g.get_str("tokenizer.chat_template").ok().map(str::to_string)
+        g.get_str("tokenizer.chat_template")
+            .ok()
+            .map(str::to_string)
     } else {
-        let h = src.hf().ok_or_else(|| EngineError::BadRequest("unknown model source".into()))?;
-        let from_cfg = h.tokenizer_config().and_then(|c| c.get("chat_template")).and_then(|v| v.as_str()).map(str::to_string);
+        let h = src
+            .hf()
+            .ok_or_else(|| EngineError::BadRequest("unknown model source".into()))?;
+        let from_cfg = h
+            .tokenizer_config()
+            .and_then(|c| c.get("chat_template"))
+            .and_then(|v| v.as_str())
+            .map(str::to_string);
         let from_file = std::fs::read_to_string(src.path().join("chat_template.jinja")).ok();
         from_cfg.or(from_file)
     };
-    let Some(source) = source else { return Ok(None) };
-    let name = |id: Option<u32>| id.and_then(|i| tok.token_bytes(i)).map(|b| String::from_utf8_lossy(&b).into_owned());
+    let Some(source) = source else {
+        return Ok(None);
+    };
+    let name = |id: Option<u32>| {
+        id.and_then(|i| tok.token_bytes(i))
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+    };
     let bos = name(tok.bos_id());
     let eos = name(tok.eog_ids().first().copied());
     Ok(Some(ChatTemplate::new(&source, bos, eos)?))

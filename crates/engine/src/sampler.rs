@@ -49,7 +49,10 @@ impl Default for SamplingParams {
 impl SamplingParams {
     /// Greedy decoding.
     pub fn greedy() -> Self {
-        SamplingParams { temperature: 0.0, ..Default::default() }
+        SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        }
     }
 
     /// Reject values that make no sense (negative temperature, top_p outside (0, 1], ...).
@@ -104,7 +107,12 @@ impl Sampler {
             return kapitsa_kernels_cpu::ops::argmax(&l) as u32;
         }
         // candidates sorted by logit, descending
-        let mut c: Vec<(u32, f32)> = l.iter().enumerate().filter(|(_, v)| !v.is_nan()).map(|(i, &v)| (i as u32, v)).collect();
+        let mut c: Vec<(u32, f32)> = l
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| !v.is_nan())
+            .map(|(i, &v)| (i as u32, v))
+            .collect();
         if c.is_empty() {
             return 0;
         }
@@ -147,7 +155,10 @@ impl Sampler {
 
 fn softmax(c: &[(u32, f32)], temp: f32) -> Vec<f64> {
     let max = c[0].1 as f64;
-    let e: Vec<f64> = c.iter().map(|&(_, v)| ((v as f64 - max) / temp as f64).exp()).collect();
+    let e: Vec<f64> = c
+        .iter()
+        .map(|&(_, v)| ((v as f64 - max) / temp as f64).exp())
+        .collect();
     let s: f64 = e.iter().sum();
     e.into_iter().map(|x| x / s).collect()
 }
@@ -166,7 +177,9 @@ fn apply_penalties(l: &mut [f32], history: &[u32], p: &SamplingParams) {
         *counts.entry(t).or_default() += 1;
     }
     for (&t, &n) in &counts {
-        let Some(v) = l.get_mut(t as usize) else { continue };
+        let Some(v) = l.get_mut(t as usize) else {
+            continue;
+        };
         if *v > 0.0 {
             *v /= p.repetition_penalty;
         } else {
@@ -192,24 +205,44 @@ mod tests {
 
     #[test]
     fn repetition_penalty_changes_greedy_choice() {
-        let p = SamplingParams { repetition_penalty: 2.0, ..SamplingParams::greedy() };
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            ..SamplingParams::greedy()
+        };
         let mut s = Sampler::new(p).unwrap();
         assert_eq!(s.sample(&logits(), &[1]), 4);
-        let p = SamplingParams { presence_penalty: 0.5, ..SamplingParams::greedy() };
+        let p = SamplingParams {
+            presence_penalty: 0.5,
+            ..SamplingParams::greedy()
+        };
         assert_eq!(Sampler::new(p).unwrap().sample(&logits(), &[1]), 4);
-        let p = SamplingParams { frequency_penalty: 0.05, ..SamplingParams::greedy() };
+        let p = SamplingParams {
+            frequency_penalty: 0.05,
+            ..SamplingParams::greedy()
+        };
         assert_eq!(Sampler::new(p.clone()).unwrap().sample(&logits(), &[1]), 1);
         assert_eq!(Sampler::new(p).unwrap().sample(&logits(), &[1, 1, 1]), 4);
     }
 
     #[test]
     fn top_k_one_is_greedy_and_seed_reproducible() {
-        let p = SamplingParams { temperature: 1.5, top_k: 1, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.5,
+            top_k: 1,
+            ..Default::default()
+        };
         let mut s = Sampler::new(p).unwrap();
         for _ in 0..20 {
             assert_eq!(s.sample(&logits(), &[]), 1);
         }
-        let p = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 7, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 7,
+            ..Default::default()
+        };
         let a: Vec<u32> = {
             let mut s = Sampler::new(p.clone()).unwrap();
             (0..50).map(|_| s.sample(&logits(), &[])).collect()
@@ -226,13 +259,27 @@ mod tests {
     #[test]
     fn top_p_and_min_p_truncate() {
         // p(1) ~ 0.38, p(4) ~ 0.35, p(2) ~ 0.14 ...
-        let p = SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.5, min_p: 0.0, seed: 3, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.5,
+            min_p: 0.0,
+            seed: 3,
+            ..Default::default()
+        };
         let mut s = Sampler::new(p).unwrap();
         for _ in 0..200 {
             let t = s.sample(&logits(), &[]);
             assert!(t == 1 || t == 4, "top_p kept {t}");
         }
-        let p = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.5, seed: 3, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.5,
+            seed: 3,
+            ..Default::default()
+        };
         let mut s = Sampler::new(p).unwrap();
         for _ in 0..200 {
             let t = s.sample(&logits(), &[]);
@@ -242,7 +289,14 @@ mod tests {
 
     #[test]
     fn frequencies_follow_probabilities() {
-        let p = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 11, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 11,
+            ..Default::default()
+        };
         let mut s = Sampler::new(p).unwrap();
         let l = vec![0.0f32, (3.0f32).ln()]; // p = 0.25, 0.75
         let n = 20000;
@@ -253,9 +307,25 @@ mod tests {
 
     #[test]
     fn rejects_bad_params() {
-        assert!(Sampler::new(SamplingParams { temperature: -1.0, ..Default::default() }).is_err());
-        assert!(Sampler::new(SamplingParams { top_p: 0.0, ..Default::default() }).is_err());
-        assert!(Sampler::new(SamplingParams { min_p: 2.0, ..Default::default() }).is_err());
-        assert!(Sampler::new(SamplingParams { temperature: f32::NAN, ..Default::default() }).is_err());
+        assert!(Sampler::new(SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        })
+        .is_err());
+        assert!(Sampler::new(SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        })
+        .is_err());
+        assert!(Sampler::new(SamplingParams {
+            min_p: 2.0,
+            ..Default::default()
+        })
+        .is_err());
+        assert!(Sampler::new(SamplingParams {
+            temperature: f32::NAN,
+            ..Default::default()
+        })
+        .is_err());
     }
 }

@@ -12,7 +12,10 @@ pub struct StopChecker {
 impl StopChecker {
     /// A checker for `stops` (empty strings are ignored).
     pub fn new(stops: &[String]) -> StopChecker {
-        StopChecker { stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(), ..Default::default() }
+        StopChecker {
+            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            ..Default::default()
+        }
     }
 
     /// Feed newly decoded text; returns the text that is safe to emit and whether a stop string
@@ -22,7 +25,11 @@ impl StopChecker {
             return (String::new(), true);
         }
         self.pending.push_str(text);
-        let hit = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min();
+        let hit = self
+            .stops
+            .iter()
+            .filter_map(|s| self.pending.find(s.as_str()))
+            .min();
         if let Some(at) = hit {
             self.stopped = true;
             let out = self.pending[..at].to_string();

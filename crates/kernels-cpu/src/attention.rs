@@ -36,7 +36,14 @@ impl KvSlice<'_> {
     }
 
     /// Copy column block `[0..n, kvh, :]` to `dst` (`[n, head_dim]`) as f32.
-    fn gather_head(&self, n: usize, n_head_kv: usize, head_dim: usize, kvh: usize, dst: &mut [f32]) {
+    fn gather_head(
+        &self,
+        n: usize,
+        n_head_kv: usize,
+        head_dim: usize,
+        kvh: usize,
+        dst: &mut [f32],
+    ) {
         let stride = n_head_kv * head_dim;
         for j in 0..n {
             let src = j * stride + kvh * head_dim;
@@ -80,7 +87,12 @@ pub fn attention(
     v: KvSlice<'_>,
     out: &mut [f32],
 ) {
-    let AttnShape { n_head, n_head_kv, head_dim, scale } = shape;
+    let AttnShape {
+        n_head,
+        n_head_kv,
+        head_dim,
+        scale,
+    } = shape;
     let n_tok = pos.len();
     assert!(n_head_kv > 0 && n_head % n_head_kv == 0);
     assert_eq!(q.len(), n_tok * n_head * head_dim);
@@ -123,8 +135,9 @@ pub fn attention(
         for i in 0..n_tok {
             for g in 0..group {
                 let h = kvh * group + g;
-                out[(i * n_head + h) * head_dim..(i * n_head + h + 1) * head_dim]
-                    .copy_from_slice(&res[(i * group + g) * head_dim..(i * group + g + 1) * head_dim]);
+                out[(i * n_head + h) * head_dim..(i * n_head + h + 1) * head_dim].copy_from_slice(
+                    &res[(i * group + g) * head_dim..(i * group + g + 1) * head_dim],
+                );
             }
         }
     }
@@ -139,7 +152,12 @@ pub fn attention_reference(
     v: &[f32],
     out: &mut [f32],
 ) {
-    let AttnShape { n_head, n_head_kv, head_dim, scale } = shape;
+    let AttnShape {
+        n_head,
+        n_head_kv,
+        head_dim,
+        scale,
+    } = shape;
     let group = n_head / n_head_kv;
     for (i, &p) in pos.iter().enumerate() {
         for h in 0..n_head {
@@ -149,7 +167,11 @@ pub fn attention_reference(
             let mut s: Vec<f64> = (0..n)
                 .map(|j| {
                     let kj = &k[(j * n_head_kv + kvh) * head_dim..][..head_dim];
-                    qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64
+                    qh.iter()
+                        .zip(kj)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+                        * scale as f64
                 })
                 .collect();
             let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -175,10 +197,14 @@ mod tests {
     use kapitsa_base::pool::{RayonPool, SerialPool};
 
     fn rnd(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (0..n)
             .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((s >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
             })
             .collect()
@@ -187,10 +213,18 @@ mod tests {
     #[test]
     fn matches_reference_gqa_prefill_and_decode() {
         let pool = RayonPool::new(2).unwrap();
-        for &(n_head, n_head_kv, head_dim, n_ctx, n_tok) in
-            &[(4usize, 2usize, 16usize, 9usize, 9usize), (6, 1, 32, 40, 1), (3, 3, 8, 17, 5), (8, 2, 64, 70, 3)]
-        {
-            let shape = AttnShape { n_head, n_head_kv, head_dim, scale: 1.0 / (head_dim as f32).sqrt() };
+        for &(n_head, n_head_kv, head_dim, n_ctx, n_tok) in &[
+            (4usize, 2usize, 16usize, 9usize, 9usize),
+            (6, 1, 32, 40, 1),
+            (3, 3, 8, 17, 5),
+            (8, 2, 64, 70, 3),
+        ] {
+            let shape = AttnShape {
+                n_head,
+                n_head_kv,
+                head_dim,
+                scale: 1.0 / (head_dim as f32).sqrt(),
+            };
             let k = rnd(n_ctx * n_head_kv * head_dim, 1);
             let v = rnd(n_ctx * n_head_kv * head_dim, 2);
             let q = rnd(n_tok * n_head * head_dim, 3);
@@ -198,9 +232,25 @@ mod tests {
             let mut want = vec![0f32; q.len()];
             attention_reference(shape, &q, &pos, &k, &v, &mut want);
             let mut got = vec![0f32; q.len()];
-            attention(&pool, shape, &q, &pos, KvSlice::F32(&k), KvSlice::F32(&v), &mut got);
+            attention(
+                &pool,
+                shape,
+                &q,
+                &pos,
+                KvSlice::F32(&k),
+                KvSlice::F32(&v),
+                &mut got,
+            );
             let mut got1 = vec![0f32; q.len()];
-            attention(&SerialPool, shape, &q, &pos, KvSlice::F32(&k), KvSlice::F32(&v), &mut got1);
+            attention(
+                &SerialPool,
+                shape,
+                &q,
+                &pos,
+                KvSlice::F32(&k),
+                KvSlice::F32(&v),
+                &mut got1,
+            );
             assert_eq!(got, got1, "thread count changed the result");
             for (a, b) in got.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-5, "{a} vs {b}");
@@ -208,7 +258,15 @@ mod tests {
             // f16 cache: same up to f16 rounding of K and V.
             let kh: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
             let vh: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
-            attention(&pool, shape, &q, &pos, KvSlice::F16(&kh), KvSlice::F16(&vh), &mut got);
+            attention(
+                &pool,
+                shape,
+                &q,
+                &pos,
+                KvSlice::F16(&kh),
+                KvSlice::F16(&vh),
+                &mut got,
+            );
             for (a, b) in got.iter().zip(&want) {
                 assert!((a - b).abs() < 5e-3, "{a} vs {b}");
             }

@@ -1,6 +1,7 @@
 //! Kapitsa CPU kernels: scalar references and SIMD variants (AVX2, AVX-512) of the ops the
 //! models need. [`quant`] holds the ggml block formats (dequantisation, activation quantisation,
-//! dot products); [`matmul`] the quantised matrix-vector / matrix-matrix driver and row gathers.
+//! dot products); [`matmul`](mod@matmul) the quantised matrix-vector / matrix-matrix driver and
+//! row gathers.
 
 pub mod attention;
 pub mod matmul;

@@ -380,6 +380,7 @@ fn bench_levels_in_cache() {
         ] {
             for level in SimdLevel::available().into_iter().skip(1) {
                 bench_one(&SerialPool, ty, 256, 1536, 1, level);
+                bench_one(&SerialPool, ty, 256, 1536, 32, level);
             }
         }
     }
@@ -409,7 +410,9 @@ fn bench_gemv_bandwidth() {
         bench_one(&pool2, GgmlType::Q4_K, 1536, 8960, 1, level);
     }
     for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
-        bench_one(&pool2, ty, 1536, 1536, 128, best);
+        for level in SimdLevel::available().into_iter().skip(1) {
+            bench_one(&pool2, ty, 1536, 1536, 128, level);
+        }
     }
     // In-cache compute rate of the kernels, one thread.
     for level in SimdLevel::available().into_iter().skip(1) {

@@ -158,7 +158,7 @@ fn q5_k_by_hand() {
 fn q6_k_by_hand() {
     let d = 0.5f32;
     let q = |e: usize| ((e * 13 + 5) % 64) as u8; // stored 6-bit value; weight = q - 32
-    let sc: [i8; 16] = std::array::from_fn(|g| g as i8 * 9 - 70);
+    let sc: [i8; 16] = std::array::from_fn(|g| (g as i32 * 9 - 70) as i8);
     // per 128-element half: ql[l] = lo4(e=l) | lo4(e=l+64) << 4, ql[l+32] = lo4(l+32) | lo4(l+96) << 4,
     // qh[l] = hi2(l) | hi2(l+32) << 2 | hi2(l+64) << 4 | hi2(l+96) << 6
     let mut ql = vec![0u8; 128];

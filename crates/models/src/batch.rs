@@ -46,8 +46,13 @@ impl BatchInputs {
     pub fn push_seq(&mut self, slot: usize, tokens: &[u32], start_pos: u32, want_last: bool) {
         let start = self.tokens.len();
         self.tokens.extend_from_slice(tokens);
-        self.positions.extend((0..tokens.len() as u32).map(|i| start_pos + i));
-        self.seqs.push(SeqChunk { slot, start, len: tokens.len() });
+        self.positions
+            .extend((0..tokens.len() as u32).map(|i| start_pos + i));
+        self.seqs.push(SeqChunk {
+            slot,
+            start,
+            len: tokens.len(),
+        });
         if want_last && !tokens.is_empty() {
             self.logit_rows.push(start + tokens.len() - 1);
         }
@@ -62,13 +67,20 @@ impl BatchInputs {
     pub fn validate(&self, n_slots: usize) -> Result<()> {
         let bad = |m: String| Err(ModelError::Batch(m));
         if self.tokens.len() != self.positions.len() {
-            return bad(format!("{} tokens but {} positions", self.tokens.len(), self.positions.len()));
+            return bad(format!(
+                "{} tokens but {} positions",
+                self.tokens.len(),
+                self.positions.len()
+            ));
         }
         let mut next = 0;
         let mut seen = vec![false; n_slots];
         for c in &self.seqs {
             if c.start != next || c.len == 0 {
-                return bad(format!("sequence chunks must tile the batch (chunk at {} len {})", c.start, c.len));
+                return bad(format!(
+                    "sequence chunks must tile the batch (chunk at {} len {})",
+                    c.start, c.len
+                ));
             }
             if c.slot >= n_slots {
                 return bad(format!("slot {} out of range ({} slots)", c.slot, n_slots));
@@ -83,7 +95,10 @@ impl BatchInputs {
             next += c.len;
         }
         if next != self.tokens.len() {
-            return bad(format!("chunks cover {next} of {} tokens", self.tokens.len()));
+            return bad(format!(
+                "chunks cover {next} of {} tokens",
+                self.tokens.len()
+            ));
         }
         if let Some(r) = self.logit_rows.iter().find(|&&r| r >= self.tokens.len()) {
             return bad(format!("logit row {r} out of range"));

@@ -22,26 +22,34 @@ impl<'a> Hparams<'a> {
     fn hf_value(&self, key: &str) -> Option<&serde_json::Value> {
         let cfg = self.src.hf()?.config();
         // Multimodal configs nest the language model under text_config.
-        cfg.get(key).or_else(|| cfg.get("text_config").and_then(|t| t.get(key)))
+        cfg.get(key)
+            .or_else(|| cfg.get("text_config").and_then(|t| t.get(key)))
     }
 
     /// A usize from GGUF key `<arch>.<gguf_key>` or HF key `hf_key`.
     pub fn usize(&self, gguf_key: &str, hf_key: &str) -> Result<usize> {
-        self.usize_opt(gguf_key, hf_key)?
-            .ok_or_else(|| ModelError::Config(format!("missing hyper-parameter {}", self.describe(gguf_key, hf_key))))
+        self.usize_opt(gguf_key, hf_key)?.ok_or_else(|| {
+            ModelError::Config(format!(
+                "missing hyper-parameter {}",
+                self.describe(gguf_key, hf_key)
+            ))
+        })
     }
 
     /// Like [`Hparams::usize`] but `None` when absent.
     pub fn usize_opt(&self, gguf_key: &str, hf_key: &str) -> Result<Option<usize>> {
         if let Some(g) = self.src.gguf() {
-            return Ok(g.opt_u32(&format!("{}.{gguf_key}", self.arch))?.map(|v| v as usize));
+            return Ok(g
+                .opt_u32(&format!("{}.{gguf_key}", self.arch))?
+                .map(|v| v as usize));
         }
         match self.hf_value(hf_key) {
             None | Some(serde_json::Value::Null) => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(|x| Some(x as usize))
-                .ok_or_else(|| ModelError::Config(format!("config.json '{hf_key}' is not a non-negative integer"))),
+            Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| {
+                ModelError::Config(format!(
+                    "config.json '{hf_key}' is not a non-negative integer"
+                ))
+            }),
         }
     }
 
@@ -52,10 +60,9 @@ impl<'a> Hparams<'a> {
         }
         match self.hf_value(hf_key) {
             None | Some(serde_json::Value::Null) => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(|x| Some(x as f32))
-                .ok_or_else(|| ModelError::Config(format!("config.json '{hf_key}' is not a number"))),
+            Some(v) => v.as_f64().map(|x| Some(x as f32)).ok_or_else(|| {
+                ModelError::Config(format!("config.json '{hf_key}' is not a number"))
+            }),
         }
     }
 
@@ -64,7 +71,11 @@ impl<'a> Hparams<'a> {
         if let Some(t) = self.f32_opt("rope.freq_base", "rope_theta")? {
             return Ok(t);
         }
-        if let Some(t) = self.hf_value("rope_parameters").and_then(|r| r.get("rope_theta")).and_then(|v| v.as_f64()) {
+        if let Some(t) = self
+            .hf_value("rope_parameters")
+            .and_then(|r| r.get("rope_theta"))
+            .and_then(|v| v.as_f64())
+        {
             return Ok(t as f32);
         }
         Ok(default)

@@ -72,21 +72,37 @@ pub struct KvCache {
 
 impl KvCache {
     /// A cache for `model` with `n_slots` sequences of up to `n_ctx` tokens each.
-    pub fn for_model(model: &dyn CausalLm, n_slots: usize, n_ctx: usize, kv_type: KvType) -> Result<KvCache> {
+    pub fn for_model(
+        model: &dyn CausalLm,
+        n_slots: usize,
+        n_ctx: usize,
+        kv_type: KvType,
+    ) -> Result<KvCache> {
         let spec = model.spec();
         let kv_dim = spec.n_head_kv * spec.head_dim;
         let per = n_slots
             .checked_mul(n_ctx)
             .and_then(|x| x.checked_mul(kv_dim))
-            .ok_or_else(|| ModelError::Config(format!("cache of {n_slots} x {n_ctx} tokens is too large")))?;
+            .ok_or_else(|| {
+                ModelError::Config(format!("cache of {n_slots} x {n_ctx} tokens is too large"))
+            })?;
         let layers = spec
             .layers
             .iter()
             .map(|k| match k {
-                LayerKind::Attention => Some(LayerKv { k: Buf::new(kv_type, per), v: Buf::new(kv_type, per) }),
+                LayerKind::Attention => Some(LayerKv {
+                    k: Buf::new(kv_type, per),
+                    v: Buf::new(kv_type, per),
+                }),
             })
             .collect();
-        Ok(KvCache { n_slots, n_ctx, kv_dim, kv_type, layers })
+        Ok(KvCache {
+            n_slots,
+            n_ctx,
+            kv_dim,
+            kv_type,
+            layers,
+        })
     }
 
     /// Number of sequence slots.
@@ -121,11 +137,21 @@ impl KvCache {
     }
 
     /// Store K and V rows (`[n, kv_dim]` each) for positions `pos0..pos0+n` of `slot`.
-    pub fn write(&mut self, layer: usize, slot: usize, pos0: usize, k: &[f32], v: &[f32]) -> Result<()> {
+    pub fn write(
+        &mut self,
+        layer: usize,
+        slot: usize,
+        pos0: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<()> {
         let (n_ctx, kv_dim) = (self.n_ctx, self.kv_dim);
         let n = k.len() / kv_dim;
         if pos0 + n > n_ctx {
-            return Err(ModelError::ContextFull { pos: pos0 + n - 1, n_ctx });
+            return Err(ModelError::ContextFull {
+                pos: pos0 + n - 1,
+                n_ctx,
+            });
         }
         let at = (slot * n_ctx + pos0) * kv_dim;
         let l = self.layer_mut(layer)?;
@@ -137,7 +163,10 @@ impl KvCache {
     /// K and V of `slot` for positions `0..n` (`[n, kv_dim]` each).
     pub fn layer(&self, layer: usize, slot: usize, n: usize) -> Result<(KvSlice<'_>, KvSlice<'_>)> {
         if n > self.n_ctx {
-            return Err(ModelError::ContextFull { pos: n - 1, n_ctx: self.n_ctx });
+            return Err(ModelError::ContextFull {
+                pos: n - 1,
+                n_ctx: self.n_ctx,
+            });
         }
         let l = self
             .layers
@@ -157,8 +186,14 @@ impl KvCache {
         for l in self.layers.iter_mut().flatten() {
             for b in [&mut l.k, &mut l.v] {
                 match b {
-                    Buf::F32(x) => x.copy_within(from * n_ctx * kv_dim..from * n_ctx * kv_dim + len, to * n_ctx * kv_dim),
-                    Buf::F16(x) => x.copy_within(from * n_ctx * kv_dim..from * n_ctx * kv_dim + len, to * n_ctx * kv_dim),
+                    Buf::F32(x) => x.copy_within(
+                        from * n_ctx * kv_dim..from * n_ctx * kv_dim + len,
+                        to * n_ctx * kv_dim,
+                    ),
+                    Buf::F16(x) => x.copy_within(
+                        from * n_ctx * kv_dim..from * n_ctx * kv_dim + len,
+                        to * n_ctx * kv_dim,
+                    ),
                 }
             }
         }

@@ -46,7 +46,10 @@ pub struct ModelSpec {
 impl ModelSpec {
     /// Number of layers that need a KV cache.
     pub fn n_attention_layers(&self) -> usize {
-        self.layers.iter().filter(|k| **k == LayerKind::Attention).count()
+        self.layers
+            .iter()
+            .filter(|k| **k == LayerKind::Attention)
+            .count()
     }
 }
 

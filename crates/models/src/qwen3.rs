@@ -21,7 +21,9 @@ impl Qwen3 {
     /// Load from a GGUF file (arch `qwen3`) or an HF directory (`model_type` `qwen3`).
     pub fn load(src: &ModelSource, backend: Arc<dyn Backend>) -> Result<Qwen3> {
         let cfg = dense_config(src, "qwen3")?;
-        Ok(Qwen3 { inner: load_dense(src, cfg, backend, false, true)? })
+        Ok(Qwen3 {
+            inner: load_dense(src, cfg, backend, false, true)?,
+        })
     }
 }
 

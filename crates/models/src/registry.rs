@@ -12,8 +12,12 @@ type LoadFn = fn(&ModelSource, Arc<dyn Backend>) -> Result<Arc<dyn CausalLm>>;
 /// `(architecture, loader)`; HF `model_type`s are mapped to these names by
 /// [`ModelSource::arch`].
 const REGISTRY: &[(&str, LoadFn)] = &[
-    ("qwen2", |s, b| Ok(Arc::new(crate::qwen2::Qwen2::load(s, b)?))),
-    ("qwen3", |s, b| Ok(Arc::new(crate::qwen3::Qwen3::load(s, b)?))),
+    ("qwen2", |s, b| {
+        Ok(Arc::new(crate::qwen2::Qwen2::load(s, b)?))
+    }),
+    ("qwen3", |s, b| {
+        Ok(Arc::new(crate::qwen3::Qwen3::load(s, b)?))
+    }),
 ];
 
 /// Names of the supported architectures.
@@ -39,13 +43,21 @@ pub struct LoadedModel {
 }
 
 /// Open `path` and build its model on `backend`.
-pub fn load_model(path: &Path, backend: Arc<dyn Backend>, opts: &LoadOptions<'_>) -> Result<LoadedModel> {
+pub fn load_model(
+    path: &Path,
+    backend: Arc<dyn Backend>,
+    opts: &LoadOptions<'_>,
+) -> Result<LoadedModel> {
     let source = ModelSource::open(path)?;
     load_from_source(source, backend, opts)
 }
 
 /// Build the model of an opened source.
-pub fn load_from_source(source: ModelSource, backend: Arc<dyn Backend>, opts: &LoadOptions<'_>) -> Result<LoadedModel> {
+pub fn load_from_source(
+    source: ModelSource,
+    backend: Arc<dyn Backend>,
+    opts: &LoadOptions<'_>,
+) -> Result<LoadedModel> {
     let arch = source.arch()?;
     let load = REGISTRY
         .iter()
@@ -54,7 +66,11 @@ pub fn load_from_source(source: ModelSource, backend: Arc<dyn Backend>, opts: &L
         .ok_or_else(|| ModelError::UnsupportedArch(arch.clone(), supported_archs().join(", ")))?;
     prefetch(&source, opts.progress);
     let model = load(&source, backend)?;
-    Ok(LoadedModel { model, source, arch })
+    Ok(LoadedModel {
+        model,
+        source,
+        arch,
+    })
 }
 
 /// Read every tensor byte once so weights are resident before the first token, reporting

@@ -36,12 +36,18 @@ impl ModelSource {
         } else {
             SourceKind::Gguf(GgufFile::open(path)?)
         };
-        Ok(ModelSource { inner: Arc::new(kind), path: path.to_path_buf() })
+        Ok(ModelSource {
+            inner: Arc::new(kind),
+            path: path.to_path_buf(),
+        })
     }
 
     /// Wrap an already opened source.
     pub fn from_kind(kind: SourceKind, path: PathBuf) -> ModelSource {
-        ModelSource { inner: Arc::new(kind), path }
+        ModelSource {
+            inner: Arc::new(kind),
+            path,
+        }
     }
 
     /// The path it was opened from.
@@ -101,7 +107,9 @@ impl ModelSource {
 
     /// Look up a weight. MLX-quantised tensors are dequantised to an owned f32 copy.
     pub fn weight(&self, name: &str) -> Result<Weight> {
-        let v = self.view(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+        let v = self
+            .view(name)
+            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
         if let Some(w) = self.mlx_weight(name, &v)? {
             return Ok(w);
         }
@@ -123,35 +131,58 @@ impl ModelSource {
     }
 
     fn mlx_weight(&self, name: &str, v: &TensorView<'_>) -> Result<Option<Weight>> {
-        let SourceKind::Hf(h) = &*self.inner else { return Ok(None) };
-        let Some(module) = name.strip_suffix(".weight") else { return Ok(None) };
-        let (Some(scales), Some(biases)) = (h.tensor(&format!("{module}.scales")), h.tensor(&format!("{module}.biases")))
-        else {
+        let SourceKind::Hf(h) = &*self.inner else {
             return Ok(None);
         };
-        let q = h
-            .mlx_quantization()
-            .ok_or_else(|| ModelError::Config(format!("'{name}' has scales/biases but config.json has no quantization")))?;
+        let Some(module) = name.strip_suffix(".weight") else {
+            return Ok(None);
+        };
+        let Some(scales) = h.tensor(&format!("{module}.scales")) else {
+            return Ok(None);
+        };
+        let q = h.mlx_quantization().ok_or_else(|| {
+            ModelError::Config(format!(
+                "'{name}' has scales but config.json has no quantization"
+            ))
+        })?;
         if q.mode != "affine" {
-            return Err(ModelError::Config(format!("MLX quantisation mode '{}' is not supported (only affine)", q.mode)));
+            return Err(ModelError::Config(format!(
+                "MLX quantisation mode '{}' is not supported (only affine)",
+                q.mode
+            )));
         }
-        let (bits, group) = q
-            .for_module(module)
-            .ok_or_else(|| ModelError::Config(format!("'{name}' is quantised but its module is marked unquantised")))?;
+        let biases = h
+            .tensor(&format!("{module}.biases"))
+            .ok_or_else(|| ModelError::MissingTensor(format!("{module}.biases")))?;
+        let (bits, group) = q.for_module(module).ok_or_else(|| {
+            ModelError::Config(format!(
+                "'{name}' is quantised but its module is marked unquantised"
+            ))
+        })?;
         let f = kapitsa_formats::mlx_dequantize(v, &scales, &biases, bits, group)?;
         let mut shape = scales.shape.clone();
         if let Some(last) = shape.last_mut() {
             *last *= group;
         }
         let bytes: Vec<u8> = f.iter().flat_map(|x| x.to_le_bytes()).collect();
-        Ok(Some(Weight { name: name.to_string(), dtype: GgmlType::F32, shape, data: WeightData::Owned(bytes) }))
+        Ok(Some(Weight {
+            name: name.to_string(),
+            dtype: GgmlType::F32,
+            shape,
+            data: WeightData::Owned(bytes),
+        }))
     }
 
     /// Total bytes of all tensors (for progress reporting).
     pub fn total_tensor_bytes(&self) -> u64 {
         match &*self.inner {
             SourceKind::Gguf(g) => g.tensor_infos().iter().map(|t| t.n_bytes as u64).sum(),
-            SourceKind::Hf(h) => h.tensor_names().iter().filter_map(|n| h.tensor(n)).map(|t| t.data.len() as u64).sum(),
+            SourceKind::Hf(h) => h
+                .tensor_names()
+                .iter()
+                .filter_map(|n| h.tensor(n))
+                .map(|t| t.data.len() as u64)
+                .sum(),
         }
     }
 }
@@ -177,7 +208,12 @@ impl Weight {
     /// An owned f32 weight (tests, derived weights).
     pub fn from_f32(name: &str, shape: Vec<usize>, values: &[f32]) -> Weight {
         let bytes = values.iter().flat_map(|x| x.to_le_bytes()).collect();
-        Weight { name: name.to_string(), dtype: GgmlType::F32, shape, data: WeightData::Owned(bytes) }
+        Weight {
+            name: name.to_string(),
+            dtype: GgmlType::F32,
+            shape,
+            data: WeightData::Owned(bytes),
+        }
     }
 
     /// The raw bytes.
@@ -189,7 +225,8 @@ impl Weight {
                     SourceKind::Gguf(g) => g.tensor(&self.name),
                     SourceKind::Hf(h) => h.tensor(&self.name),
                 };
-                v.map(|v| v.data).ok_or_else(|| ModelError::MissingTensor(self.name.clone()))
+                v.map(|v| v.data)
+                    .ok_or_else(|| ModelError::MissingTensor(self.name.clone()))
             }
         }
     }
@@ -199,18 +236,37 @@ impl Weight {
         self.shape.iter().product()
     }
 
+    /// Check that matmuls can use this weight (a dot-product kernel exists for its type).
+    pub fn check_matmul_type(&self) -> Result<()> {
+        kapitsa_kernels_cpu::quant::vec_dot_type(self.dtype)
+            .map(|_| ())
+            .map_err(|_| ModelError::UnsupportedType(self.name.clone(), self.dtype))
+    }
+
     /// View as a matrix `[n_out, n_in]` (a 2-D tensor).
     pub fn matrix(&self) -> Result<QMatrix<'_>> {
         let [n_out, n_in] = self.shape[..] else {
-            return Err(ModelError::Config(format!("tensor '{}' is not 2-D: {:?}", self.name, self.shape)));
+            return Err(ModelError::Config(format!(
+                "tensor '{}' is not 2-D: {:?}",
+                self.name, self.shape
+            )));
         };
-        Ok(QMatrix { dtype: self.dtype, n_out, n_in, data: self.bytes()? })
+        Ok(QMatrix {
+            dtype: self.dtype,
+            n_out,
+            n_in,
+            data: self.bytes()?,
+        })
     }
 
     /// Check the shape.
     pub fn expect_shape(self, want: &[usize]) -> Result<Weight> {
         if self.shape != want {
-            return Err(ModelError::BadShape { name: self.name.clone(), got: self.shape.clone(), want: want.to_vec() });
+            return Err(ModelError::BadShape {
+                name: self.name.clone(),
+                got: self.shape.clone(),
+                want: want.to_vec(),
+            });
         }
         Ok(self)
     }
@@ -230,7 +286,7 @@ impl Weight {
             .ok_or_else(|| ModelError::UnsupportedType(self.name.clone(), self.dtype))?;
         for (i, o) in out.chunks_exact_mut(row).enumerate() {
             kapitsa_kernels_cpu::quant::dequantize_row(self.dtype, &bytes[i * rb..(i + 1) * rb], o)
-                .map_err(|e| ModelError::Backend(e.into()))?;
+                .map_err(|_| ModelError::UnsupportedType(self.name.clone(), self.dtype))?;
         }
         Ok(out)
     }

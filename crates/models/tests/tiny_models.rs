@@ -37,12 +37,22 @@ struct Prompt {
 
 fn read_f32(path: &Path) -> Vec<f32> {
     let b = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 fn prompts(dir: &Path) -> (usize, Vec<Prompt>) {
-    let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
-    let ids = |v: &serde_json::Value| v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let ids = |v: &serde_json::Value| {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect::<Vec<_>>()
+    };
     let ps = j["prompts"]
         .as_array()
         .unwrap()
@@ -63,7 +73,12 @@ fn logits(model: &dyn CausalLm, ids: &[u32], chunk: usize) -> Vec<f32> {
     let mut out = Vec::new();
     let mut pos = 0;
     for c in ids.chunks(chunk) {
-        let l = model.forward(&BatchInputs::single(0, c, pos, (0..c.len()).collect()), &mut cache).unwrap();
+        let l = model
+            .forward(
+                &BatchInputs::single(0, c, pos, (0..c.len()).collect()),
+                &mut cache,
+            )
+            .unwrap();
         out.extend_from_slice(&l.data);
         pos += c.len() as u32;
     }
@@ -72,12 +87,19 @@ fn logits(model: &dyn CausalLm, ids: &[u32], chunk: usize) -> Vec<f32> {
 
 fn greedy(model: &dyn CausalLm, ids: &[u32], n: usize) -> Vec<u32> {
     let mut cache = KvCache::for_model(model, 1, ids.len() + n + 1, KvType::F32).unwrap();
-    let l = model.forward(&BatchInputs::single(0, ids, 0, vec![ids.len() - 1]), &mut cache).unwrap();
+    let l = model
+        .forward(
+            &BatchInputs::single(0, ids, 0, vec![ids.len() - 1]),
+            &mut cache,
+        )
+        .unwrap();
     let mut t = kapitsa_kernels_cpu::ops::argmax(l.row(0)) as u32;
     let mut out = vec![t];
     let mut pos = ids.len() as u32;
     while out.len() < n {
-        let l = model.forward(&BatchInputs::single(0, &[t], pos, vec![0]), &mut cache).unwrap();
+        let l = model
+            .forward(&BatchInputs::single(0, &[t], pos, vec![0]), &mut cache)
+            .unwrap();
         t = kapitsa_kernels_cpu::ops::argmax(l.row(0)) as u32;
         out.push(t);
         pos += 1;
@@ -101,10 +123,19 @@ fn hf_safetensors_match_transformers() {
         for (i, p) in ps.iter().enumerate() {
             let got = logits(&*m.model, &p.ids, 512);
             let e = rel_err(&got, &p.hf_logits);
-            println!("{} prompt {i}: {} tokens, rel err vs transformers {e:.2e}", name(&dir), p.ids.len());
+            println!(
+                "{} prompt {i}: {} tokens, rel err vs transformers {e:.2e}",
+                name(&dir),
+                p.ids.len()
+            );
             assert!(e < 1e-4, "{}: prompt {i} rel err {e}", dir.display());
             let g = greedy(&*m.model, &p.ids, p.hf_greedy.len());
-            assert_eq!(g, p.hf_greedy, "{}: prompt {i} greedy tokens", dir.display());
+            assert_eq!(
+                g,
+                p.hf_greedy,
+                "{}: prompt {i} greedy tokens",
+                dir.display()
+            );
         }
     }
 }
@@ -112,19 +143,36 @@ fn hf_safetensors_match_transformers() {
 #[test]
 fn gguf_conversion_matches_transformers_and_llama_cpp() {
     for dir in model_dirs() {
-        let m = load_model(&dir.join("model-f32.gguf"), backend(), &LoadOptions::default()).unwrap();
+        let m = load_model(
+            &dir.join("model-f32.gguf"),
+            backend(),
+            &LoadOptions::default(),
+        )
+        .unwrap();
         let (_, ps) = prompts(&dir);
         for (i, p) in ps.iter().enumerate() {
             let got = logits(&*m.model, &p.ids, 512);
             let e = rel_err(&got, &p.hf_logits);
             let el = p.llama_logits.as_ref().map(|l| rel_err(&got, l));
-            println!("{} gguf prompt {i}: rel err vs transformers {e:.2e}, vs llama.cpp {el:?}", name(&dir));
+            println!(
+                "{} gguf prompt {i}: rel err vs transformers {e:.2e}, vs llama.cpp {el:?}",
+                name(&dir)
+            );
             assert!(e < 1e-4, "{}: gguf prompt {i} rel err {e}", dir.display());
             if let Some(el) = el {
-                assert!(el < 1e-4, "{}: gguf prompt {i} rel err vs llama.cpp {el}", dir.display());
+                assert!(
+                    el < 1e-4,
+                    "{}: gguf prompt {i} rel err vs llama.cpp {el}",
+                    dir.display()
+                );
             }
             let g = greedy(&*m.model, &p.ids, p.hf_greedy.len());
-            assert_eq!(g, p.hf_greedy, "{}: gguf prompt {i} greedy tokens", dir.display());
+            assert_eq!(
+                g,
+                p.hf_greedy,
+                "{}: gguf prompt {i} greedy tokens",
+                dir.display()
+            );
         }
     }
 }
@@ -164,7 +212,11 @@ fn batch_of_three_equals_each_alone() {
         for (i, p) in ps.iter().enumerate().take(3) {
             let n = p.ids.len() * l.n_vocab;
             let e = rel_err(&l.data[row..row + n], &alone[i]);
-            assert!(e < 1e-6, "{}: prompt {i} in a batch differs by {e}", dir.display());
+            assert!(
+                e < 1e-6,
+                "{}: prompt {i} in a batch differs by {e}",
+                dir.display()
+            );
             row += n;
         }
         // Then a mixed step: one decode token for each sequence, in one batch.
@@ -178,7 +230,11 @@ fn batch_of_three_equals_each_alone() {
             ids.push(p.hf_greedy[0]);
             let want = logits(model, &ids, 512);
             let last = &want[(ids.len() - 1) * l.n_vocab..];
-            assert!(rel_err(l.row(i), last) < 1e-6, "{}: decode step of prompt {i}", dir.display());
+            assert!(
+                rel_err(l.row(i), last) < 1e-6,
+                "{}: decode step of prompt {i}",
+                dir.display()
+            );
         }
     }
 }
@@ -191,15 +247,25 @@ fn bad_batches_are_errors_not_panics() {
     let mut cache = KvCache::for_model(model, 1, 8, KvType::F32).unwrap();
     let n_vocab = model.spec().n_vocab as u32;
     // token out of range
-    assert!(model.forward(&BatchInputs::single(0, &[n_vocab], 0, vec![0]), &mut cache).is_err());
+    assert!(model
+        .forward(&BatchInputs::single(0, &[n_vocab], 0, vec![0]), &mut cache)
+        .is_err());
     // slot out of range
-    assert!(model.forward(&BatchInputs::single(1, &[1], 0, vec![0]), &mut cache).is_err());
+    assert!(model
+        .forward(&BatchInputs::single(1, &[1], 0, vec![0]), &mut cache)
+        .is_err());
     // past the context
-    assert!(model.forward(&BatchInputs::single(0, &[1, 2, 3], 6, vec![0]), &mut cache).is_err());
+    assert!(model
+        .forward(&BatchInputs::single(0, &[1, 2, 3], 6, vec![0]), &mut cache)
+        .is_err());
     // logit row out of range
-    assert!(model.forward(&BatchInputs::single(0, &[1], 0, vec![1]), &mut cache).is_err());
+    assert!(model
+        .forward(&BatchInputs::single(0, &[1], 0, vec![1]), &mut cache)
+        .is_err());
 }
 
 fn name(dir: &Path) -> String {
-    dir.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
+    dir.file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }

@@ -37,7 +37,8 @@ fn strip_generation_tags(src: &str) -> String {
     while let Some(pos) = rest.find("{%") {
         out.push_str(&rest[..pos]);
         let tag = &rest[pos..];
-        let Some(end) = tag.find("%}") else {
+        // Search after the opening "{%" so that "{%}" cannot yield an end before the start.
+        let Some(end) = tag[2..].find("%}").map(|e| e + 2) else {
             out.push_str(tag);
             return out;
         };
@@ -356,6 +357,14 @@ impl ChatTemplate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn malformed_tags_do_not_panic() {
+        for src in ["{%}", "{%", "{%-%}", "{% generation", "%}{%"] {
+            let _ = strip_generation_tags(src);
+            let _ = ChatTemplate::new(src, None, None);
+        }
+    }
 
     #[test]
     fn generation_tags_removed() {

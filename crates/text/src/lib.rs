@@ -7,6 +7,8 @@
 //! - [`ChatTemplate`] renders Hugging Face Jinja chat templates byte-identically to
 //!   `transformers`' `apply_chat_template`.
 
+#![warn(missing_docs)]
+
 mod bytelevel;
 mod chat;
 mod detok;

@@ -103,11 +103,15 @@ fn roundtrip_and_metadata() {
         );
         assert_eq!(tk.token_bytes(1_000_000), None);
     }
-    // llama.cpp: EOS, <|endoftext|>, <|im_end|> and the FIM pad / repo / file-sep tokens.
+    // llama.cpp: EOS, <|endoftext|>, <|im_end|>, the FIM pad / repo / file-sep tokens, and the
+    // plain vocabulary token "</s>" (llama.cpp logs "control-looking token: 128247 '</s>'" and
+    // makes it a control token).
     assert_eq!(
         gguf_tokenizer().eog_ids(),
-        &[151_643, 151_645, 151_662, 151_663, 151_664]
+        &[128_247, 151_643, 151_645, 151_662, 151_663, 151_664]
     );
+    assert!(gguf_tokenizer().is_special(128_247));
+    assert!(!json_tokenizer().is_special(128_247));
     assert_eq!(
         json_tokenizer().eog_ids(),
         &[151_643, 151_645, 151_662, 151_663, 151_664]
@@ -140,4 +144,50 @@ fn real_gguf_if_available() {
     let tk = Tokenizer::from_gguf_vocab(&real).expect("build");
     let expected = read_json(&qwen_dir().join("expected_llama_cpp.json"));
     compare(&tk, &expected, "real GGUF vs llama.cpp");
+}
+
+/// The Qwen3.5 (`qwen35`) and Nemotron 3 (`pixtral`, llama3 regex + ignore_merges)
+/// pre-tokenizers, checked on the Qwen2.5 vocabulary re-labelled with those `pre` values,
+/// against llama.cpp run on a vocab-only copy of the GGUF with the same change.
+#[test]
+fn other_pre_tokenizers_match_llama_cpp() {
+    let texts = corpus();
+    for pre in ["qwen35", "pixtral"] {
+        let path = qwen_dir().join(format!("expected_llama_cpp_pre_{pre}.json"));
+        let expected = read_json(&path);
+        let mut v = gguf_vocab();
+        v.pre = Some(pre.to_string());
+        let tk = Tokenizer::from_gguf_vocab(&v).expect("build");
+        let want = ids_list(&expected["parse_special"]);
+        assert_eq!(want.len(), texts.len());
+        let mut bad = Vec::new();
+        for (i, (text, want)) in texts.iter().zip(&want).enumerate() {
+            let got = tk.encode(text, false, true).expect("encode");
+            if &got != want {
+                bad.push(format!(
+                    "#{i} {}: got {:?} want {:?}",
+                    show(text),
+                    &got[..got.len().min(24)],
+                    &want[..want.len().min(24)]
+                ));
+            }
+        }
+        println!(
+            "pre={pre} vs llama.cpp: {}/{} strings match",
+            texts.len() - bad.len(),
+            texts.len()
+        );
+        assert!(
+            bad.is_empty(),
+            "pre={pre}: {} mismatches:\n{}",
+            bad.len(),
+            bad.join("\n")
+        );
+    }
+    // "pixtral" adds BOS by default in llama.cpp, unless the GGUF says otherwise.
+    let mut v = gguf_vocab();
+    v.pre = Some("pixtral".into());
+    v.add_bos = None;
+    let tk = Tokenizer::from_gguf_vocab(&v).expect("build");
+    assert_eq!(tk.encode("a", true, true).expect("encode")[0], 151_643);
 }

@@ -251,21 +251,16 @@ mod imp {
                     |b| _mm256_shuffle_epi8(table(&KVALUES_MXFP4), nibbles32(ld128(b, 1))),
                     |b: &[u8]| e8m0_to_f32_half(b[0]), |bl: &[u8]| e8m0x8(bl));
 
-                /// Q4_K / Q5_K share everything but the 5th bit: `qh_off` is the offset of `qh`
-                /// (None for Q4_K) and `qs_off` of the nibbles. `T` activation rows; per row the
+                /// Q4_K / Q5_K (`Q5`) share everything but the 5th bit. `T` activation rows; per row the
                 /// operation sequence does not depend on `T` (bit-identical results).
                 ///
                 /// # Safety
                 /// Requires the features of this module.
                 #[inline]
                 #[target_feature(enable = $feat)]
-                unsafe fn k45<const T: usize>(
-                    w: &[u8],
-                    xs: [&[u8]; T],
-                    ts: usize,
-                    qh_off: Option<usize>,
-                    qs_off: usize,
-                ) -> [f32; T] {
+                unsafe fn k45<const T: usize, const Q5: bool>(w: &[u8], xs: [&[u8]; T]) -> [f32; T] {
+                    // Q4_K: nibbles at 16..144; Q5_K: qh at 16..48, nibbles at 48..176.
+                    let (ts, qs_off) = if Q5 { (176, 48) } else { (144, 16) };
                     let nb = xs.iter().fold(w.len() / ts, |m, x| m.min(x.len() / 292));
                     let m4 = _mm512_set1_epi8(0xF);
                     let one = _mm256_set1_epi8(1);
@@ -283,8 +278,8 @@ mod imp {
                         let sm = _mm_set_epi32(u[3] as i32, u[2] as i32, u[1] as i32, u[0] as i32);
                         let sc16 = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm));
                         let mins2 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
-                        // SAFETY: qh (if any) is 32 bytes inside the block.
-                        let mut qh = qh_off.map(|o| unsafe { ld256(b, o) });
+                        // SAFETY: qh (Q5_K only) is bytes 16..48 of the block.
+                        let mut qh = if Q5 { unsafe { ld256(b, 16) } } else { _mm256_setzero_si256() };
                         let (d, dmin) = (f16c(b, 0), f16c(b, 2));
                         let mut wv = [_mm512_setzero_si512(); 4];
                         let mut sv = [_mm512_setzero_si512(); 4];
@@ -292,10 +287,10 @@ mod imp {
                             // SAFETY: nibbles at qs_off + 32c + 32 <= ts.
                             let q = unsafe { ld256(b, qs_off + 32 * c) };
                             let mut v = _mm512_and_si512(join(q, _mm256_srli_epi16(q, 4)), m4);
-                            if let Some(h) = qh.as_mut() {
-                                let hlo = _mm256_slli_epi16(_mm256_and_si256(*h, one), 4);
-                                let hhi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(*h, 1), one), 4);
-                                *h = _mm256_srli_epi16(*h, 2);
+                            if Q5 {
+                                let hlo = _mm256_slli_epi16(_mm256_and_si256(qh, one), 4);
+                                let hhi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4);
+                                qh = _mm256_srli_epi16(qh, 2);
                                 v = _mm512_or_si512(v, join(hlo, hhi));
                             }
                             wv[c] = v;
@@ -385,7 +380,7 @@ mod imp {
                 #[target_feature(enable = $feat)]
                 pub(crate) unsafe fn q4_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
                     // SAFETY: features present; Q4_K nibbles at 16..144.
-                    unsafe { k45::<1>(w, [x], 144, None, 16)[0] }
+                    unsafe { k45::<1, false>(w, [x])[0] }
                 }
 
                 /// # Safety
@@ -393,7 +388,7 @@ mod imp {
                 #[target_feature(enable = $feat)]
                 pub(crate) unsafe fn q4_k_q8_k_x4(w: &[u8], xs: [&[u8]; 4]) -> [f32; 4] {
                     // SAFETY: features present; Q4_K nibbles at 16..144.
-                    unsafe { k45::<4>(w, xs, 144, None, 16) }
+                    unsafe { k45::<4, false>(w, xs) }
                 }
 
                 /// # Safety
@@ -401,7 +396,7 @@ mod imp {
                 #[target_feature(enable = $feat)]
                 pub(crate) unsafe fn q5_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
                     // SAFETY: features present; Q5_K qh at 16..48, nibbles at 48..176.
-                    unsafe { k45::<1>(w, [x], 176, Some(16), 48)[0] }
+                    unsafe { k45::<1, true>(w, [x])[0] }
                 }
 
                 /// # Safety
@@ -409,7 +404,7 @@ mod imp {
                 #[target_feature(enable = $feat)]
                 pub(crate) unsafe fn q5_k_q8_k_x4(w: &[u8], xs: [&[u8]; 4]) -> [f32; 4] {
                     // SAFETY: features present; Q5_K qh at 16..48, nibbles at 48..176.
-                    unsafe { k45::<4>(w, xs, 176, Some(16), 48) }
+                    unsafe { k45::<4, true>(w, xs) }
                 }
 
                 /// # Safety

@@ -5,7 +5,23 @@
 //! * [`vec_dot_type`] / [`quantize_row`]: the activation format ggml pairs with each weight
 //!   type and the exact x86 quantiser llama.cpp runs (see [`act`] for the rounding analysis).
 //! * [`vec_dot`] / [`DotKernel`]: dot product of a weight row with a quantised activation row;
-//!   a scalar twin for every type and AVX2 / AVX-512 variants chosen at runtime.
+//!   a scalar twin for every type and AVX2 / AVX-512 variants chosen once at runtime.
+//!   [`DotKernel::dot4`] multiplies one weight row with 4 activation rows, decoding the weights
+//!   once (prefill), with results bit-identical to 4 [`DotKernel::dot`] calls.
+//!
+//! SIMD coverage (others use the scalar twin):
+//!
+//! | weight type                          | AVX2 | AVX2 dot4 | AVX-512 (+VNNI) | AVX-512 dot4 |
+//! |--------------------------------------|------|-----------|-----------------|--------------|
+//! | Q4_K, Q6_K                           | yes  | yes       | yes             | yes          |
+//! | Q5_K                                 | yes  | -         | yes             | yes          |
+//! | Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4      | yes  | yes       | yes             | yes          |
+//! | IQ4_XS                               | yes  | -         | (AVX2)          | -            |
+//! | F32, F16, BF16                       | yes  | -         | yes (no VNNI)   | -            |
+//! | Q4_1, Q5_1, Q2_K, Q3_K               | -    | -         | -               | -            |
+//!
+//! Integer parts of every SIMD kernel are exact (same i32 sums as the scalar twin); only the
+//! float accumulation order differs (tested to 1e-5 of sum |w x|).
 //!
 //! Block layouts are documented in [`blocks`].
 

@@ -46,7 +46,12 @@ impl DenseConfig {
     /// Check the values are usable.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(ModelError::Config(format!("{}: {m}", self.arch)));
-        if self.n_embd == 0 || self.n_layer == 0 || self.n_head == 0 || self.head_dim == 0 || self.n_vocab == 0 {
+        if self.n_embd == 0
+            || self.n_layer == 0
+            || self.n_head == 0
+            || self.head_dim == 0
+            || self.n_vocab == 0
+        {
             return bad("zero-sized dimension");
         }
         if self.n_head_kv == 0 || self.n_head % self.n_head_kv != 0 {
@@ -137,13 +142,22 @@ impl DenseModel {
         let (q_dim, kv_dim) = (cfg.n_head * hd, cfg.n_head_kv * hd);
         let vec_len = |name: &str, v: &[f32], n: usize| -> Result<()> {
             if v.len() != n {
-                return Err(ModelError::BadShape { name: name.to_string(), got: vec![v.len()], want: vec![n] });
+                return Err(ModelError::BadShape {
+                    name: name.to_string(),
+                    got: vec![v.len()],
+                    want: vec![n],
+                });
             }
             Ok(())
         };
         let shape = |w: &Weight, want: [usize; 2]| -> Result<()> {
+            w.check_matmul_type()?;
             if w.shape != want {
-                return Err(ModelError::BadShape { name: w.name.clone(), got: w.shape.clone(), want: want.to_vec() });
+                return Err(ModelError::BadShape {
+                    name: w.name.clone(),
+                    got: w.shape.clone(),
+                    want: want.to_vec(),
+                });
             }
             Ok(())
         };
@@ -153,7 +167,11 @@ impl DenseModel {
         }
         vec_len("output_norm", &out_norm, d)?;
         if layers.len() != cfg.n_layer {
-            return Err(ModelError::Config(format!("{} layers loaded, config says {}", layers.len(), cfg.n_layer)));
+            return Err(ModelError::Config(format!(
+                "{} layers loaded, config says {}",
+                layers.len(),
+                cfg.n_layer
+            )));
         }
         for (i, l) in layers.iter().enumerate() {
             vec_len(&format!("layer {i} attn_norm"), &l.attn_norm, d)?;
@@ -162,7 +180,11 @@ impl DenseModel {
             shape(&l.attn.wk, [kv_dim, d])?;
             shape(&l.attn.wv, [kv_dim, d])?;
             shape(&l.attn.wo, [d, q_dim])?;
-            for (n, b, len) in [("bq", &l.attn.bq, q_dim), ("bk", &l.attn.bk, kv_dim), ("bv", &l.attn.bv, kv_dim)] {
+            for (n, b, len) in [
+                ("bq", &l.attn.bq, q_dim),
+                ("bk", &l.attn.bk, kv_dim),
+                ("bv", &l.attn.bv, kv_dim),
+            ] {
                 if let Some(b) = b {
                     vec_len(&format!("layer {i} {n}"), b, len)?;
                 }
@@ -185,7 +207,16 @@ impl DenseModel {
             head_dim: hd,
         };
         let rope = Rope::new(hd, cfg.rope_theta);
-        Ok(DenseModel { cfg, spec, backend, tok_embd, layers, out_norm, output, rope })
+        Ok(DenseModel {
+            cfg,
+            spec,
+            backend,
+            tok_embd,
+            layers,
+            out_norm,
+            output,
+            rope,
+        })
     }
 
     /// The static spec.
@@ -205,11 +236,17 @@ impl DenseModel {
         for c in &batch.seqs {
             let last = batch.positions[c.start + c.len - 1] as usize;
             if last >= cache.n_ctx() {
-                return Err(ModelError::ContextFull { pos: last, n_ctx: cache.n_ctx() });
+                return Err(ModelError::ContextFull {
+                    pos: last,
+                    n_ctx: cache.n_ctx(),
+                });
             }
         }
         if let Some(&bad) = batch.tokens.iter().find(|&&t| t as usize >= cfg.n_vocab) {
-            return Err(ModelError::Batch(format!("token id {bad} out of range (vocab {})", cfg.n_vocab)));
+            return Err(ModelError::Batch(format!(
+                "token id {bad} out of range (vocab {})",
+                cfg.n_vocab
+            )));
         }
 
         let mut x = vec![0f32; n * d];
@@ -254,13 +291,21 @@ impl DenseModel {
             }
             for t in 0..n {
                 let c = &cs[t * np..(t + 1) * np];
-                self.rope.apply_neox(&mut q[t * q_dim..(t + 1) * q_dim], hd, c);
-                self.rope.apply_neox(&mut k[t * kv_dim..(t + 1) * kv_dim], hd, c);
+                self.rope
+                    .apply_neox(&mut q[t * q_dim..(t + 1) * q_dim], hd, c);
+                self.rope
+                    .apply_neox(&mut k[t * kv_dim..(t + 1) * kv_dim], hd, c);
             }
             for c in &batch.seqs {
                 let r = c.start..c.start + c.len;
                 let pos0 = batch.positions[c.start] as usize;
-                cache.write(il, c.slot, pos0, &k[r.start * kv_dim..r.end * kv_dim], &v[r.start * kv_dim..r.end * kv_dim])?;
+                cache.write(
+                    il,
+                    c.slot,
+                    pos0,
+                    &k[r.start * kv_dim..r.end * kv_dim],
+                    &v[r.start * kv_dim..r.end * kv_dim],
+                )?;
             }
             for c in &batch.seqs {
                 let r = c.start..c.start + c.len;
@@ -299,7 +344,11 @@ impl DenseModel {
         if !rows.is_empty() {
             be.matmul(&out_w.matrix()?, &hr, rows.len(), &mut data)?;
         }
-        Ok(Logits { n_vocab: cfg.n_vocab, rows: rows.clone(), data })
+        Ok(Logits {
+            n_vocab: cfg.n_vocab,
+            rows: rows.clone(),
+            data,
+        })
     }
 }
 

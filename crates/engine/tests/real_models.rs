@@ -1,0 +1,245 @@
+//! Real Qwen2.5-Coder-0.5B/1.5B-Instruct Q4_K_M GGUFs against llama.cpp's outputs on the same
+//! files (fixtures in tests/fixtures/real, made by tools/gen_llama_reference.py): tokenisation,
+//! chat-template rendering, prompt logits at every position, and 64 greedy tokens.
+//!
+//! Needs the weights: `KAPITSA_MODELS` must name the folder `scripts/fetch-weights.sh` fills.
+//! Without it the test is skipped, except under CI (`CI` set), where it fails.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kapitsa_backend::{Backend, CpuBackend};
+use kapitsa_base::pool::RayonPool;
+use kapitsa_engine::loader::{chat_template_for, tokenizer_for};
+use kapitsa_models::{load_model, BatchInputs, CausalLm, KvCache, KvType, LoadOptions};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/real")
+}
+
+fn model_path(file: &str) -> Option<PathBuf> {
+    let dir = std::env::var_os("KAPITSA_MODELS").map(PathBuf::from);
+    let p = dir.map(|d| d.join(file)).filter(|p| p.exists());
+    if p.is_none() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI: {file} not found under KAPITSA_MODELS"
+        );
+        eprintln!("skipping: {file} not found (set KAPITSA_MODELS to the folder scripts/fetch-weights.sh fills)");
+    }
+    p
+}
+
+fn read<T, const N: usize>(path: &Path, f: fn([u8; N]) -> T) -> Vec<T> {
+    let b = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    b.chunks_exact(N)
+        .map(|c| f(c.try_into().unwrap()))
+        .collect()
+}
+
+/// Logits for every position of `ids`, in chunks of `chunk` tokens, passed to `visit(pos, row)`.
+fn for_each_logits(
+    model: &dyn CausalLm,
+    ids: &[u32],
+    chunk: usize,
+    mut visit: impl FnMut(usize, &[f32]),
+) {
+    let mut cache = KvCache::for_model(model, 1, ids.len() + 80, KvType::F32).unwrap();
+    let mut pos = 0;
+    for c in ids.chunks(chunk) {
+        let l = model
+            .forward(
+                &BatchInputs::single(0, c, pos as u32, (0..c.len()).collect()),
+                &mut cache,
+            )
+            .unwrap();
+        for i in 0..c.len() {
+            visit(pos + i, l.row(i));
+        }
+        pos += c.len();
+    }
+}
+
+fn greedy(model: &dyn CausalLm, ids: &[u32], n: usize) -> Vec<u32> {
+    let mut cache = KvCache::for_model(model, 1, ids.len() + n + 1, KvType::F32).unwrap();
+    let mut out = Vec::new();
+    let mut pos = 0;
+    let mut last = Vec::new();
+    for c in ids.chunks(256) {
+        let l = model
+            .forward(
+                &BatchInputs::single(0, c, pos as u32, vec![c.len() - 1]),
+                &mut cache,
+            )
+            .unwrap();
+        pos += c.len();
+        last = l.row(0).to_vec();
+    }
+    while out.len() < n {
+        let t = kapitsa_kernels_cpu::ops::argmax(&last) as u32;
+        out.push(t);
+        if out.len() == n {
+            break;
+        }
+        let l = model
+            .forward(
+                &BatchInputs::single(0, &[t], pos as u32, vec![0]),
+                &mut cache,
+            )
+            .unwrap();
+        pos += 1;
+        last = l.row(0).to_vec();
+    }
+    out
+}
+
+fn top_k(row: &[f32], k: usize) -> Vec<u32> {
+    let mut idx: Vec<u32> = (0..row.len() as u32).collect();
+    idx.select_nth_unstable_by(k - 1, |&a, &b| row[b as usize].total_cmp(&row[a as usize]));
+    idx.truncate(k);
+    idx.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]));
+    idx
+}
+
+fn check_model(name: &str, file: &str) {
+    let Some(path) = model_path(file) else { return };
+    let fx: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join(format!("{name}.json"))).unwrap(),
+    )
+    .unwrap();
+    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(Box::new(RayonPool::new(0).unwrap())));
+    let m = load_model(&path, backend, &LoadOptions::default()).unwrap();
+    let model = &*m.model;
+    let tok = tokenizer_for(&m.source).unwrap();
+    let tmpl = chat_template_for(&m.source, &tok)
+        .unwrap()
+        .expect("chat template");
+    let n_vocab = fx["n_vocab"].as_u64().unwrap() as usize;
+    let topk = fx["topk"].as_u64().unwrap() as usize;
+    assert_eq!(model.spec().n_vocab, n_vocab);
+    let prompts = fx["prompts"].as_array().unwrap();
+    assert!(prompts.len() >= 10);
+    let mut failures = Vec::new();
+    for p in prompts {
+        let pname = p["name"].as_str().unwrap();
+        let text = p["text"].as_str().unwrap();
+        let ids: Vec<u32> = p["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        if p["chat"].as_bool().unwrap() {
+            let rendered = tmpl.render(&p["messages"], None, true, None).unwrap();
+            if rendered != text {
+                failures.push(format!("{pname}: chat template renders differently"));
+            }
+        }
+        let ours = tok.encode(text, true, true).unwrap();
+        if ours != ids {
+            failures.push(format!("{pname}: tokenisation differs from llama.cpp"));
+        }
+
+        // Prompt logits at every position, compared on llama.cpp's top-k ids.
+        let top_ids: Vec<i32> = read(
+            &fixtures().join(p["top_ids"].as_str().unwrap()),
+            i32::from_le_bytes,
+        );
+        let top_vals: Vec<f32> = read(
+            &fixtures().join(p["top_vals"].as_str().unwrap()),
+            f32::from_le_bytes,
+        );
+        let last: Vec<f32> = read(
+            &fixtures().join(p["last_logits"].as_str().unwrap()),
+            f32::from_le_bytes,
+        );
+        let mut max_d = 0f32;
+        let mut top5_agree = 0usize;
+        let mut top1_agree = 0usize;
+        let mut last_d = 0f32;
+        println!("== {name} / {pname}: {} tokens", ids.len());
+        for_each_logits(model, &ids, 128, |pos, row| {
+            let ti = &top_ids[pos * topk..(pos + 1) * topk];
+            let tv = &top_vals[pos * topk..(pos + 1) * topk];
+            let d = ti
+                .iter()
+                .zip(tv)
+                .map(|(&i, &v)| (row[i as usize] - v).abs())
+                .fold(0f32, f32::max);
+            let ours5 = top_k(row, 5);
+            let agree = ours5
+                .iter()
+                .filter(|t| ti[..5].contains(&(**t as i32)))
+                .count();
+            println!(
+                "  pos {pos:5}: max|d| {d:.4}  top-5 agreement {agree}/5  top-1 {}",
+                ours5[0] as i32 == ti[0]
+            );
+            max_d = max_d.max(d);
+            top5_agree += agree;
+            if ours5[0] as i32 == ti[0] {
+                top1_agree += 1;
+            }
+            if pos + 1 == ids.len() {
+                last_d = row
+                    .iter()
+                    .zip(&last)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+            }
+        });
+        let n = ids.len();
+        println!(
+            "{name}/{pname}: max|d| on llama.cpp top-{topk} {max_d:.4}, last row max|d| {last_d:.4}, top-5 agreement {:.2}%, top-1 agreement {:.2}%",
+            100.0 * top5_agree as f64 / (5 * n) as f64,
+            100.0 * top1_agree as f64 / n as f64
+        );
+        if max_d > 0.5 || last_d > 0.5 {
+            failures.push(format!(
+                "{pname}: logits differ by up to {max_d} (last row {last_d})"
+            ));
+        }
+        if (top1_agree as f64) < 0.98 * n as f64 {
+            failures.push(format!(
+                "{pname}: top-1 agrees at only {top1_agree}/{n} positions"
+            ));
+        }
+
+        let want: Vec<u32> = p["greedy"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let got = greedy(model, &ids, want.len());
+        let same = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
+        println!(
+            "{name}/{pname}: greedy tokens equal for {same}/{}",
+            want.len()
+        );
+        if got != want {
+            failures.push(format!(
+                "{pname}: greedy tokens diverge at {same}: ours {:?} vs llama.cpp {:?}",
+                &got[same..],
+                &want[same..]
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{name}:\n{}", failures.join("\n"));
+}
+
+#[test]
+fn qwen2_5_coder_0_5b_matches_llama_cpp() {
+    check_model(
+        "qwen2.5-coder-0.5b",
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    );
+}
+
+#[test]
+fn qwen2_5_coder_1_5b_matches_llama_cpp() {
+    check_model(
+        "qwen2.5-coder-1.5b",
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    );
+}
