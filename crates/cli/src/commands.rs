@@ -366,7 +366,7 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
     // (Special files such as /dev/null or a pipe are written directly.)
     let special = a.out.exists() && !a.out.is_file();
     let tmp = if special { a.out.clone() } else { a.out.with_extension("partial") };
-    let write = || -> Result<()> {
+    let mut write = || -> Result<()> {
         let mut f = std::io::BufWriter::new(
             std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?,
         );

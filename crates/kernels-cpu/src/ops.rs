@@ -5,37 +5,117 @@
 //! scalar reference, and the few places where accumulation order matters accumulate in f64 like
 //! ggml does (`ggml_float`).
 
-/// Sum of `a[i] * b[i]` with 16 independent f32 accumulators (vectorisable; deterministic for a
-/// given length). `a.len()` must equal `b.len()`.
+/// Sum of `a[i] * b[i]` (`a.len() == b.len()`), with the fastest variant this CPU has.
 #[inline]
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
+    #[cfg(target_arch = "x86_64")]
+    if kapitsa_base::CpuFeatures::get().avx512 {
+        // SAFETY: AVX-512F is available (checked at run time).
+        return unsafe { x86::dot_avx512(a, b) };
+    }
+    dot_f32_scalar(a, b)
+}
+
+/// Scalar twin of [`dot_f32`]: 16 independent accumulators (vectorisable, deterministic for a
+/// given length).
+pub fn dot_f32_scalar(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
     let ca = a.chunks_exact(16);
     let cb = b.chunks_exact(16);
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
         for i in 0..16 {
-            acc[i] = x[i].mul_add(y[i], acc[i]);
+            acc[i] += x[i] * y[i];
         }
     }
     let mut s = 0f32;
     for (x, y) in ra.iter().zip(rb) {
-        s = x.mul_add(*y, s);
+        s += x * y;
     }
-    let mut t = [0f32; 8];
-    for i in 0..8 {
-        t[i] = acc[i] + acc[i + 8];
-    }
-    (t[0] + t[4]) + (t[1] + t[5]) + (t[2] + t[6]) + (t[3] + t[7]) + s
+    acc.iter().sum::<f32>() + s
 }
 
-/// `y[i] += a * x[i]`.
+/// `y[i] += a * x[i]`, with the fastest variant this CPU has.
 #[inline]
 pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     debug_assert_eq!(x.len(), y.len());
+    #[cfg(target_arch = "x86_64")]
+    if kapitsa_base::CpuFeatures::get().avx512 {
+        // SAFETY: AVX-512F is available (checked at run time).
+        return unsafe { x86::axpy_avx512(a, x, y) };
+    }
+    axpy_scalar(a, x, y)
+}
+
+/// Scalar twin of [`axpy`].
+pub fn axpy_scalar(a: f32, x: &[f32], y: &mut [f32]) {
     for (yi, xi) in y.iter_mut().zip(x) {
-        *yi = a.mul_add(*xi, *yi);
+        *yi += a * *xi;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// AVX-512 dot product: two 16-lane FMA accumulators, scalar tail.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `a.len() == b.len()`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc0 = _mm512_setzero_ps();
+        let mut acc1 = _mm512_setzero_ps();
+        let mut i = 0;
+        // SAFETY (loads below): every access is at index < n, inside both slices.
+        while i + 32 <= n {
+            unsafe {
+                acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
+                acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i + 16)), _mm512_loadu_ps(pb.add(i + 16)), acc1);
+            }
+            i += 32;
+        }
+        if i + 16 <= n {
+            unsafe {
+                acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
+            }
+            i += 16;
+        }
+        let mut s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+        while i < n {
+            // SAFETY: i < n.
+            s += unsafe { *pa.add(i) * *pb.add(i) };
+            i += 1;
+        }
+        s
+    }
+
+    /// AVX-512 `y += a * x`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `x.len() == y.len()`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn axpy_avx512(a: f32, x: &[f32], y: &mut [f32]) {
+        let n = x.len().min(y.len());
+        let (px, py) = (x.as_ptr(), y.as_mut_ptr());
+        let va = _mm512_set1_ps(a);
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: i + 16 <= n, inside both slices.
+            unsafe {
+                let r = _mm512_fmadd_ps(va, _mm512_loadu_ps(px.add(i)), _mm512_loadu_ps(py.add(i)));
+                _mm512_storeu_ps(py.add(i), r);
+            }
+            i += 16;
+        }
+        while i < n {
+            // SAFETY: i < n.
+            unsafe { *py.add(i) += a * *px.add(i) };
+            i += 1;
+        }
     }
 }
 
@@ -46,7 +126,8 @@ pub fn rms_norm(x: &mut [f32], n: usize, w: &[f32], eps: f32, w_offset: f32) {
     debug_assert_eq!(w.len(), n);
     debug_assert_eq!(x.len() % n, 0);
     for row in x.chunks_exact_mut(n) {
-        let ss: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        // ggml squares in f32 and sums in f64.
+        let ss: f64 = row.iter().map(|&v| (v * v) as f64).sum();
         let mean = (ss / n as f64) as f32;
         let scale = 1.0 / (mean + eps).sqrt();
         for (v, &wi) in row.iter_mut().zip(w) {
@@ -166,6 +247,23 @@ pub fn argmax(x: &[f32]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn simd_twins_match_scalar() {
+        for n in [0usize, 1, 15, 16, 17, 31, 32, 33, 64, 131, 1000] {
+            let a: Vec<f32> = (0..n).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1).collect();
+            let b: Vec<f32> = (0..n).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.3).collect();
+            let scale: f32 = a.iter().zip(&b).map(|(x, y)| (x * y).abs()).sum::<f32>() + 1.0;
+            assert!((dot_f32(&a, &b) - dot_f32_scalar(&a, &b)).abs() <= 1e-5 * scale, "n={n}");
+            let mut y1 = b.clone();
+            let mut y2 = b.clone();
+            axpy(0.37, &a, &mut y1);
+            axpy_scalar(0.37, &a, &mut y2);
+            for (p, q) in y1.iter().zip(&y2) {
+                assert!((p - q).abs() <= 1e-6 * (1.0 + q.abs()), "n={n}");
+            }
+        }
+    }
 
     #[test]
     fn dot_matches_f64() {
