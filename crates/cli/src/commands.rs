@@ -365,7 +365,11 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
     // never leaves a partial or empty logits file behind.
     // (Special files such as /dev/null or a pipe are written directly.)
     let special = a.out.exists() && !a.out.is_file();
-    let tmp = if special { a.out.clone() } else { a.out.with_extension("partial") };
+    let tmp = if special {
+        a.out.clone()
+    } else {
+        a.out.with_extension("partial")
+    };
     let mut write = || -> Result<()> {
         let mut f = std::io::BufWriter::new(
             std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?,
@@ -373,15 +377,18 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
         let mut pos = 0;
         for chunk in ids.chunks(a.batch) {
             let rows = (0..chunk.len()).collect();
-            let out = model.forward(&BatchInputs::single(0, chunk, pos as u32, rows), &mut cache)?;
+            let out =
+                model.forward(&BatchInputs::single(0, chunk, pos as u32, rows), &mut cache)?;
             for v in &out.data {
                 f.write_all(&v.to_le_bytes())?;
             }
             pos += chunk.len();
         }
-        f.flush().with_context(|| format!("writing {}", tmp.display()))?;
+        f.flush()
+            .with_context(|| format!("writing {}", tmp.display()))?;
         if !special {
-            std::fs::rename(&tmp, &a.out).with_context(|| format!("writing {}", a.out.display()))?;
+            std::fs::rename(&tmp, &a.out)
+                .with_context(|| format!("writing {}", a.out.display()))?;
         }
         Ok(())
     };

@@ -109,6 +109,17 @@ pub fn attention(
         v.gather_head(n_ctx, n_head_kv, head_dim, kvh, &mut vf);
         // [n_tok, group, head_dim]
         let mut res = vec![0f32; n_tok * group * head_dim];
+        #[cfg(target_arch = "x86_64")]
+        if kapitsa_base::CpuFeatures::get().avx512 && head_dim % 16 == 0 {
+            // SAFETY: AVX-512F/DQ available (checked); shapes checked at entry.
+            unsafe {
+                x86::head_group(
+                    &kf, &vf, q, pos, kvh, group, n_head, head_dim, scale, &mut res,
+                )
+            };
+            *results[kvh].lock().unwrap_or_else(|e| e.into_inner()) = res;
+            return;
+        }
         let mut scores = vec![0f32; n_ctx];
         for (i, &p) in pos.iter().enumerate() {
             let n = p as usize + 1;
@@ -138,6 +149,95 @@ pub fn attention(
                 out[(i * n_head + h) * head_dim..(i * n_head + h + 1) * head_dim].copy_from_slice(
                     &res[(i * group + g) * head_dim..(i * group + g + 1) * head_dim],
                 );
+            }
+        }
+    }
+}
+
+/// AVX-512 attention of one KV head group, with ggml's operation order (see
+/// [`crate::vexp`] for why it matters): each score is one 16-lane FMA accumulation over the
+/// head dims reduced at the end; softmax uses the vectorised exp on 16-position chunks,
+/// sums chunk totals in f64 and scales by `(f32)(1/sum)`; each output dim is one 16-lane FMA
+/// accumulation over positions (zero-padded to a multiple of 16) reduced at the end.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f")]
+    fn dot_one_acc(a: &[f32], b: &[f32]) -> f32 {
+        let mut acc = _mm512_setzero_ps();
+        for (x, y) in a.chunks_exact(16).zip(b.chunks_exact(16)) {
+            // SAFETY: both chunks hold exactly 16 f32.
+            unsafe {
+                acc = _mm512_fmadd_ps(
+                    _mm512_loadu_ps(x.as_ptr()),
+                    _mm512_loadu_ps(y.as_ptr()),
+                    acc,
+                )
+            };
+        }
+        _mm512_reduce_add_ps(acc)
+    }
+
+    /// # Safety
+    /// AVX-512F and DQ must be available; `head_dim % 16 == 0`; `kf`/`vf` hold
+    /// `max(pos)+1` rows of `head_dim`; `q` and `res` as in [`super::attention`].
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512dq")]
+    pub unsafe fn head_group(
+        kf: &[f32],
+        vf: &[f32],
+        q: &[f32],
+        pos: &[u32],
+        kvh: usize,
+        group: usize,
+        n_head: usize,
+        head_dim: usize,
+        scale: f32,
+        res: &mut [f32],
+    ) {
+        let n_ctx = kf.len() / head_dim;
+        let n_pad = n_ctx.div_ceil(16) * 16;
+        // V transposed and zero padded: vt[d][j]
+        let mut vt = vec![0f32; head_dim * n_pad];
+        for j in 0..n_ctx {
+            for d in 0..head_dim {
+                vt[d * n_pad + j] = vf[j * head_dim + d];
+            }
+        }
+        let mut p = vec![0f32; n_pad];
+        for (i, &ps) in pos.iter().enumerate() {
+            let n = ps as usize + 1;
+            let m = n.div_ceil(16) * 16;
+            for g in 0..group {
+                let h = kvh * group + g;
+                let qh = &q[(i * n_head + h) * head_dim..(i * n_head + h + 1) * head_dim];
+                let mut max = f32::NEG_INFINITY;
+                for j in 0..n {
+                    let s = dot_one_acc(qh, &kf[j * head_dim..(j + 1) * head_dim]) * scale;
+                    p[j] = s;
+                    max = max.max(s);
+                }
+                for v in &mut p[..m] {
+                    *v -= max;
+                }
+                for v in &mut p[n..m] {
+                    *v = f32::NEG_INFINITY;
+                }
+                crate::vexp::exp_inplace(&mut p[..m]);
+                let mut sum = 0f64;
+                for c in p[..m].chunks_exact(16) {
+                    // SAFETY: the chunk holds exactly 16 f32.
+                    sum += _mm512_reduce_add_ps(unsafe { _mm512_loadu_ps(c.as_ptr()) }) as f64;
+                }
+                let inv = (1.0 / sum) as f32;
+                for v in &mut p[..m] {
+                    *v *= inv;
+                }
+                let o = &mut res[(i * group + g) * head_dim..(i * group + g + 1) * head_dim];
+                for (d, od) in o.iter_mut().enumerate() {
+                    *od = dot_one_acc(&vt[d * n_pad..d * n_pad + m], &p[..m]);
+                }
             }
         }
     }

@@ -7,6 +7,7 @@ pub mod attention;
 pub mod matmul;
 pub mod ops;
 pub mod quant;
+pub mod vexp;
 
 pub use matmul::{dequantize_rows, get_rows, matmul, matmul_scalar, matmul_with, QMatrix};
 pub use quant::{

@@ -73,14 +73,20 @@ mod x86 {
         // SAFETY (loads below): every access is at index < n, inside both slices.
         while i + 32 <= n {
             unsafe {
-                acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
-                acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i + 16)), _mm512_loadu_ps(pb.add(i + 16)), acc1);
+                acc0 =
+                    _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
+                acc1 = _mm512_fmadd_ps(
+                    _mm512_loadu_ps(pa.add(i + 16)),
+                    _mm512_loadu_ps(pb.add(i + 16)),
+                    acc1,
+                );
             }
             i += 32;
         }
         if i + 16 <= n {
             unsafe {
-                acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
+                acc0 =
+                    _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
             }
             i += 16;
         }
@@ -149,6 +155,7 @@ pub struct Rope {
     /// Number of rotated dims at the start of each head (`<= head_dim`).
     pub n_rot: usize,
     inv_freq: Vec<f64>,
+    theta_scale: f32,
 }
 
 impl Rope {
@@ -158,7 +165,11 @@ impl Rope {
         let inv_freq = (0..half)
             .map(|i| (theta as f64).powf(-2.0 * i as f64 / n_rot as f64))
             .collect();
-        Rope { n_rot, inv_freq }
+        Rope {
+            n_rot,
+            inv_freq,
+            theta_scale: theta.powf(-2.0 / n_rot as f32),
+        }
     }
 
     /// Number of (cos, sin) pairs per position: `n_rot / 2`.
@@ -166,14 +177,23 @@ impl Rope {
         self.n_rot / 2
     }
 
-    /// Fill `cs` (`n_rot / 2` entries) with `(cos, sin)` of `pos * inv_freq[i]`. Angles are
-    /// computed in f64 and rounded once, so the error stays at f32 rounding for any position.
+    /// Fill `cs` (`n_rot / 2` entries) with `(cos, sin)` of the angle of pair `i` at `pos`.
+    ///
+    /// The angles are computed as ggml does (`theta_i = pos * base^(-2i/n_rot)` by repeated
+    /// f32 multiplication, then f32 `cos`/`sin`) so rotated keys and queries match llama.cpp
+    /// to the last bit; the exact angles are in [`Rope::inv_freq`] for reference.
     pub fn table(&self, pos: u32, cs: &mut [(f32, f32)]) {
         debug_assert_eq!(cs.len(), self.n_pairs());
-        for (c, f) in cs.iter_mut().zip(&self.inv_freq) {
-            let t = pos as f64 * f;
-            *c = (t.cos() as f32, t.sin() as f32);
+        let mut theta = pos as f32;
+        for c in cs.iter_mut() {
+            *c = (theta.cos(), theta.sin());
+            theta *= self.theta_scale;
         }
+    }
+
+    /// Exact inverse frequency of pair `i`: `base^(-2i/n_rot)`.
+    pub fn inv_freq(&self, i: usize) -> f64 {
+        self.inv_freq[i]
     }
 
     /// Rotate every head of `x` (`[n_head, head_dim]`, one token) in place with the angles in
@@ -195,8 +215,14 @@ impl Rope {
     }
 }
 
-/// SwiGLU: `gate[i] = silu(gate[i]) * up[i]`.
+/// SwiGLU: `gate[i] = silu(gate[i]) * up[i]`, computed as ggml computes it
+/// ([`crate::vexp::swiglu`]).
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    crate::vexp::swiglu(gate, up)
+}
+
+/// Scalar twin of [`silu_mul`].
+pub fn silu_mul_scalar(gate: &mut [f32], up: &[f32]) {
     debug_assert_eq!(gate.len(), up.len());
     for (g, &u) in gate.iter_mut().zip(up) {
         *g = silu(*g) * u;
@@ -209,14 +235,14 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
-/// In-place softmax of one row; returns nothing. Max-subtracted; the sum is kept in f64.
+/// In-place softmax of one row. Max-subtracted; the sum is kept in f64.
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f64;
     for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v as f64;
+        *v -= max;
     }
+    crate::vexp::exp_inplace(x);
+    let sum: f64 = x.iter().map(|&v| v as f64).sum();
     let inv = (1.0 / sum) as f32;
     for v in x.iter_mut() {
         *v *= inv;
@@ -254,7 +280,10 @@ mod tests {
             let a: Vec<f32> = (0..n).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1).collect();
             let b: Vec<f32> = (0..n).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.3).collect();
             let scale: f32 = a.iter().zip(&b).map(|(x, y)| (x * y).abs()).sum::<f32>() + 1.0;
-            assert!((dot_f32(&a, &b) - dot_f32_scalar(&a, &b)).abs() <= 1e-5 * scale, "n={n}");
+            assert!(
+                (dot_f32(&a, &b) - dot_f32_scalar(&a, &b)).abs() <= 1e-5 * scale,
+                "n={n}"
+            );
             let mut y1 = b.clone();
             let mut y2 = b.clone();
             axpy(0.37, &a, &mut y1);
@@ -297,6 +326,24 @@ mod tests {
         assert_eq!(&x[4..], &[5.0, 6.0]);
         let n: f32 = x[..4].iter().map(|v| v * v).sum();
         assert!((n - 30.0).abs() < 1e-4);
+    }
+
+    #[test]
+    fn rope_table_is_close_to_exact_angles() {
+        let rope = Rope::new(64, 1e6);
+        let mut cs = vec![(0.0, 0.0); rope.n_pairs()];
+        for pos in [0u32, 1, 7, 100, 4095, 32767] {
+            rope.table(pos, &mut cs);
+            for (i, &(c, s)) in cs.iter().enumerate() {
+                let t = pos as f64 * rope.inv_freq(i);
+                // f32 angle accumulation: the error grows with the angle (ggml's method)
+                let tol = 1e-6 + t.abs() * 2e-6;
+                assert!(
+                    (c as f64 - t.cos()).abs() < tol && (s as f64 - t.sin()).abs() < tol,
+                    "pos {pos} pair {i}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -82,7 +82,9 @@ pub(crate) fn load_dense(
         let hf = |s: &str| format!("model.layers.{i}.{s}");
         let gg = |s: &str| format!("blk.{i}.{s}");
         let w = |h: &str, g: &str| src.weight(&name(hf(h), gg(g)));
-        let v = |h: &str, g: &str, len: usize| -> Result<Vec<f32>> { w(h, g)?.expect_shape(&[len])?.to_f32() };
+        let v = |h: &str, g: &str, len: usize| -> Result<Vec<f32>> {
+            w(h, g)?.expect_shape(&[len])?.to_f32()
+        };
         let ov = |h: &str, g: &str, len: usize, on: bool| -> Result<Option<Vec<f32>>> {
             if on {
                 v(h, g, len).map(Some)
