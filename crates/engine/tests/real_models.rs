@@ -259,6 +259,7 @@ fn qwen2_5_coder_0_5b_matches_llama_cpp() {
     check_model(
         "qwen2.5-coder-0.5b",
         "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        10,
     );
 }
 
@@ -267,5 +268,6 @@ fn qwen2_5_coder_1_5b_matches_llama_cpp() {
     check_model(
         "qwen2.5-coder-1.5b",
         "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        8,
     );
 }
