@@ -754,7 +754,7 @@ fn error_wrong_shape() {
         reshape: vec![("blk.1.attn_k.bias".into(), vec![64])],
         ..Default::default()
     });
-    assert_load_error(&p, &["bk"]);
+    assert_load_error(&p, &["blk.1.attn_k.bias"]);
     let (_d, p) = tiny(&ModelOpts {
         reshape: vec![("output.weight".into(), vec![N_VOCAB - 1, N_EMBD])],
         ..Default::default()

@@ -15,7 +15,7 @@ use std::ops::Range;
 
 use kapitsa_base::{GgmlType, ThreadPool};
 
-use crate::quant::{self, DotKernel, KernelError, SimdLevel};
+use crate::quant::{self, check_len, DotKernel, KernelError, SimdLevel};
 
 /// Tokens per tile for prefill: the quantised activations of a tile (`TOK_BLOCK` rows) should
 /// fit in L2 next to the weight chunk.
@@ -96,23 +96,6 @@ impl<T> SharedMut<T> {
     fn ptr(&self) -> *mut T {
         self.0
     }
-}
-
-fn check_len(
-    op: &'static str,
-    what: &'static str,
-    expected: usize,
-    got: usize,
-) -> Result<(), KernelError> {
-    if expected != got {
-        return Err(KernelError::BadLength {
-            op,
-            what,
-            expected,
-            got,
-        });
-    }
-    Ok(())
 }
 
 /// `y[t, r] = dot(W[r, :], x[t, :])` for `t < n_tok`, `r < w.n_out`, with the fastest kernels

@@ -236,6 +236,25 @@ impl Weight {
         self.shape.iter().product()
     }
 
+    /// Check that rows of this weight can be dequantised (embedding gathers).
+    pub fn check_dequant_type(&self) -> Result<()> {
+        let n_in = *self.shape.last().unwrap_or(&0);
+        let mut row = vec![0f32; n_in];
+        let ok = self.dtype.row_bytes(n_in).is_some_and(|rb| {
+            self.bytes()
+                .ok()
+                .and_then(|b| b.get(..rb))
+                .is_some_and(|b| {
+                    kapitsa_kernels_cpu::quant::dequantize_row(self.dtype, b, &mut row).is_ok()
+                })
+        });
+        if ok {
+            Ok(())
+        } else {
+            Err(ModelError::UnsupportedType(self.name.clone(), self.dtype))
+        }
+    }
+
     /// Check that matmuls can use this weight (a dot-product kernel exists for its type).
     pub fn check_matmul_type(&self) -> Result<()> {
         kapitsa_kernels_cpu::quant::vec_dot_type(self.dtype)

@@ -123,7 +123,8 @@ pub fn row_bytes(op: &'static str, ty: GgmlType, n: usize) -> Result<usize, Kern
     ty.row_bytes(n).ok_or(KernelError::Overflow { op })
 }
 
-fn check_len(
+/// Error unless `expected == got` (the length of `what` in `op`).
+pub(crate) fn check_len(
     op: &'static str,
     what: &'static str,
     expected: usize,

@@ -150,8 +150,12 @@ impl DenseModel {
             }
             Ok(())
         };
-        let shape = |w: &Weight, want: [usize; 2]| -> Result<()> {
-            w.check_matmul_type()?;
+        // Shape of a 2-D weight; `matmul`: it is used in matmuls, so its type needs a dot
+        // kernel (the embedding of an untied model is only gathered).
+        let shape_of = |w: &Weight, want: [usize; 2], matmul: bool| -> Result<()> {
+            if matmul {
+                w.check_matmul_type()?;
+            }
             if w.shape != want {
                 return Err(ModelError::BadShape {
                     name: w.name.clone(),
@@ -161,7 +165,9 @@ impl DenseModel {
             }
             Ok(())
         };
-        shape(&tok_embd, [cfg.n_vocab, d])?;
+        let shape = |w: &Weight, want: [usize; 2]| shape_of(w, want, true);
+        shape_of(&tok_embd, [cfg.n_vocab, d], output.is_none())?;
+        tok_embd.check_dequant_type()?;
         if let Some(o) = &output {
             shape(o, [cfg.n_vocab, d])?;
         }
