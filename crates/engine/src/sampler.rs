@@ -61,13 +61,13 @@ impl SamplingParams {
         if !self.temperature.is_finite() || self.temperature < 0.0 {
             return bad("temperature must be a finite number >= 0");
         }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+        if self.top_p.is_nan() || self.top_p <= 0.0 || self.top_p > 1.0 {
             return bad("top_p must be in (0, 1]");
         }
         if !(0.0..=1.0).contains(&self.min_p) {
             return bad("min_p must be in [0, 1]");
         }
-        if !(self.repetition_penalty > 0.0) || !self.repetition_penalty.is_finite() {
+        if !self.repetition_penalty.is_finite() || self.repetition_penalty <= 0.0 {
             return bad("repetition_penalty must be > 0");
         }
         if !self.presence_penalty.is_finite() || !self.frequency_penalty.is_finite() {

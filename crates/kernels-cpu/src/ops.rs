@@ -70,8 +70,8 @@ mod x86 {
         let mut acc0 = _mm512_setzero_ps();
         let mut acc1 = _mm512_setzero_ps();
         let mut i = 0;
-        // SAFETY (loads below): every access is at index < n, inside both slices.
         while i + 32 <= n {
+            // SAFETY: i + 32 <= n, so every load is inside both slices.
             unsafe {
                 acc0 =
                     _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
@@ -84,6 +84,7 @@ mod x86 {
             i += 32;
         }
         if i + 16 <= n {
+            // SAFETY: i + 16 <= n, so both loads are inside the slices.
             unsafe {
                 acc0 =
                     _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
@@ -201,7 +202,9 @@ impl Rope {
     /// `i < n_rot/2`; dims `n_rot..head_dim` pass through.
     pub fn apply_neox(&self, x: &mut [f32], head_dim: usize, cs: &[(f32, f32)]) {
         let half = self.n_rot / 2;
-        debug_assert!(self.n_rot <= head_dim && x.len() % head_dim == 0 && cs.len() == half);
+        debug_assert!(
+            self.n_rot <= head_dim && x.len().is_multiple_of(head_dim) && cs.len() == half
+        );
         for head in x.chunks_exact_mut(head_dim) {
             let (a, b) = head[..self.n_rot].split_at_mut(half);
             for i in 0..half {

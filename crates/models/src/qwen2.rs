@@ -30,7 +30,7 @@ pub(crate) fn dense_config(src: &ModelSource, arch: &str) -> Result<DenseConfig>
         .unwrap_or(n_head);
     let head_dim = hp
         .usize_opt("attention.key_length", "head_dim")?
-        .unwrap_or(if n_head > 0 { n_embd / n_head } else { 0 });
+        .unwrap_or(n_embd.checked_div(n_head).unwrap_or(0));
     let emb = src.weight(&tensor_name(
         src,
         "model.embed_tokens.weight",

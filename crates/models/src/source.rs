@@ -13,7 +13,9 @@ use kapitsa_kernels_cpu::matmul::QMatrix;
 
 use crate::{ModelError, Result};
 
-/// The opened model file(s).
+/// The opened model file(s). (One per loaded model, so the size difference between the
+/// variants does not matter.)
+#[allow(clippy::large_enum_variant)]
 pub enum SourceKind {
     /// A single GGUF file.
     Gguf(GgufFile),

@@ -122,7 +122,7 @@ impl Rng {
 /// f32 -> IEEE half bits (round half up; values below the normal range flush to zero).
 pub fn f16_bits(x: f32) -> u16 {
     let b = x.to_bits();
-    let sign = ((b >> 16) & 0x8000) as u32;
+    let sign = (b >> 16) & 0x8000;
     let exp = ((b >> 23) & 0xff) as i32 - 127 + 15;
     let mant = b & 0x7f_ffff;
     if exp <= 0 {

@@ -54,13 +54,17 @@ impl DenseConfig {
         {
             return bad("zero-sized dimension");
         }
-        if self.n_head_kv == 0 || self.n_head % self.n_head_kv != 0 {
+        if self.n_head_kv == 0 || !self.n_head.is_multiple_of(self.n_head_kv) {
             return bad("n_head must be a multiple of n_head_kv");
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return bad("head_dim must be even for RoPE");
         }
-        if !(self.rms_eps > 0.0) || !(self.rope_theta > 0.0) {
+        if self.rms_eps.is_nan()
+            || self.rms_eps <= 0.0
+            || self.rope_theta.is_nan()
+            || self.rope_theta <= 0.0
+        {
             return bad("rms_eps and rope_theta must be positive");
         }
         Ok(())
