@@ -88,6 +88,6 @@ pub fn chat_template_for(src: &ModelSource, tok: &Tokenizer) -> Result<Option<Ch
             .map(|b| String::from_utf8_lossy(&b).into_owned())
     };
     let bos = name(tok.bos_id());
-    let eos = name(tok.eog_ids().first().copied());
+    let eos = name(tok.eos_id());
     Ok(Some(ChatTemplate::new(&source, bos, eos)?))
 }
