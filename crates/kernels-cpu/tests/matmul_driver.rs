@@ -9,33 +9,8 @@ use kapitsa_kernels_cpu::{
     vec_dot_type, QMatrix, SimdLevel,
 };
 
-struct Rng(u64);
-impl Rng {
-    fn u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn f32(&mut self) -> f32 {
-        (self.u64() >> 40) as f32 / (1u64 << 24) as f32
-    }
-    fn normal(&mut self) -> f32 {
-        (0..4).map(|_| self.f32()).sum::<f32>() * 1.732 - 3.464
-    }
-}
-
-fn f16_fields(ty: GgmlType) -> &'static [usize] {
-    use GgmlType as T;
-    match ty {
-        T::Q4_0 | T::Q5_0 | T::Q8_0 | T::IQ4_NL | T::IQ4_XS => &[0],
-        T::Q4_1 | T::Q5_1 | T::Q4_K | T::Q5_K => &[0, 2],
-        T::Q2_K => &[80, 82],
-        T::Q3_K => &[108],
-        T::Q6_K => &[208],
-        _ => &[],
-    }
-}
+mod common;
+use common::{f16_fields, Rng};
 
 fn random_matrix(ty: GgmlType, n_out: usize, n_in: usize, rng: &mut Rng) -> Vec<u8> {
     let mut out = Vec::new();
