@@ -5,6 +5,9 @@
 
 use kapitsa_base::{CpuFeatures, ThreadPool};
 use kapitsa_kernels_cpu::attention::{self, AttnShape, KvSlice};
+use kapitsa_kernels_cpu::gdn::{self, GdnShape};
+use kapitsa_kernels_cpu::conv;
+use kapitsa_kernels_cpu::mamba2::{self, Mamba2Shape};
 use kapitsa_kernels_cpu::matmul::{self, QMatrix};
 use kapitsa_kernels_cpu::ops;
 
@@ -47,6 +50,55 @@ pub trait Backend: Send + Sync {
 
     /// `gate = silu(gate) * up`.
     fn silu_mul(&self, gate: &mut [f32], up: &[f32]);
+
+    /// Depthwise causal conv1d of `t` rows of `c` channels with a carried window of the last
+    /// `k - 1` input rows (see [`kapitsa_kernels_cpu::conv::conv1d_causal`]).
+    #[allow(clippy::too_many_arguments)]
+    fn conv1d_causal(
+        &self,
+        x: &[f32],
+        t: usize,
+        c: usize,
+        k: usize,
+        w: &[f32],
+        bias: Option<&[f32]>,
+        state: &mut [f32],
+        silu: bool,
+        out: &mut [f32],
+    );
+
+    /// Gated DeltaNet recurrence over one sequence's tokens (see
+    /// [`kapitsa_kernels_cpu::gdn::gdn`]); `keep` receives the state after every position.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn(
+        &self,
+        shape: &GdnShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        g: &[f32],
+        beta: &[f32],
+        state: &mut [f32],
+        out: &mut [f32],
+        keep: Option<&mut [f32]>,
+    );
+
+    /// Mamba2 SSD scan over one sequence's tokens (see
+    /// [`kapitsa_kernels_cpu::mamba2::mamba2`]); `keep` receives the state after every position.
+    #[allow(clippy::too_many_arguments)]
+    fn mamba2(
+        &self,
+        shape: &Mamba2Shape,
+        x: &[f32],
+        dt: &[f32],
+        a: &[f32],
+        b: &[f32],
+        c: &[f32],
+        d: &[f32],
+        state: &mut [f32],
+        y: &mut [f32],
+        keep: Option<&mut [f32]>,
+    );
 }
 
 /// The CPU backend: kernels from `kapitsa-kernels-cpu` on a thread pool.
@@ -101,5 +153,51 @@ impl Backend for CpuBackend {
 
     fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {
         ops::silu_mul(gate, up)
+    }
+
+    fn conv1d_causal(
+        &self,
+        x: &[f32],
+        t: usize,
+        c: usize,
+        k: usize,
+        w: &[f32],
+        bias: Option<&[f32]>,
+        state: &mut [f32],
+        silu: bool,
+        out: &mut [f32],
+    ) {
+        conv::conv1d_causal(&*self.pool, x, t, c, k, w, bias, state, silu, out)
+    }
+
+    fn gdn(
+        &self,
+        shape: &GdnShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        g: &[f32],
+        beta: &[f32],
+        state: &mut [f32],
+        out: &mut [f32],
+        keep: Option<&mut [f32]>,
+    ) {
+        gdn::gdn(&*self.pool, shape, q, k, v, g, beta, state, out, keep)
+    }
+
+    fn mamba2(
+        &self,
+        shape: &Mamba2Shape,
+        x: &[f32],
+        dt: &[f32],
+        a: &[f32],
+        b: &[f32],
+        c: &[f32],
+        d: &[f32],
+        state: &mut [f32],
+        y: &mut [f32],
+        keep: Option<&mut [f32]>,
+    ) {
+        mamba2::mamba2(&*self.pool, shape, x, dt, a, b, c, d, state, y, keep)
     }
 }

@@ -62,10 +62,20 @@ impl SlotCache {
     /// Length of the longest common prefix of `slot`'s stored tokens and `prompt`; those
     /// positions need no recomputation. Capped at `prompt.len() - 1` so the last prompt token
     /// is always run (its logits are needed).
+    ///
+    /// Models with recurrent layers cannot rewind their state: there the slot is reusable
+    /// only when everything it holds is a prefix of `prompt` (and the state is intact);
+    /// otherwise the answer is 0 and the prompt is recomputed from the start.
     pub fn reusable_prefix(&self, slot: usize, prompt: &[u32]) -> usize {
         let have = self.tokens(slot);
         let n = have.iter().zip(prompt).take_while(|(a, b)| a == b).count();
-        n.min(prompt.len().saturating_sub(1))
+        let n = n.min(prompt.len().saturating_sub(1));
+        if self.kv.has_recurrent()
+            && (n != have.len() || self.kv.recurrent_pos(slot) != Some(have.len()))
+        {
+            return 0;
+        }
+        n
     }
 
     /// The storage, for forward passes.

@@ -4,6 +4,9 @@
 //! row gathers.
 
 pub mod attention;
+pub mod conv;
+pub mod gdn;
+pub mod mamba2;
 pub mod matmul;
 pub mod ops;
 pub mod quant;

@@ -4,18 +4,22 @@
 //! ([`CausalLm::forward`]); the engine owns the batch and the cache (DESIGN.md §4).
 
 pub mod batch;
+pub mod common;
 pub mod config;
 pub mod error;
 pub mod kv;
 pub mod layers;
+pub mod nemotron_h;
 pub mod qwen2;
 pub mod qwen3;
+pub mod qwen35;
+pub mod qwen3moe;
 pub mod registry;
 pub mod source;
 
 pub use batch::{BatchInputs, Logits, SeqChunk};
 pub use error::{ModelError, Result};
-pub use kv::{KvCache, KvType};
+pub use kv::{KvCache, KvType, RecurrentSnapshot};
 pub use registry::{load_model, LoadOptions, LoadedModel};
 pub use source::{ModelSource, Weight};
 
@@ -24,6 +28,30 @@ pub use source::{ModelSource, Weight};
 pub enum LayerKind {
     /// Softmax attention with a KV cache.
     Attention,
+    /// A recurrent mixer (Gated DeltaNet, Mamba2) with fixed-size per-sequence state.
+    Recurrent(RecurrentShape),
+    /// No per-sequence state (a block that is only an MLP or MoE).
+    Stateless,
+}
+
+/// Per-sequence state of one recurrent layer, all f32: a causal-conv window of the last
+/// `conv_kernel - 1` input rows of `conv_channels` values, and `state_len` values of the
+/// recurrent (SSM / delta-rule) state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecurrentShape {
+    /// Channels the causal conv1d runs over.
+    pub conv_channels: usize,
+    /// Conv kernel width (the state keeps `conv_kernel - 1` rows).
+    pub conv_kernel: usize,
+    /// Values of the recurrent state (e.g. heads x dk x dv).
+    pub state_len: usize,
+}
+
+impl RecurrentShape {
+    /// Values of the conv window: `(conv_kernel - 1) * conv_channels`.
+    pub fn conv_len(&self) -> usize {
+        self.conv_kernel.saturating_sub(1) * self.conv_channels
+    }
 }
 
 /// Static facts about a loaded model that the engine and cache need.
@@ -49,6 +77,14 @@ impl ModelSpec {
         self.layers
             .iter()
             .filter(|k| **k == LayerKind::Attention)
+            .count()
+    }
+
+    /// Number of layers with recurrent state.
+    pub fn n_recurrent_layers(&self) -> usize {
+        self.layers
+            .iter()
+            .filter(|k| matches!(k, LayerKind::Recurrent(_)))
             .count()
     }
 }

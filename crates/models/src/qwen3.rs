@@ -8,21 +8,20 @@ use std::sync::Arc;
 
 use kapitsa_backend::Backend;
 
-use crate::layers::dense::DenseModel;
-use crate::qwen2::{dense_config, load_dense};
+use crate::layers::decoder::Decoder;
+use crate::qwen2::load_dense;
 use crate::{BatchInputs, CausalLm, KvCache, Logits, ModelSource, ModelSpec, Result};
 
 /// A loaded Qwen3 model.
 pub struct Qwen3 {
-    inner: DenseModel,
+    inner: Decoder,
 }
 
 impl Qwen3 {
     /// Load from a GGUF file (arch `qwen3`) or an HF directory (`model_type` `qwen3`).
     pub fn load(src: &ModelSource, backend: Arc<dyn Backend>) -> Result<Qwen3> {
-        let cfg = dense_config(src, "qwen3")?;
         Ok(Qwen3 {
-            inner: load_dense(src, cfg, backend, false, true)?,
+            inner: load_dense(src, "qwen3", backend, false, true)?,
         })
     }
 }

@@ -18,6 +18,21 @@ const REGISTRY: &[(&str, LoadFn)] = &[
     ("qwen3", |s, b| {
         Ok(Arc::new(crate::qwen3::Qwen3::load(s, b)?))
     }),
+    ("qwen3moe", |s, b| {
+        Ok(Arc::new(crate::qwen3moe::Qwen3Moe::load(s, b)?))
+    }),
+    ("qwen35moe", |s, b| {
+        Ok(Arc::new(crate::qwen35::Qwen35::load(s, b, true)?))
+    }),
+    ("qwen35", |s, b| {
+        Ok(Arc::new(crate::qwen35::Qwen35::load(s, b, false)?))
+    }),
+    ("nemotron_h", |s, b| {
+        Ok(Arc::new(crate::nemotron_h::NemotronH::load(s, b)?))
+    }),
+    ("nemotron_h_moe", |s, b| {
+        Ok(Arc::new(crate::nemotron_h::NemotronH::load(s, b)?))
+    }),
 ];
 
 /// Names of the supported architectures.

@@ -86,8 +86,8 @@ impl ModelSource {
                     .ok_or_else(|| ModelError::Config("config.json has no model_type".into()))?;
                 Ok(match mt {
                     "qwen3_moe" => "qwen3moe",
-                    "qwen3_5_moe" => "qwen35moe",
-                    "qwen3_5" => "qwen35",
+                    "qwen3_5_moe" | "qwen3_5_moe_text" => "qwen35moe",
+                    "qwen3_5" | "qwen3_5_text" => "qwen35",
                     other => other,
                 }
                 .to_string())
@@ -277,6 +277,38 @@ impl Weight {
             n_out,
             n_in,
             data: self.bytes()?,
+        })
+    }
+
+    /// Rows `rows` of expert `e` of a 3-D weight `[n_expert, n_rows, n_in]` (stacked experts)
+    /// as a matrix `[rows.len(), n_in]`; the bytes are a sub-slice of the tensor.
+    pub fn expert_matrix(&self, e: usize, rows: std::ops::Range<usize>) -> Result<QMatrix<'_>> {
+        let [n_exp, n_rows, n_in] = self.shape[..] else {
+            return Err(ModelError::Config(format!(
+                "tensor '{}' is not 3-D: {:?}",
+                self.name, self.shape
+            )));
+        };
+        if e >= n_exp || rows.start > rows.end || rows.end > n_rows {
+            return Err(ModelError::Config(format!(
+                "expert {e} rows {rows:?} out of range for '{}' {:?}",
+                self.name, self.shape
+            )));
+        }
+        let rb = self
+            .dtype
+            .row_bytes(n_in)
+            .ok_or_else(|| ModelError::UnsupportedType(self.name.clone(), self.dtype))?;
+        let first = e * n_rows + rows.start;
+        let data = self
+            .bytes()?
+            .get(first * rb..(first + rows.len()) * rb)
+            .ok_or_else(|| ModelError::MissingTensor(self.name.clone()))?;
+        Ok(QMatrix {
+            dtype: self.dtype,
+            n_out: rows.len(),
+            n_in,
+            data,
         })
     }
 

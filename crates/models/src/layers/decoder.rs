@@ -1,0 +1,254 @@
+//! The generic pre-norm residual decoder every supported architecture is an instance of:
+//! `x = embed(tokens)`, then for each block `x = x + op(rmsnorm(x))`, then the final norm and the
+//! output projection on the rows whose logits are asked for.
+//!
+//! A Qwen layer is two blocks with the same layer index (mixer, then FFN); a Nemotron-H layer is
+//! one block (a mixer or an FFN). The cache is indexed by layer; the layer kinds of
+//! [`ModelSpec`] follow from the blocks' ops.
+//!
+//! Activations are row-major `[n_tokens, n_embd]` f32 over the whole batch; attention and the
+//! recurrent mixers work per sequence inside their ops.
+
+use std::sync::Arc;
+
+use kapitsa_backend::Backend;
+use kapitsa_kernels_cpu::ops::add_inplace;
+
+use crate::layers::attention::Attention;
+use crate::layers::ffn::Ffn;
+use crate::layers::gdn::GatedDeltaNet;
+use crate::layers::mamba2::Mamba2;
+use crate::layers::{check_matrix, check_vec, Step};
+use crate::{BatchInputs, KvCache, LayerKind, Logits, ModelError, ModelSpec, Result, Weight};
+
+/// What a block computes.
+// Blocks are few (two per layer), so variant size differences do not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub enum BlockOp {
+    /// Softmax attention (KV cache).
+    Attention(Attention),
+    /// Gated DeltaNet (recurrent state).
+    Gdn(GatedDeltaNet),
+    /// Mamba2 (recurrent state).
+    Mamba2(Mamba2),
+    /// MLP or MoE (no state).
+    Ffn(Ffn),
+}
+
+/// One residual block: `x += op(rmsnorm(x, norm))`.
+#[derive(Debug)]
+pub struct Block {
+    /// Model layer (cache index) this block belongs to.
+    pub layer: usize,
+    /// Pre-norm weight `[n_embd]` (already including any `1 + w` offset).
+    pub norm: Vec<f32>,
+    /// The op.
+    pub op: BlockOp,
+}
+
+/// Everything but the blocks.
+pub struct DecoderParts {
+    /// Architecture name (GGUF spelling).
+    pub arch: String,
+    /// Training context.
+    pub n_ctx_train: usize,
+    /// Number of model layers (cache entries); blocks refer to `0..n_layer`.
+    pub n_layer: usize,
+    /// RMSNorm epsilon of the block and final norms.
+    pub rms_eps: f32,
+    /// Embedding `[n_vocab, n_embd]`.
+    pub tok_embd: Weight,
+    /// Final norm `[n_embd]`.
+    pub out_norm: Vec<f32>,
+    /// Output projection `[n_vocab, n_embd]`; `None` when tied to the embedding.
+    pub output: Option<Weight>,
+}
+
+/// A whole model.
+pub struct Decoder {
+    spec: ModelSpec,
+    backend: Arc<dyn Backend>,
+    n_embd: usize,
+    rms_eps: f32,
+    tok_embd: Weight,
+    blocks: Vec<Block>,
+    out_norm: Vec<f32>,
+    output: Option<Weight>,
+}
+
+impl Decoder {
+    /// Assemble and check a model.
+    pub fn new(p: DecoderParts, blocks: Vec<Block>, backend: Arc<dyn Backend>) -> Result<Decoder> {
+        let [n_vocab, d] = p.tok_embd.shape[..] else {
+            return Err(ModelError::BadShape {
+                name: p.tok_embd.name.clone(),
+                got: p.tok_embd.shape.clone(),
+                want: vec![0, 0],
+            });
+        };
+        if n_vocab == 0 || d == 0 {
+            return Err(ModelError::Config(format!("{}: zero-sized embedding", p.arch)));
+        }
+        if p.rms_eps.is_nan() || p.rms_eps <= 0.0 {
+            return Err(ModelError::Config(format!("{}: rms_eps must be positive", p.arch)));
+        }
+        p.tok_embd.check_dequant_type()?;
+        match &p.output {
+            Some(o) => check_matrix(o, [n_vocab, d])?,
+            None => check_matrix(&p.tok_embd, [n_vocab, d])?,
+        }
+        check_vec("output_norm", &p.out_norm, d)?;
+
+        let mut layers = vec![LayerKind::Stateless; p.n_layer];
+        let mut attn_dims: Option<(usize, usize)> = None;
+        for b in &blocks {
+            if b.layer >= p.n_layer {
+                return Err(ModelError::Config(format!(
+                    "block of layer {} in a {}-layer model",
+                    b.layer, p.n_layer
+                )));
+            }
+            check_vec(&format!("layer {} norm", b.layer), &b.norm, d)?;
+            let kind = match &b.op {
+                BlockOp::Attention(a) => {
+                    a.validate(d, b.layer)?;
+                    let dims = (a.n_head_kv, a.head_dim);
+                    if attn_dims.is_some_and(|x| x != dims) {
+                        return Err(ModelError::Config(
+                            "attention layers disagree on KV heads / head_dim".into(),
+                        ));
+                    }
+                    attn_dims = Some(dims);
+                    Some(LayerKind::Attention)
+                }
+                BlockOp::Gdn(g) => {
+                    g.validate(d, b.layer)?;
+                    Some(LayerKind::Recurrent(g.recurrent_shape()))
+                }
+                BlockOp::Mamba2(m) => {
+                    m.validate(d, b.layer)?;
+                    Some(LayerKind::Recurrent(m.recurrent_shape()))
+                }
+                BlockOp::Ffn(f) => {
+                    f.validate(d)?;
+                    None
+                }
+            };
+            if let Some(kind) = kind {
+                if layers[b.layer] != LayerKind::Stateless {
+                    return Err(ModelError::Config(format!(
+                        "layer {} has two mixers",
+                        b.layer
+                    )));
+                }
+                layers[b.layer] = kind;
+            }
+        }
+        let (n_head_kv, head_dim) = attn_dims.unwrap_or((0, 0));
+        let spec = ModelSpec {
+            arch: p.arch,
+            n_vocab,
+            n_ctx_train: p.n_ctx_train,
+            layers,
+            n_head_kv,
+            head_dim,
+        };
+        Ok(Decoder {
+            spec,
+            backend,
+            n_embd: d,
+            rms_eps: p.rms_eps,
+            tok_embd: p.tok_embd,
+            blocks,
+            out_norm: p.out_norm,
+            output: p.output,
+        })
+    }
+
+    /// The static spec.
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// The blocks (for inspection and tests).
+    pub fn blocks(&self) -> &[Block] {
+        &self.blocks
+    }
+
+    /// Forward pass over a batch (see [`crate::CausalLm::forward`]).
+    pub fn forward(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
+        batch.validate(cache.n_slots())?;
+        let be = &*self.backend;
+        let n = batch.n_tokens();
+        let d = self.n_embd;
+        let n_vocab = self.spec.n_vocab;
+        for c in &batch.seqs {
+            let last = batch.positions[c.start + c.len - 1] as usize;
+            if last >= cache.n_ctx() {
+                return Err(ModelError::ContextFull {
+                    pos: last,
+                    n_ctx: cache.n_ctx(),
+                });
+            }
+        }
+        if let Some(&bad) = batch.tokens.iter().find(|&&t| t as usize >= n_vocab) {
+            return Err(ModelError::Batch(format!(
+                "token id {bad} out of range (vocab {n_vocab})"
+            )));
+        }
+        if cache.has_recurrent() {
+            // Check every chunk first so a bad one leaves the others' states untouched.
+            for c in &batch.seqs {
+                let pos0 = batch.positions[c.start] as usize;
+                if pos0 != 0 && cache.recurrent_pos(c.slot) != Some(pos0) {
+                    // begin_recurrent produces the descriptive error.
+                    cache.begin_recurrent(c.slot, pos0)?;
+                }
+            }
+            for c in &batch.seqs {
+                cache.begin_recurrent(c.slot, batch.positions[c.start] as usize)?;
+            }
+        }
+
+        let mut x = vec![0f32; n * d];
+        be.get_rows(&self.tok_embd.matrix()?, &batch.tokens, &mut x)?;
+        let mut h = vec![0f32; n * d];
+        let mut o = vec![0f32; n * d];
+        let mut st = Step { be, batch, cache };
+        for b in &self.blocks {
+            h.copy_from_slice(&x);
+            be.rms_norm(&mut h, d, &b.norm, self.rms_eps, 0.0);
+            match &b.op {
+                BlockOp::Attention(a) => a.forward(&mut st, b.layer, &h, &mut o)?,
+                BlockOp::Gdn(g) => g.forward(&mut st, b.layer, &h, &mut o)?,
+                BlockOp::Mamba2(m) => m.forward(&mut st, b.layer, &h, &mut o)?,
+                BlockOp::Ffn(f) => f.forward(be, &h, n, &mut o)?,
+            }
+            add_inplace(&mut x, &o);
+        }
+        if st.cache.has_recurrent() {
+            for c in &batch.seqs {
+                let end = batch.positions[c.start + c.len - 1] as usize + 1;
+                st.cache.end_recurrent(c.slot, end);
+            }
+        }
+
+        let rows = &batch.logit_rows;
+        let mut hr = vec![0f32; rows.len() * d];
+        for (i, &r) in rows.iter().enumerate() {
+            hr[i * d..(i + 1) * d].copy_from_slice(&x[r * d..(r + 1) * d]);
+        }
+        be.rms_norm(&mut hr, d, &self.out_norm, self.rms_eps, 0.0);
+        let out_w = self.output.as_ref().unwrap_or(&self.tok_embd);
+        let mut data = vec![0f32; rows.len() * n_vocab];
+        if !rows.is_empty() {
+            be.matmul(&out_w.matrix()?, &hr, rows.len(), &mut data)?;
+        }
+        Ok(Logits {
+            n_vocab,
+            rows: rows.clone(),
+            data,
+        })
+    }
+}

@@ -1,0 +1,476 @@
+//! Feed-forward blocks: a dense MLP (SwiGLU or squared ReLU) and a routed mixture of experts.
+//!
+//! MoE execution: the router runs once for the whole batch; every token picks `top_k` experts;
+//! the (token, slot) pairs are grouped by expert so each active expert's weights are read once
+//! per step, over a gathered `[m, d]` block of its tokens; inactive experts cost nothing. Expert
+//! outputs are combined per token in top-k slot order, weighted by the routing weights.
+//!
+//! References: transformers `Qwen3_5MoeSparseMoeBlock`, `Qwen3MoeSparseMoeBlock`,
+//! `NemotronHMoE` / `NemotronHTopkRouter`; llama.cpp `build_moe_ffn`.
+
+use kapitsa_backend::Backend;
+use kapitsa_kernels_cpu::matmul::QMatrix;
+
+use crate::layers::{check_experts, check_matrix, check_vec, sigmoid};
+use crate::{ModelError, Result, Weight};
+
+/// Activation of an MLP / expert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Act {
+    /// `down(silu(gate x) * up x)`.
+    SwiGlu,
+    /// `down(relu(up x)^2)` (Nemotron-H).
+    Relu2,
+}
+
+/// A dense MLP. `gate` is present for SwiGLU and absent for squared ReLU.
+#[derive(Debug)]
+pub struct Mlp {
+    /// `[n_ff, n_in]` (SwiGLU only).
+    pub gate: Option<Weight>,
+    /// `[n_ff, n_in]`.
+    pub up: Weight,
+    /// `[n_out, n_ff]`.
+    pub down: Weight,
+    /// Activation.
+    pub act: Act,
+}
+
+impl Mlp {
+    /// Check shapes: input width `n_in`, output width `n_out`.
+    pub fn validate(&self, n_in: usize, n_out: usize) -> Result<()> {
+        let n_ff = self.up.shape.first().copied().unwrap_or(0);
+        check_matrix(&self.up, [n_ff, n_in])?;
+        check_matrix(&self.down, [n_out, n_ff])?;
+        match (&self.gate, self.act) {
+            (Some(g), Act::SwiGlu) => check_matrix(g, [n_ff, n_in]),
+            (None, Act::Relu2) => Ok(()),
+            _ => Err(ModelError::Config(format!(
+                "MLP '{}': gate projection does not match activation {:?}",
+                self.up.name, self.act
+            ))),
+        }
+    }
+
+    /// `out[n, n_out] = mlp(x[n, n_in])`.
+    pub fn forward(&self, be: &dyn Backend, x: &[f32], n: usize, out: &mut [f32]) -> Result<()> {
+        let gate = self.gate.as_ref().map(|g| g.matrix()).transpose()?;
+        run_mlp(
+            be,
+            gate.as_ref(),
+            &self.up.matrix()?,
+            &self.down.matrix()?,
+            self.act,
+            x,
+            n,
+            out,
+        )
+    }
+}
+
+/// One MLP over borrowed matrices (dense layers and single experts alike).
+#[allow(clippy::too_many_arguments)]
+fn run_mlp(
+    be: &dyn Backend,
+    gate: Option<&QMatrix<'_>>,
+    up: &QMatrix<'_>,
+    down: &QMatrix<'_>,
+    act: Act,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+) -> Result<()> {
+    let n_ff = up.n_out;
+    let mut u = vec![0f32; n * n_ff];
+    be.matmul(up, x, n, &mut u)?;
+    match (act, gate) {
+        (Act::SwiGlu, Some(g)) => {
+            let mut gv = vec![0f32; n * n_ff];
+            be.matmul(g, x, n, &mut gv)?;
+            be.silu_mul(&mut gv, &u);
+            u = gv;
+        }
+        (Act::Relu2, _) => {
+            for v in u.iter_mut() {
+                let r = v.max(0.0);
+                *v = r * r;
+            }
+        }
+        (Act::SwiGlu, None) => {
+            return Err(ModelError::Config(
+                "SwiGLU MLP without a gate projection".into(),
+            ))
+        }
+    }
+    be.matmul(down, &u, n, out)?;
+    Ok(())
+}
+
+/// How router logits become expert scores.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Gating {
+    /// `softmax(logits)`; selection and weights both use the probabilities (Qwen).
+    Softmax,
+    /// `sigmoid(logits)`; experts are selected by `score + bias` but weighted by `score`
+    /// (Nemotron-H's `e_score_correction_bias`).
+    Sigmoid {
+        /// Selection-only bias `[n_expert]`.
+        bias: Option<Vec<f32>>,
+    },
+}
+
+/// Storage of the routed experts' weights.
+#[derive(Debug)]
+pub enum Experts {
+    /// Stacked 3-D tensors (GGUF `ffn_*_exps`, MLX `switch_mlp`): gate and up `[E, I, n_in]`
+    /// (gate absent for squared-ReLU experts), down `[E, n_out, I]`.
+    Stacked {
+        /// `[E, I, n_in]`.
+        gate: Option<Weight>,
+        /// `[E, I, n_in]`.
+        up: Weight,
+        /// `[E, n_out, I]`.
+        down: Weight,
+    },
+    /// HF fused layout: `gate_up [E, 2I, n_in]` (rows `0..I` gate, `I..2I` up), down
+    /// `[E, n_out, I]`.
+    FusedGateUp {
+        /// `[E, 2I, n_in]`.
+        gate_up: Weight,
+        /// `[E, n_out, I]`.
+        down: Weight,
+    },
+    /// One 2-D MLP per expert (HF `experts.{e}.*`).
+    PerExpert(Vec<Mlp>),
+}
+
+/// Matrices of one expert.
+struct ExpertMats<'a> {
+    gate: Option<QMatrix<'a>>,
+    up: QMatrix<'a>,
+    down: QMatrix<'a>,
+}
+
+impl Experts {
+    fn count(&self) -> usize {
+        match self {
+            Experts::Stacked { up, .. } => up.shape.first().copied().unwrap_or(0),
+            Experts::FusedGateUp { gate_up, .. } => gate_up.shape.first().copied().unwrap_or(0),
+            Experts::PerExpert(v) => v.len(),
+        }
+    }
+
+    fn validate(&self, n_exp: usize, n_ff: usize, n_in: usize, n_out: usize, act: Act) -> Result<()> {
+        match self {
+            Experts::Stacked { gate, up, down } => {
+                check_experts(up, [n_exp, n_ff, n_in])?;
+                check_experts(down, [n_exp, n_out, n_ff])?;
+                match (gate, act) {
+                    (Some(g), Act::SwiGlu) => check_experts(g, [n_exp, n_ff, n_in]),
+                    (None, Act::Relu2) => Ok(()),
+                    _ => Err(ModelError::Config(format!(
+                        "experts '{}': gate projection does not match activation {act:?}",
+                        up.name
+                    ))),
+                }
+            }
+            Experts::FusedGateUp { gate_up, down } => {
+                if act != Act::SwiGlu {
+                    return Err(ModelError::Config(
+                        "fused gate_up experts need a SwiGLU activation".into(),
+                    ));
+                }
+                check_experts(gate_up, [n_exp, 2 * n_ff, n_in])?;
+                check_experts(down, [n_exp, n_out, n_ff])
+            }
+            Experts::PerExpert(v) => {
+                if v.len() != n_exp {
+                    return Err(ModelError::Config(format!(
+                        "{} experts loaded, router has {n_exp}",
+                        v.len()
+                    )));
+                }
+                for m in v {
+                    if m.act != act {
+                        return Err(ModelError::Config("experts disagree on activation".into()));
+                    }
+                    m.validate(n_in, n_out)?;
+                    check_matrix(&m.up, [n_ff, n_in])?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn mats(&self, e: usize, n_ff: usize) -> Result<ExpertMats<'_>> {
+        Ok(match self {
+            Experts::Stacked { gate, up, down } => ExpertMats {
+                gate: gate
+                    .as_ref()
+                    .map(|g| g.expert_matrix(e, 0..n_ff))
+                    .transpose()?,
+                up: up.expert_matrix(e, 0..n_ff)?,
+                down: down.expert_matrix(e, 0..down.shape[1])?,
+            },
+            Experts::FusedGateUp { gate_up, down } => ExpertMats {
+                gate: Some(gate_up.expert_matrix(e, 0..n_ff)?),
+                up: gate_up.expert_matrix(e, n_ff..2 * n_ff)?,
+                down: down.expert_matrix(e, 0..down.shape[1])?,
+            },
+            Experts::PerExpert(v) => {
+                let m = &v[e];
+                ExpertMats {
+                    gate: m.gate.as_ref().map(|g| g.matrix()).transpose()?,
+                    up: m.up.matrix()?,
+                    down: m.down.matrix()?,
+                }
+            }
+        })
+    }
+}
+
+/// Latent MoE (Nemotron 3 Super): experts run in a smaller space; `down` projects the block
+/// input into it before the experts and `up` projects the combined expert output back.
+#[derive(Debug)]
+pub struct Latent {
+    /// `[latent, n_embd]`.
+    pub down: Weight,
+    /// `[n_embd, latent]`.
+    pub up: Weight,
+}
+
+/// A routed mixture-of-experts block with an optional (optionally gated) shared expert.
+#[derive(Debug)]
+pub struct Moe {
+    /// Router `[n_expert, n_embd]`.
+    pub router: Weight,
+    /// Score function and selection bias.
+    pub gating: Gating,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Renormalise the selected weights to sum to 1.
+    pub norm_topk: bool,
+    /// Multiplier of the routed weights (Nemotron's `routed_scaling_factor`; 1 otherwise).
+    pub scale: f32,
+    /// Routed experts.
+    pub experts: Experts,
+    /// Expert intermediate size.
+    pub n_ff: usize,
+    /// Expert activation.
+    pub act: Act,
+    /// Always-on expert.
+    pub shared: Option<Mlp>,
+    /// Sigmoid gate of the shared expert `[n_embd]` (Qwen3.5: `sigmoid(x . w)` per token).
+    pub shared_gate: Option<Vec<f32>>,
+    /// Latent projections (Nemotron 3 Super).
+    pub latent: Option<Latent>,
+}
+
+impl Moe {
+    fn n_expert(&self) -> usize {
+        self.router.shape.first().copied().unwrap_or(0)
+    }
+
+    /// Check shapes against the model width `d`.
+    pub fn validate(&self, d: usize) -> Result<()> {
+        let n_exp = self.n_expert();
+        check_matrix(&self.router, [n_exp, d])?;
+        if self.top_k == 0 || self.top_k > n_exp {
+            return Err(ModelError::Config(format!(
+                "top-k {} must be in 1..={n_exp}",
+                self.top_k
+            )));
+        }
+        if self.experts.count() != n_exp {
+            return Err(ModelError::Config(format!(
+                "router has {n_exp} experts, weights have {}",
+                self.experts.count()
+            )));
+        }
+        let d_exp = match &self.latent {
+            Some(l) => {
+                let ld = l.down.shape.first().copied().unwrap_or(0);
+                check_matrix(&l.down, [ld, d])?;
+                check_matrix(&l.up, [d, ld])?;
+                ld
+            }
+            None => d,
+        };
+        self.experts
+            .validate(n_exp, self.n_ff, d_exp, d_exp, self.act)?;
+        if let Gating::Sigmoid { bias: Some(b) } = &self.gating {
+            check_vec("expert selection bias", b, n_exp)?;
+        }
+        if let Some(s) = &self.shared {
+            s.validate(d, d)?;
+        }
+        if let Some(g) = &self.shared_gate {
+            check_vec("shared expert gate", g, d)?;
+        }
+        Ok(())
+    }
+
+    /// Route every token: `(expert, weight)` for each of its `top_k` slots, `[n, top_k]`.
+    pub fn route(&self, be: &dyn Backend, x: &[f32], n: usize) -> Result<Vec<(usize, f32)>> {
+        let n_exp = self.n_expert();
+        let mut logits = vec![0f32; n * n_exp];
+        be.matmul(&self.router.matrix()?, x, n, &mut logits)?;
+        let k = self.top_k;
+        let mut sel = Vec::with_capacity(n * k);
+        let mut order: Vec<usize> = Vec::with_capacity(n_exp);
+        let mut choice = vec![0f32; n_exp];
+        for row in logits.chunks_exact_mut(n_exp) {
+            match &self.gating {
+                Gating::Softmax => {
+                    kapitsa_kernels_cpu::ops::softmax(row);
+                    choice.copy_from_slice(row);
+                }
+                Gating::Sigmoid { bias } => {
+                    for (i, v) in row.iter_mut().enumerate() {
+                        *v = sigmoid(*v);
+                        choice[i] = *v + bias.as_ref().map_or(0.0, |b| b[i]);
+                    }
+                }
+            }
+            order.clear();
+            order.extend(0..n_exp);
+            // Highest score first; ties go to the lower expert index.
+            order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
+            let picked = &order[..k];
+            let mut sum = 0f32;
+            for &e in picked {
+                sum += row[e];
+            }
+            let norm = if self.norm_topk {
+                match self.gating {
+                    Gating::Softmax => 1.0 / sum,
+                    Gating::Sigmoid { .. } => 1.0 / (sum + 1e-20),
+                }
+            } else {
+                1.0
+            };
+            for &e in picked {
+                sel.push((e, row[e] * norm * self.scale));
+            }
+        }
+        Ok(sel)
+    }
+
+    /// `out[n, d] = moe(x[n, d])`.
+    pub fn forward(&self, be: &dyn Backend, x: &[f32], n: usize, out: &mut [f32]) -> Result<()> {
+        let d = x.len() / n.max(1);
+        let k = self.top_k;
+        let sel = self.route(be, x, n)?;
+
+        let latent_x;
+        let (xe, d_exp) = match &self.latent {
+            Some(l) => {
+                let ld = l.down.shape[0];
+                let mut v = vec![0f32; n * ld];
+                be.matmul(&l.down.matrix()?, x, n, &mut v)?;
+                latent_x = v;
+                (&latent_x[..], ld)
+            }
+            None => (x, d),
+        };
+
+        // Group (token, slot) pairs by expert.
+        let n_exp = self.n_expert();
+        let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); n_exp];
+        for (i, &(e, _)) in sel.iter().enumerate() {
+            by_expert[e].push(i);
+        }
+        let mut slot_out = vec![0f32; n * k * d_exp];
+        let mut xin = Vec::new();
+        let mut yout = Vec::new();
+        for (e, pairs) in by_expert.iter().enumerate() {
+            if pairs.is_empty() {
+                continue;
+            }
+            let m = pairs.len();
+            xin.clear();
+            for &i in pairs {
+                let t = i / k;
+                xin.extend_from_slice(&xe[t * d_exp..(t + 1) * d_exp]);
+            }
+            yout.resize(m * d_exp, 0.0);
+            let mats = self.experts.mats(e, self.n_ff)?;
+            run_mlp(
+                be,
+                mats.gate.as_ref(),
+                &mats.up,
+                &mats.down,
+                self.act,
+                &xin,
+                m,
+                &mut yout,
+            )?;
+            for (j, &i) in pairs.iter().enumerate() {
+                slot_out[i * d_exp..(i + 1) * d_exp].copy_from_slice(&yout[j * d_exp..(j + 1) * d_exp]);
+            }
+        }
+        // Weighted sum over each token's slots, in slot order.
+        let mut routed = vec![0f32; n * d_exp];
+        for t in 0..n {
+            let acc = &mut routed[t * d_exp..(t + 1) * d_exp];
+            for s in 0..k {
+                let i = t * k + s;
+                let w = sel[i].1;
+                for (a, &y) in acc.iter_mut().zip(&slot_out[i * d_exp..(i + 1) * d_exp]) {
+                    *a += w * y;
+                }
+            }
+        }
+        match &self.latent {
+            Some(l) => be.matmul(&l.up.matrix()?, &routed, n, out)?,
+            None => out.copy_from_slice(&routed),
+        }
+
+        if let Some(sh) = &self.shared {
+            let mut s = vec![0f32; n * d];
+            sh.forward(be, x, n, &mut s)?;
+            for t in 0..n {
+                let g = match &self.shared_gate {
+                    Some(w) => sigmoid(kapitsa_kernels_cpu::ops::dot_f32(
+                        &x[t * d..(t + 1) * d],
+                        w,
+                    )),
+                    None => 1.0,
+                };
+                for (o, &v) in out[t * d..(t + 1) * d].iter_mut().zip(&s[t * d..(t + 1) * d]) {
+                    *o += g * v;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The feed-forward op of a block.
+// Blocks are few (two per layer), so variant size differences do not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub enum Ffn {
+    /// Dense MLP.
+    Mlp(Mlp),
+    /// Mixture of experts.
+    Moe(Moe),
+}
+
+impl Ffn {
+    /// Check shapes against the model width `d`.
+    pub fn validate(&self, d: usize) -> Result<()> {
+        match self {
+            Ffn::Mlp(m) => m.validate(d, d),
+            Ffn::Moe(m) => m.validate(d),
+        }
+    }
+
+    /// `out[n, d] = ffn(x[n, d])`.
+    pub fn forward(&self, be: &dyn Backend, x: &[f32], n: usize, out: &mut [f32]) -> Result<()> {
+        match self {
+            Ffn::Mlp(m) => m.forward(be, x, n, out),
+            Ffn::Moe(m) => m.forward(be, x, n, out),
+        }
+    }
+}

@@ -1,0 +1,328 @@
+//! NVIDIA Nemotron-H and Nemotron 3 (HF `nemotron_h`; GGUF `nemotron_h` for the dense-MLP
+//! hybrids, `nemotron_h_moe` for Nemotron 3 Nano / Super).
+//!
+//! Every layer is one pre-norm residual block of one kind (`hybrid_override_pattern` letters):
+//! `M` Mamba2 ([`crate::layers::mamba2`]), `*` attention without positional encoding (GQA),
+//! `-` squared-ReLU MLP, `E` MoE (sigmoid router with a selection-only correction bias, top-k,
+//! renormalised, times `routed_scaling_factor`; squared-ReLU experts; an ungated shared expert;
+//! Nemotron 3 Super's latent MoE projects into a smaller space around the routed experts).
+//!
+//! The layer kinds are read from which tensors each layer has, the same in every format, so
+//! the pattern string and the GGUF per-layer arrays need not be parsed. Norms are plain `w`
+//! everywhere; GGUF stores `-exp(A_log)`, HF `A_log`.
+//!
+//! References: transformers `models/nemotron_h/modeling_nemotron_h.py`; llama.cpp
+//! `src/models/nemotron-h.cpp`, `conversion/nemotron.py`.
+
+use std::sync::Arc;
+
+use kapitsa_backend::Backend;
+use kapitsa_kernels_cpu::mamba2::Mamba2Shape;
+
+use crate::common::{flat_weight, vec_weight};
+use crate::config::Hparams;
+use crate::layers::attention::Attention;
+use crate::layers::decoder::{Block, BlockOp, Decoder, DecoderParts};
+use crate::layers::ffn::{Act, Experts, Ffn, Gating, Latent, Mlp, Moe};
+use crate::layers::mamba2::Mamba2;
+use crate::{BatchInputs, CausalLm, KvCache, Logits, ModelError, ModelSource, ModelSpec, Result};
+
+/// Tensor names: HF `backbone.layers.{i}.mixer.*` or GGUF `blk.{i}.*`.
+struct Names {
+    gguf: bool,
+}
+
+impl Names {
+    fn layer(&self, i: usize, hf: &str, gguf: &str) -> String {
+        if self.gguf {
+            format!("blk.{i}.{gguf}")
+        } else {
+            format!("backbone.layers.{i}.{hf}")
+        }
+    }
+}
+
+/// A loaded Nemotron-H model.
+pub struct NemotronH {
+    inner: Decoder,
+}
+
+struct Hp {
+    n_embd: usize,
+    n_layer: usize,
+    eps: f32,
+    head_dim: usize,
+    n_groups: usize,
+    top_k: usize,
+    norm_topk: bool,
+    scale: f32,
+    n_ctx_train: usize,
+}
+
+fn read_hp(src: &ModelSource, arch: &str) -> Result<Hp> {
+    let hp = Hparams::new(src, arch);
+    let n_embd = hp.usize("embedding_length", "hidden_size")?;
+    let n_head = hp.usize("attention.head_count", "num_attention_heads")?;
+    let head_dim = hp
+        .usize_opt("attention.key_length", "head_dim")?
+        .unwrap_or(n_embd.checked_div(n_head).unwrap_or(0));
+    let eps = match hp.f32_opt("attention.layer_norm_rms_epsilon", "layer_norm_epsilon")? {
+        Some(e) => e,
+        None => hp
+            .f32_opt("attention.layer_norm_epsilon", "rms_norm_eps")?
+            .unwrap_or(1e-5),
+    };
+    let scale = hp
+        .f32_opt("expert_weights_scale", "routed_scaling_factor")?
+        .unwrap_or(1.0);
+    let norm_topk = if hp.is_gguf() {
+        src.gguf()
+            .and_then(|g| g.opt_bool(&format!("{arch}.expert_weights_norm")).ok().flatten())
+            .unwrap_or(true)
+    } else {
+        hp.hf_bool("norm_topk_prob").unwrap_or(true)
+    };
+    let groups = hp
+        .usize_opt("expert_group_count", "n_group")?
+        .unwrap_or(1);
+    if groups > 1 {
+        return Err(ModelError::Config(format!(
+            "{arch}: group-limited expert routing ({groups} groups) is not supported"
+        )));
+    }
+    Ok(Hp {
+        n_embd,
+        n_layer: match hp.usize_opt("block_count", "num_hidden_layers")? {
+            Some(n) => n,
+            None => hf_pattern_len(src).ok_or_else(|| {
+                ModelError::Config(
+                    "config.json has neither num_hidden_layers, layers_block_type nor \
+                     hybrid_override_pattern"
+                        .into(),
+                )
+            })?,
+        },
+        eps,
+        head_dim,
+        n_groups: hp.usize("ssm.group_count", "n_groups")?,
+        top_k: hp
+            .usize_opt("expert_used_count", "num_experts_per_tok")?
+            .unwrap_or(0),
+        norm_topk,
+        scale,
+        n_ctx_train: hp
+            .usize_opt("context_length", "max_position_embeddings")?
+            .unwrap_or(4096),
+    })
+}
+
+/// Layer count of an HF config from its layer pattern (`layers_block_type` list or
+/// `hybrid_override_pattern` string).
+fn hf_pattern_len(src: &ModelSource) -> Option<usize> {
+    let cfg = src.hf()?.config();
+    if let Some(a) = cfg.get("layers_block_type").and_then(|v| v.as_array()) {
+        return Some(a.len());
+    }
+    cfg.get("hybrid_override_pattern")
+        .and_then(|v| v.as_str())
+        .map(|s| s.chars().count())
+}
+
+impl NemotronH {
+    /// Load from GGUF (`nemotron_h`, `nemotron_h_moe`) or an HF directory (`nemotron_h`).
+    pub fn load(src: &ModelSource, backend: Arc<dyn Backend>) -> Result<NemotronH> {
+        let arch = src.arch()?;
+        let hp = read_hp(src, &arch)?;
+        let names = Names {
+            gguf: src.gguf().is_some(),
+        };
+        let g = |hf: &str, gguf: &str| if names.gguf { gguf.to_string() } else { hf.to_string() };
+        let tok_embd = src.weight(&g("backbone.embeddings.weight", "token_embd.weight"))?;
+        let out_norm = vec_weight(src, &g("backbone.norm_f.weight", "output_norm.weight"), hp.n_embd, 0.0)?;
+        let output = src.weight_opt(&g("lm_head.weight", "output.weight"))?;
+        let parts = DecoderParts {
+            arch: arch.clone(),
+            n_ctx_train: hp.n_ctx_train,
+            n_layer: hp.n_layer,
+            rms_eps: hp.eps,
+            tok_embd,
+            out_norm,
+            output,
+        };
+        let mut blocks = Vec::with_capacity(hp.n_layer);
+        for i in 0..hp.n_layer {
+            let norm = vec_weight(src, &names.layer(i, "norm.weight", "attn_norm.weight"), hp.n_embd, 0.0)?;
+            let op = load_block(src, &names, i, &hp)?;
+            blocks.push(Block { layer: i, norm, op });
+        }
+        Ok(NemotronH {
+            inner: Decoder::new(parts, blocks, backend)?,
+        })
+    }
+}
+
+fn load_block(src: &ModelSource, names: &Names, i: usize, hp: &Hp) -> Result<BlockOp> {
+    let l = |h: &str, g: &str| names.layer(i, h, g);
+    let w = |h: &str, g: &str| src.weight(&l(h, g));
+    let has = |h: &str, g: &str| src.has(&l(h, g));
+    if has("mixer.in_proj.weight", "ssm_in.weight") {
+        let w_in = w("mixer.in_proj.weight", "ssm_in.weight")?;
+        let w_out = w("mixer.out_proj.weight", "ssm_out.weight")?;
+        let d_inner = w_out.shape.get(1).copied().unwrap_or(0);
+        let n_heads = src.weight(&l("mixer.dt_bias", "ssm_dt.bias"))?.n_elements();
+        let conv = w("mixer.conv1d.weight", "ssm_conv1d.weight")?;
+        let conv_dim = conv.shape.first().copied().unwrap_or(0);
+        let conv_k = conv.n_elements().checked_div(conv_dim).unwrap_or(0);
+        let gn2 = conv_dim.saturating_sub(d_inner);
+        let d_state = gn2.checked_div(2 * hp.n_groups).unwrap_or(0);
+        let head_dim = d_inner.checked_div(n_heads).unwrap_or(0);
+        if n_heads == 0 || head_dim * n_heads != d_inner || d_state * 2 * hp.n_groups != gn2 {
+            return Err(ModelError::Config(format!(
+                "layer {i}: Mamba2 shapes do not add up (d_inner {d_inner}, conv {conv_dim}, \
+                 {n_heads} heads, {} groups)",
+                hp.n_groups
+            )));
+        }
+        let a_neg = if names.gguf {
+            flat_weight(src, &l("", "ssm_a"), n_heads)?
+        } else {
+            flat_weight(src, &l("mixer.A_log", ""), n_heads)?
+                .iter()
+                .map(|a| -a.exp())
+                .collect()
+        };
+        let conv_b = if has("mixer.conv1d.bias", "ssm_conv1d.bias") {
+            Some(flat_weight(src, &l("mixer.conv1d.bias", "ssm_conv1d.bias"), conv_dim)?)
+        } else {
+            None
+        };
+        return Ok(BlockOp::Mamba2(Mamba2 {
+            w_in,
+            conv_w: conv.to_f32()?,
+            conv_b,
+            conv_k,
+            dt_bias: flat_weight(src, &l("mixer.dt_bias", "ssm_dt.bias"), n_heads)?,
+            a_neg,
+            d: flat_weight(src, &l("mixer.D", "ssm_d"), n_heads)?,
+            norm: flat_weight(src, &l("mixer.norm.weight", "ssm_norm.weight"), d_inner)?,
+            w_out,
+            shape: Mamba2Shape {
+                n_heads,
+                head_dim,
+                d_state,
+                n_groups: hp.n_groups,
+            },
+            eps: hp.eps,
+        }));
+    }
+    if has("mixer.q_proj.weight", "attn_q.weight") {
+        let wq = w("mixer.q_proj.weight", "attn_q.weight")?;
+        let wk = w("mixer.k_proj.weight", "attn_k.weight")?;
+        let hd = hp.head_dim;
+        let rows = |x: &crate::Weight| x.shape.first().copied().unwrap_or(0);
+        let (n_head, n_head_kv) = (rows(&wq) / hd.max(1), rows(&wk) / hd.max(1));
+        return Ok(BlockOp::Attention(Attention {
+            wq,
+            wk,
+            wv: w("mixer.v_proj.weight", "attn_v.weight")?,
+            wo: w("mixer.o_proj.weight", "attn_output.weight")?,
+            bq: None,
+            bk: None,
+            bv: None,
+            q_norm: None,
+            k_norm: None,
+            n_head,
+            n_head_kv,
+            head_dim: hd,
+            rope: None,
+            gated: false,
+            eps: hp.eps,
+        }));
+    }
+    if has("mixer.gate.weight", "ffn_gate_inp.weight") {
+        let router = w("mixer.gate.weight", "ffn_gate_inp.weight")?;
+        let n_expert = router.shape.first().copied().unwrap_or(0);
+        let bias_name = l("mixer.gate.e_score_correction_bias", "exp_probs_b.bias");
+        let bias = if src.has(&bias_name) {
+            Some(flat_weight(src, &bias_name, n_expert)?)
+        } else {
+            None
+        };
+        let experts = if names.gguf {
+            Experts::Stacked {
+                gate: None,
+                up: w("", "ffn_up_exps.weight")?,
+                down: w("", "ffn_down_exps.weight")?,
+            }
+        } else {
+            Experts::PerExpert(
+                (0..n_expert)
+                    .map(|e| {
+                        Ok(Mlp {
+                            gate: None,
+                            up: w(&format!("mixer.experts.{e}.up_proj.weight"), "")?,
+                            down: w(&format!("mixer.experts.{e}.down_proj.weight"), "")?,
+                            act: Act::Relu2,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?,
+            )
+        };
+        let n_ff = match &experts {
+            Experts::Stacked { up, .. } => up.shape.get(1).copied().unwrap_or(0),
+            Experts::PerExpert(v) => v.first().map_or(0, |m| m.up.shape[0]),
+            Experts::FusedGateUp { .. } => 0,
+        };
+        let shared = if has("mixer.shared_experts.up_proj.weight", "ffn_up_shexp.weight") {
+            Some(Mlp {
+                gate: None,
+                up: w("mixer.shared_experts.up_proj.weight", "ffn_up_shexp.weight")?,
+                down: w("mixer.shared_experts.down_proj.weight", "ffn_down_shexp.weight")?,
+                act: Act::Relu2,
+            })
+        } else {
+            None
+        };
+        let latent = if has("mixer.fc1_latent_proj.weight", "ffn_latent_down.weight") {
+            Some(Latent {
+                down: w("mixer.fc1_latent_proj.weight", "ffn_latent_down.weight")?,
+                up: w("mixer.fc2_latent_proj.weight", "ffn_latent_up.weight")?,
+            })
+        } else {
+            None
+        };
+        return Ok(BlockOp::Ffn(Ffn::Moe(Moe {
+            router,
+            gating: Gating::Sigmoid { bias },
+            top_k: hp.top_k,
+            norm_topk: hp.norm_topk,
+            scale: hp.scale,
+            experts,
+            n_ff,
+            act: Act::Relu2,
+            shared,
+            shared_gate: None,
+            latent,
+        })));
+    }
+    if has("mixer.up_proj.weight", "ffn_up.weight") {
+        return Ok(BlockOp::Ffn(Ffn::Mlp(Mlp {
+            gate: None,
+            up: w("mixer.up_proj.weight", "ffn_up.weight")?,
+            down: w("mixer.down_proj.weight", "ffn_down.weight")?,
+            act: Act::Relu2,
+        })));
+    }
+    Err(ModelError::Config(format!(
+        "layer {i}: no Mamba2, attention, MLP or MoE tensors found"
+    )))
+}
+
+impl CausalLm for NemotronH {
+    fn spec(&self) -> &ModelSpec {
+        self.inner.spec()
+    }
+    fn forward(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
+        self.inner.forward(batch, cache)
+    }
+}
