@@ -107,6 +107,18 @@ fn greedy(model: &dyn CausalLm, ids: &[u32], n: usize) -> Vec<u32> {
     out
 }
 
+/// Tolerance of the self-consistency checks: attention-only models compute every row the same
+/// way whatever the chunking (only the attention length differs), so they agree to float
+/// noise; models with recurrent layers switch between the chunked and the token-by-token form
+/// of their scan, which agree to f32 accuracy of a long recurrence.
+fn self_tol(model: &dyn CausalLm) -> f32 {
+    if model.spec().n_recurrent_layers() > 0 {
+        1e-4
+    } else {
+        1e-6
+    }
+}
+
 /// max |a - b| / max(1, max |b|): the relative error measure the acceptance criteria use.
 fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
@@ -184,9 +196,10 @@ fn chunked_prefill_equals_one_chunk_equals_token_by_token() {
         let (_, ps) = prompts(&dir);
         let ids = &ps.last().unwrap().ids;
         let one = logits(&*m.model, ids, ids.len());
+        let tol = self_tol(&*m.model);
         for chunk in [1, 3, 7] {
             let e = rel_err(&logits(&*m.model, ids, chunk), &one);
-            assert!(e < 1e-6, "{}: chunk {chunk} differs by {e}", dir.display());
+            assert!(e < tol, "{}: chunk {chunk} differs by {e}", dir.display());
         }
     }
 }
@@ -213,7 +226,7 @@ fn batch_of_three_equals_each_alone() {
             let n = p.ids.len() * l.n_vocab;
             let e = rel_err(&l.data[row..row + n], &alone[i]);
             assert!(
-                e < 1e-6,
+                e < self_tol(model),
                 "{}: prompt {i} in a batch differs by {e}",
                 dir.display()
             );
@@ -231,7 +244,7 @@ fn batch_of_three_equals_each_alone() {
             let want = logits(model, &ids, 512);
             let last = &want[(ids.len() - 1) * l.n_vocab..];
             assert!(
-                rel_err(l.row(i), last) < 1e-6,
+                rel_err(l.row(i), last) < self_tol(model),
                 "{}: decode step of prompt {i}",
                 dir.display()
             );
