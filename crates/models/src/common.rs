@@ -327,3 +327,12 @@ pub fn first_weight(src: &ModelSource, candidates: &[String]) -> Result<Weight> 
         candidates.first().cloned().unwrap_or_default(),
     ))
 }
+
+/// Routed expert count: GGUF `expert_count`, HF `num_experts` or (transformers 5)
+/// `num_local_experts`.
+pub fn n_experts(hp: &Hparams<'_>) -> Result<usize> {
+    match hp.usize_opt("expert_count", "num_experts")? {
+        Some(n) => Ok(n),
+        None => hp.usize("expert_count", "num_local_experts"),
+    }
+}

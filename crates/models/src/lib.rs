@@ -69,6 +69,9 @@ pub struct ModelSpec {
     pub n_head_kv: usize,
     /// Dims per attention head (K and V).
     pub head_dim: usize,
+    /// Multi-token-prediction layers loaded with the model (kept for speculative decoding;
+    /// `forward` does not run them).
+    pub n_mtp_layers: usize,
 }
 
 impl ModelSpec {

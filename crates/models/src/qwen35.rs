@@ -28,6 +28,7 @@ use kapitsa_backend::Backend;
 use kapitsa_kernels_cpu::gdn::GdnShape;
 
 use crate::common::{
+    n_experts,
     first_weight, flat_weight, load_attention, load_globals, load_qwen_moe, load_swiglu,
     vec_weight, AttnOptions, CommonHparams, Names,
 };
@@ -152,7 +153,7 @@ fn read_hybrid(src: &ModelSource, arch: &str, c: &mut CommonHparams, moe: bool) 
     };
     let moe = if moe {
         Some((
-            hp.usize("expert_count", "num_experts")?,
+            n_experts(&hp)?,
             hp.usize("expert_used_count", "num_experts_per_tok")?,
             hp.usize("expert_feed_forward_length", "moe_intermediate_size")?,
             hp.usize_opt(
@@ -242,10 +243,11 @@ impl Qwen35 {
         } else {
             None
         };
-        Ok(Qwen35 {
-            inner: Decoder::new(parts, blocks, backend)?,
-            mtp,
-        })
+        let mut inner = Decoder::new(parts, blocks, backend)?;
+        if mtp.is_some() {
+            inner.set_mtp_layers(hy.n_mtp);
+        }
+        Ok(Qwen35 { inner, mtp })
     }
 
     /// The MTP head, when the file has one.

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use kapitsa_backend::Backend;
 
-use crate::common::{load_attention, load_globals, load_qwen_moe, vec_weight, AttnOptions, CommonHparams, Names};
+use crate::common::{n_experts, load_attention, load_globals, load_qwen_moe, vec_weight, AttnOptions, CommonHparams, Names};
 use crate::config::Hparams;
 use crate::layers::decoder::{Block, BlockOp, Decoder};
 use crate::layers::ffn::Ffn;
@@ -27,7 +27,7 @@ impl Qwen3Moe {
         let arch = "qwen3moe";
         let c = CommonHparams::read(src, arch)?;
         let hp = Hparams::new(src, arch);
-        let n_expert = hp.usize("expert_count", "num_experts")?;
+        let n_expert = n_experts(&hp)?;
         let top_k = hp.usize("expert_used_count", "num_experts_per_tok")?;
         let n_ff = hp.usize("expert_feed_forward_length", "moe_intermediate_size")?;
         // GGUF qwen3moe always renormalises (llama.cpp hard-codes it); HF has the flag.

@@ -253,6 +253,33 @@ fn batch_of_three_equals_each_alone() {
 }
 
 #[test]
+fn mtp_weights_are_loaded_when_present() {
+    // qwen35moe-b carries an MTP layer (HF `mtp.*`, GGUF block 8 with `nextn.*`).
+    let dir = fixtures().join("qwen35moe-b");
+    for path in [dir.clone(), dir.join("model-f32.gguf")] {
+        let m = load_model(&path, backend(), &LoadOptions::default()).unwrap();
+        assert_eq!(m.model.spec().n_mtp_layers, 1, "{}", path.display());
+        assert_eq!(m.model.spec().layers.len(), 8, "{}", path.display());
+    }
+    let m = load_model(&fixtures().join("qwen35moe-a"), backend(), &LoadOptions::default()).unwrap();
+    assert_eq!(m.model.spec().n_mtp_layers, 0);
+}
+
+#[test]
+fn every_supported_architecture_has_fixtures() {
+    let mut seen = std::collections::BTreeSet::new();
+    for dir in model_dirs() {
+        let m = load_model(&dir, backend(), &LoadOptions::default()).unwrap();
+        seen.insert(m.arch.clone());
+        let g = load_model(&dir.join("model-f32.gguf"), backend(), &LoadOptions::default()).unwrap();
+        seen.insert(g.arch.clone());
+    }
+    for arch in kapitsa_models::registry::supported_archs() {
+        assert!(seen.contains(arch), "no tiny fixture exercises '{arch}' (saw {seen:?})");
+    }
+}
+
+#[test]
 fn bad_batches_are_errors_not_panics() {
     let dir = &model_dirs()[0];
     let m = load_model(dir, backend(), &LoadOptions::default()).unwrap();

@@ -153,6 +153,7 @@ impl Decoder {
             layers,
             n_head_kv,
             head_dim,
+            n_mtp_layers: 0,
         };
         Ok(Decoder {
             spec,
@@ -169,6 +170,11 @@ impl Decoder {
     /// The static spec.
     pub fn spec(&self) -> &ModelSpec {
         &self.spec
+    }
+
+    /// Record that the model carries `n` MTP layers (see [`ModelSpec::n_mtp_layers`]).
+    pub fn set_mtp_layers(&mut self, n: usize) {
+        self.spec.n_mtp_layers = n;
     }
 
     /// The blocks (for inspection and tests).
