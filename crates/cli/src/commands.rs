@@ -1,7 +1,8 @@
 //! The `run`, `chat` and `logits` subcommands.
 
-use std::io::{BufRead, Write};
-use std::path::PathBuf;
+use std::collections::VecDeque;
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
@@ -11,7 +12,10 @@ use kapitsa_backend::{Backend, CpuBackend};
 use kapitsa_base::pool::RayonPool;
 use kapitsa_cache::SlotCache;
 use kapitsa_engine::loader::{chat_template_for, tokenizer_for};
-use kapitsa_engine::{generate, GenerateRequest, SamplingParams};
+use kapitsa_engine::{
+    generate, GenerateOutput, GenerateRequest, ParsedReply, ReplyEvent, ReplyFormat, ReplyParser,
+    SamplingParams,
+};
 use kapitsa_models::{BatchInputs, KvCache, KvType, LoadOptions, LoadedModel};
 use kapitsa_text::{ChatTemplate, Tokenizer};
 
@@ -120,6 +124,23 @@ pub struct ChatArgs {
     /// Maximum tokens per reply.
     #[arg(short = 'n', long = "n-predict", default_value_t = 1024)]
     n_predict: usize,
+    /// Tools the model may call: a JSON file holding an array of OpenAI-style tool definitions
+    /// ({"type": "function", "function": {"name", "description", "parameters"}}), given to the
+    /// chat template. Calls are printed as `[tool call] name({...})`; answer each with a line
+    /// `/tool RESULT`.
+    #[arg(long, value_name = "FILE")]
+    tools: Option<PathBuf>,
+    /// Turn the template's thinking mode on (sets `enable_thinking` to true; default: the
+    /// template's own default).
+    #[arg(long, conflicts_with = "no_think")]
+    think: bool,
+    /// Turn the template's thinking mode off (sets `enable_thinking` to false).
+    #[arg(long)]
+    no_think: bool,
+    /// Print each rendered prompt to stderr, between `[prompt]` and `[/prompt]` lines, before
+    /// generating the reply (for checking chat templates and the flags above).
+    #[arg(long)]
+    print_prompt: bool,
 }
 
 /// `kapitsa logits`.
@@ -276,17 +297,283 @@ fn rate(n: usize, secs: f64) -> f64 {
     }
 }
 
+/// Read and check a `--tools` file: a JSON array of tool definitions, each with a name.
+fn read_tools(path: &Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the tools file {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("the tools file {} is not valid JSON", path.display()))?;
+    let Some(list) = v.as_array() else {
+        bail!(
+            "the tools file {} must hold a JSON array of tool definitions",
+            path.display()
+        );
+    };
+    for (i, t) in list.iter().enumerate() {
+        let f = t.get("function").unwrap_or(t);
+        if f.get("name").and_then(|n| n.as_str()).is_none() {
+            bail!(
+                "tool {} in {} has no \"name\" (expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}})",
+                i + 1,
+                path.display()
+            );
+        }
+    }
+    Ok(v)
+}
+
+/// The source text of the model's chat template (found where `chat_template_for` looks).
+fn template_source(s: &Session) -> Option<String> {
+    let src = &s.loaded.source;
+    if let Some(g) = src.gguf() {
+        return g
+            .get_str("tokenizer.chat_template")
+            .ok()
+            .map(str::to_string);
+    }
+    src.hf()
+        .and_then(|h| h.tokenizer_config())
+        .and_then(|c| c.get("chat_template"))
+        .and_then(|v| v.as_str())
+        .map(str::to_string)
+        .or_else(|| std::fs::read_to_string(src.path().join("chat_template.jinja")).ok())
+}
+
+/// The text after `/tool`, if `line` is a `/tool` command.
+fn tool_result(line: &str) -> Option<&str> {
+    if line == "/tool" {
+        return Some("");
+    }
+    line.strip_prefix("/tool ").map(str::trim_start)
+}
+
+/// Tool calls of the last reply that still wait for a `/tool` answer.
+#[derive(Clone, Default)]
+struct PendingTools {
+    /// (id, function name), in call order.
+    calls: VecDeque<(String, String)>,
+    /// Calls seen so far (for unique ids).
+    n_seen: usize,
+}
+
+impl PendingTools {
+    /// Give each tool call of `msg` (an assistant message from `ParsedReply::to_message`) an
+    /// id (`call_N`, for templates that pair calls and results by id) and queue it; returns how
+    /// many are now waiting.
+    fn record(&mut self, msg: &mut serde_json::Value) -> usize {
+        self.calls.clear();
+        if let Some(calls) = msg.get_mut("tool_calls").and_then(|c| c.as_array_mut()) {
+            for c in calls {
+                self.n_seen += 1;
+                let id = format!("call_{}", self.n_seen);
+                c["id"] = id.clone().into();
+                let name = c["function"]["name"].as_str().unwrap_or_default();
+                self.calls.push_back((id, name.to_string()));
+            }
+        }
+        self.calls.len()
+    }
+
+    /// The tool message answering the oldest waiting call with `result`, if one waits.
+    fn answer(&mut self, result: &str) -> Option<serde_json::Value> {
+        let (id, name) = self.calls.pop_front()?;
+        Some(serde_json::json!({
+            "role": "tool",
+            "tool_call_id": id,
+            "name": name,
+            "content": result,
+        }))
+    }
+}
+
+/// Prints a streaming reply: reasoning to stderr (dimmed on a terminal, else between
+/// `[thinking]` and `[/thinking]` lines), content to stdout, each tool call on its own stdout
+/// line as `[tool call] name({...})`.
+struct ReplyPrinter {
+    stderr_tty: bool,
+    in_reasoning: bool,
+    /// Something was written to stdout for this reply.
+    printed: bool,
+    /// Stdout is at the start of a line.
+    at_line_start: bool,
+}
+
+impl ReplyPrinter {
+    fn new(stderr_tty: bool) -> ReplyPrinter {
+        ReplyPrinter {
+            stderr_tty,
+            in_reasoning: false,
+            printed: false,
+            at_line_start: true,
+        }
+    }
+
+    fn event(&mut self, e: ReplyEvent) {
+        match e {
+            ReplyEvent::Reasoning(t) => {
+                let mut err = std::io::stderr().lock();
+                if !self.in_reasoning {
+                    self.in_reasoning = true;
+                    let _ = if self.stderr_tty {
+                        err.write_all(b"\x1b[2m")
+                    } else {
+                        err.write_all(b"[thinking]\n")
+                    };
+                }
+                let _ = err.write_all(t.as_bytes());
+                let _ = err.flush();
+            }
+            ReplyEvent::Content(t) => {
+                self.end_reasoning();
+                let mut out = std::io::stdout().lock();
+                let _ = out.write_all(t.as_bytes());
+                let _ = out.flush();
+                self.printed = true;
+                self.at_line_start = t.ends_with('\n');
+            }
+            ReplyEvent::ToolCall(c) => {
+                self.end_reasoning();
+                let mut out = std::io::stdout().lock();
+                if !self.at_line_start {
+                    let _ = writeln!(out);
+                }
+                let _ = writeln!(out, "[tool call] {}({})", c.name, c.arguments_json());
+                let _ = out.flush();
+                self.printed = true;
+                self.at_line_start = true;
+            }
+        }
+    }
+
+    fn end_reasoning(&mut self) {
+        if self.in_reasoning {
+            self.in_reasoning = false;
+            if self.stderr_tty {
+                eprintln!("\x1b[0m");
+            } else {
+                eprintln!("\n[/thinking]");
+            }
+        }
+    }
+
+    /// The reply failed: close the reasoning block and end a started stdout line.
+    fn abort(&mut self) {
+        self.end_reasoning();
+        if !self.at_line_start {
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out);
+            let _ = out.flush();
+        }
+    }
+
+    /// End of the reply: close the reasoning block and end the stdout line (a reply always
+    /// ends with exactly one newline on stdout, even an empty one).
+    fn finish(&mut self) {
+        self.end_reasoning();
+        if !self.at_line_start || !self.printed {
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out);
+            let _ = out.flush();
+        }
+    }
+}
+
+/// Everything a chat turn needs besides the session and the history.
+struct ChatSetup<'a> {
+    tmpl: &'a ChatTemplate,
+    fmt: ReplyFormat,
+    tools: Option<&'a serde_json::Value>,
+    extra: Option<&'a serde_json::Value>,
+    args: &'a ChatArgs,
+    stderr_tty: bool,
+}
+
+/// Render the history, generate and print the assistant's reply.
+fn chat_turn(
+    s: &mut Session,
+    c: &ChatSetup,
+    msgs: &[serde_json::Value],
+) -> Result<(ParsedReply, GenerateOutput)> {
+    let text = c.tmpl.render(
+        &serde_json::Value::Array(msgs.to_vec()),
+        c.tools,
+        true,
+        c.extra,
+    )?;
+    if c.args.print_prompt {
+        eprintln!("[prompt]\n{text}\n[/prompt]");
+    }
+    let prompt = s.tok.encode(&text, true, true)?;
+    let req = GenerateRequest {
+        prompt,
+        max_tokens: c.args.n_predict,
+        sampling: c.args.sample.params(),
+        stop: c.args.sample.stop.clone(),
+        ignore_eos: false,
+        prefill_chunk: 512,
+    };
+    let mut parser = ReplyParser::new(c.fmt, c.fmt.starts_in_reasoning(&text));
+    if let Some(t) = c.tools {
+        parser = parser.with_tools(t);
+    }
+    let mut printer = ReplyPrinter::new(c.stderr_tty);
+    let out = generate(&*s.loaded.model, &s.tok, &mut s.cache, 0, &req, &mut |t| {
+        for e in parser.push(t) {
+            printer.event(e);
+        }
+    });
+    let (rest, reply) = parser.finish();
+    for e in rest {
+        printer.event(e);
+    }
+    match out {
+        Ok(out) => {
+            printer.finish();
+            Ok((reply, out))
+        }
+        Err(e) => {
+            printer.abort();
+            Err(e.into())
+        }
+    }
+}
+
 /// `kapitsa chat`.
 pub fn chat(a: ChatArgs) -> Result<()> {
     a.sample.params().validate()?; // a bad option must fail the command, not each turn
+    let tools = a.tools.as_deref().map(read_tools).transpose()?;
+    let extra = match (a.think, a.no_think) {
+        (true, _) => Some(serde_json::json!({"enable_thinking": true})),
+        (_, true) => Some(serde_json::json!({"enable_thinking": false})),
+        _ => None,
+    };
     let mut s = session(&a.model)?;
     let tmpl = template(&s)?;
+    let src = template_source(&s).unwrap_or_default();
+    let fmt = ReplyFormat::from_template(&src);
+    if tools.is_some() && !src.contains("tools") {
+        eprintln!("note: the chat template does not use tools; --tools has no effect");
+    }
+    if extra.is_some() && !src.contains("enable_thinking") {
+        eprintln!(
+            "note: the chat template has no enable_thinking switch; --think/--no-think have no effect"
+        );
+    }
+    let setup = ChatSetup {
+        tmpl: &tmpl,
+        fmt,
+        tools: tools.as_ref(),
+        extra: extra.as_ref(),
+        args: &a,
+        stderr_tty: std::io::stderr().is_terminal(),
+    };
     let mut msgs = Vec::new();
     if let Some(sys) = &a.system {
         msgs.push(serde_json::json!({"role": "system", "content": sys}));
     }
+    let mut pending = PendingTools::default();
     eprintln!(
-        "chat: type a message and press Enter; /reset clears the history, /exit or Ctrl-D quits."
+        "chat: type a message and press Enter; /tool RESULT answers a tool call, /reset clears the history, /exit or Ctrl-D quits."
     );
     let stdin = std::io::stdin();
     let mut lines = stdin.lock().lines();
@@ -300,35 +587,44 @@ pub fn chat(a: ChatArgs) -> Result<()> {
             "/exit" | "/quit" => break,
             "/reset" => {
                 msgs.retain(|m: &serde_json::Value| m["role"] == "system");
+                pending.calls.clear();
                 eprintln!("(history cleared)");
                 continue;
             }
             _ => {}
         }
-        msgs.push(serde_json::json!({"role": "user", "content": line}));
-        let text = tmpl.render(&serde_json::Value::Array(msgs.clone()), None, true, None)?;
-        let prompt = s.tok.encode(&text, true, true)?;
-        let req = GenerateRequest {
-            prompt,
-            max_tokens: a.n_predict,
-            sampling: a.sample.params(),
-            stop: a.sample.stop.clone(),
-            ignore_eos: false,
-            prefill_chunk: 512,
-        };
-        let mut stdout = std::io::stdout().lock();
-        let out = match generate(&*s.loaded.model, &s.tok, &mut s.cache, 0, &req, &mut |t| {
-            let _ = stdout.write_all(t.as_bytes());
-            let _ = stdout.flush();
-        }) {
-            Ok(o) => o,
+        let saved = (msgs.len(), pending.clone());
+        if let Some(result) = tool_result(line) {
+            let Some(msg) = pending.answer(result) else {
+                eprintln!(
+                    "(no tool call is waiting for a result; /tool RESULT answers the model's tool calls)"
+                );
+                continue;
+            };
+            msgs.push(msg);
+            if let Some((_, next)) = pending.calls.front() {
+                eprintln!(
+                    "({} more tool result(s) expected; next: {next})",
+                    pending.calls.len()
+                );
+                continue;
+            }
+        } else {
+            if !pending.calls.is_empty() {
+                eprintln!("(the pending tool calls stay unanswered)");
+                pending.calls.clear();
+            }
+            msgs.push(serde_json::json!({"role": "user", "content": line}));
+        }
+        let (reply, out) = match chat_turn(&mut s, &setup, &msgs) {
+            Ok(r) => r,
             Err(e) => {
                 eprintln!("\nerror: {e}");
-                msgs.pop();
+                msgs.truncate(saved.0);
+                pending = saved.1;
                 continue;
             }
         };
-        let _ = writeln!(stdout);
         eprintln!(
             "[{} prompt tokens ({} reused), {} generated, {:.1} tok/s]",
             out.n_prompt,
@@ -336,7 +632,12 @@ pub fn chat(a: ChatArgs) -> Result<()> {
             out.tokens.len(),
             rate(out.tokens.len(), out.gen_secs)
         );
-        msgs.push(serde_json::json!({"role": "assistant", "content": out.text}));
+        let mut msg = reply.to_message();
+        let n = pending.record(&mut msg);
+        if n > 0 {
+            eprintln!("({n} tool call(s): answer each, in order, with a line /tool RESULT)");
+        }
+        msgs.push(msg);
     }
     Ok(())
 }
@@ -401,4 +702,57 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
     let s: Vec<String> = ids.iter().map(|t| t.to_string()).collect();
     println!("{}", s.join(","));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kapitsa_engine::reply::parse_reply;
+
+    #[test]
+    fn tool_command_parsing() {
+        assert_eq!(tool_result("/tool"), Some(""));
+        assert_eq!(tool_result("/tool  21 C"), Some("21 C"));
+        assert_eq!(tool_result("/toolbox"), None);
+        assert_eq!(tool_result("tool x"), None);
+    }
+
+    /// The history the chat loop builds around a tool call renders through the real Qwen3.5
+    /// template: calls get ids, results are queued in order and become tool messages.
+    #[test]
+    fn tool_history_renders() {
+        let src = include_str!("../../../tests/fixtures/templates/qwen3.5.jinja");
+        let tmpl = ChatTemplate::new(src, None, None).expect("template");
+        let fmt = ReplyFormat::from_template(src);
+        let raw = "Two cities.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nBern\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>";
+        let reply = parse_reply(fmt, true, raw);
+        let mut pending = PendingTools::default();
+        assert!(pending.answer("early").is_none());
+        let mut msg = reply.to_message();
+        assert_eq!(pending.record(&mut msg), 2);
+        assert_eq!(msg["tool_calls"][1]["id"], "call_2");
+        let mut msgs = vec![
+            serde_json::json!({"role": "user", "content": "Weather in Bern, time in Oslo?"}),
+            msg,
+        ];
+        msgs.extend(pending.answer("sunny"));
+        assert_eq!(pending.calls.len(), 1);
+        msgs.extend(pending.answer("12:00"));
+        assert!(pending.answer("extra").is_none());
+        assert_eq!(msgs[3]["tool_call_id"], "call_2");
+        assert_eq!(msgs[3]["name"], "get_time");
+        let out = tmpl
+            .render(&serde_json::Value::Array(msgs), None, true, None)
+            .expect("render");
+        assert!(
+            out.ends_with(&format!(
+                "<|im_start|>assistant\n<think>\n{raw}<|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\n12:00\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n"
+            )),
+            "{out}"
+        );
+        // Ids stay unique across replies.
+        let mut msg = reply.to_message();
+        pending.record(&mut msg);
+        assert_eq!(msg["tool_calls"][0]["id"], "call_3");
+    }
 }

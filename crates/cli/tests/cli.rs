@@ -1233,3 +1233,253 @@ fn real_weights_truncated_copy_and_inspect() {
     println!("truncated real file: {line}");
     assert_inspect_error(&p, &["out of bounds"]);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Chat: --tools, --think / --no-think, reasoning output, /tool
+// ---------------------------------------------------------------------------------------------
+//
+// The synthetic model emits random lower-case text, so it never writes tool-call markup: these
+// tests cover the plumbing (flags reach the template, reasoning is routed to stderr, the
+// history keeps the structured reply, `/tool` without a call). How replies are parsed is tested
+// in crates/engine/tests/reply.rs. The rendered prompt is observed with `--print-prompt`.
+
+/// A temp dir holding the synthetic model with the real chat template fixture `name`.
+fn tiny_with_template(name: &str) -> (TempDir, PathBuf) {
+    let d = TempDir::new("tmpl");
+    let bytes = model_bytes_with_template(&ModelOpts::default(), &template_fixture(name));
+    let p = d.write("tiny.gguf", &bytes);
+    (d, p)
+}
+
+/// The prompts `--print-prompt` wrote to stderr, in order.
+fn printed_prompts(o: &Out) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = o.stderr.as_str();
+    while let Some(i) = rest.find("[prompt]\n") {
+        let after = &rest[i + "[prompt]\n".len()..];
+        let Some(j) = after.find("\n[/prompt]") else {
+            break;
+        };
+        out.push(after[..j].to_string());
+        rest = &after[j..];
+    }
+    out
+}
+
+/// The reasoning blocks written to stderr (not a terminal here: between `[thinking]` and
+/// `[/thinking]` lines).
+fn printed_reasoning(o: &Out) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = o.stderr.as_str();
+    while let Some(i) = rest.find("[thinking]\n") {
+        let after = &rest[i + "[thinking]\n".len()..];
+        let Some(j) = after.find("\n[/thinking]") else {
+            break;
+        };
+        out.push(after[..j].to_string());
+        rest = &after[j..];
+    }
+    out
+}
+
+const WEATHER_TOOLS: &str = r#"[{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast.", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]"#;
+
+#[test]
+fn chat_bad_tools_file_is_a_startup_error() {
+    let (d, m) = tiny_default();
+    let missing = d.path().join("no-such-tools.json");
+    let bad_json = d.write("bad.json", b"[{\"type\": \"function\",");
+    let not_array = d.write("obj.json", br#"{"type": "function"}"#);
+    let no_name = d.write(
+        "noname.json",
+        br#"[{"type": "function", "function": {"description": "x"}}]"#,
+    );
+    let cases: [(&Path, &[&str]); 4] = [
+        (&missing, &["tools file", "no-such-tools.json"]),
+        (&bad_json, &["bad.json", "not valid JSON"]),
+        (&not_array, &["obj.json", "JSON array"]),
+        (&no_name, &["noname.json", "\"name\""]),
+    ];
+    for (path, needles) in cases {
+        let o = kapitsa_stdin(
+            &["chat", "--model", s(&m), "--tools", s(path)],
+            Some("hi\n"),
+        );
+        assert_error(&o, needles);
+        assert!(
+            !o.stderr.contains("layers, vocab"),
+            "the tools file must be checked before the model is loaded: {o:?}"
+        );
+    }
+}
+
+#[test]
+fn chat_think_flags_set_enable_thinking() {
+    let (_d, m) = tiny_with_template("qwen3");
+    let prompt = |flags: &[&str]| {
+        let mut args = vec![
+            "chat",
+            "--model",
+            s(&m),
+            "-n",
+            "2",
+            "--temp",
+            "0",
+            "--print-prompt",
+        ];
+        args.extend_from_slice(flags);
+        let o = assert_ok(kapitsa_stdin(&args, Some("hi\n")));
+        let p = printed_prompts(&o);
+        assert_eq!(p.len(), 1, "{o:?}");
+        p[0].clone()
+    };
+    let default = prompt(&[]);
+    assert!(
+        default.ends_with("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"),
+        "{default:?}"
+    );
+    // Qwen3 thinks by default; --no-think makes the template close an empty block.
+    assert_eq!(prompt(&["--think"]), default);
+    assert_eq!(
+        prompt(&["--no-think"]),
+        format!("{default}<think>\n\n</think>\n\n")
+    );
+    let o = kapitsa_stdin(
+        &["chat", "--model", s(&m), "--think", "--no-think"],
+        Some("hi\n"),
+    );
+    assert_error(&o, &["--think", "--no-think"]);
+}
+
+#[test]
+fn chat_reasoning_goes_to_stderr_and_history_drops_it() {
+    let (_d, m) = tiny_with_template("qwen3.5");
+    // Thinking on (Qwen3.5's default): the prompt opens `<think>` and the random model never
+    // closes it, so each reply is all reasoning: on stderr, after a `[thinking]` line; stdout
+    // gets just the (empty) reply line.
+    let o = assert_ok(kapitsa_stdin(
+        &[
+            "chat",
+            "--model",
+            s(&m),
+            "-n",
+            "6",
+            "--temp",
+            "0",
+            "--print-prompt",
+        ],
+        Some("hi\nagain\n"),
+    ));
+    let prompts = printed_prompts(&o);
+    assert_eq!(prompts.len(), 2, "{o:?}");
+    assert!(
+        prompts[0].ends_with("<|im_start|>assistant\n<think>\n"),
+        "{o:?}"
+    );
+    assert_eq!(o.stdout, "\n\n", "{o:?}");
+    let reasoning = printed_reasoning(&o);
+    assert_eq!(reasoning.len(), 2, "{o:?}");
+    assert!(
+        reasoning
+            .iter()
+            .all(|r| !r.is_empty() && r.chars().all(|c| c.is_ascii_lowercase() || c == ' ')),
+        "{o:?}"
+    );
+    assert!(
+        !o.stderr.contains('\x1b'),
+        "no ANSI codes off a terminal: {o:?}"
+    );
+    // The history holds the structured reply (empty content, reasoning apart), and the
+    // template drops the reasoning of the earlier turn.
+    assert!(
+        prompts[1].ends_with(
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n<think>\n"
+        ),
+        "{o:?}"
+    );
+
+    // Thinking off: the reply is content on stdout, nothing on the reasoning channel.
+    let o = assert_ok(kapitsa_stdin(
+        &[
+            "chat",
+            "--model",
+            s(&m),
+            "-n",
+            "6",
+            "--temp",
+            "0",
+            "--no-think",
+            "--print-prompt",
+        ],
+        Some("hi\n"),
+    ));
+    assert!(
+        printed_prompts(&o)[0].ends_with("<think>\n\n</think>\n\n"),
+        "{o:?}"
+    );
+    assert!(!o.stderr.contains("[thinking]"), "{o:?}");
+    let lines: Vec<&str> = o.stdout.lines().collect();
+    assert_eq!(lines.len(), 1, "{o:?}");
+    assert!(!lines[0].is_empty(), "{o:?}");
+}
+
+#[test]
+fn chat_tools_reach_the_template_and_tool_without_a_call_is_refused() {
+    let (d, m) = tiny_with_template("qwen3.5");
+    let tools = d.write("tools.json", WEATHER_TOOLS.as_bytes());
+    let o = assert_ok(kapitsa_stdin(
+        &[
+            "chat",
+            "--model",
+            s(&m),
+            "--tools",
+            s(&tools),
+            "--no-think",
+            "-n",
+            "3",
+            "--temp",
+            "0",
+            "--print-prompt",
+        ],
+        Some("/tool 21 degrees\nhi\n/tool\n"),
+    ));
+    let prompts = printed_prompts(&o);
+    assert_eq!(prompts.len(), 1, "only `hi` gets a reply: {o:?}");
+    assert!(
+        prompts[0]
+            .contains("<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\""),
+        "{o:?}"
+    );
+    assert_eq!(
+        o.stderr
+            .matches("no tool call is waiting for a result")
+            .count(),
+        2,
+        "{o:?}"
+    );
+    assert_eq!(o.stdout.lines().count(), 1, "{o:?}");
+
+    // A template without tools or a thinking switch: the flags are noted, not fatal.
+    let (_d2, plain) = tiny_default();
+    let o = assert_ok(kapitsa_stdin(
+        &[
+            "chat",
+            "--model",
+            s(&plain),
+            "--tools",
+            s(&tools),
+            "--think",
+            "-n",
+            "2",
+            "--temp",
+            "0",
+        ],
+        Some("hi\n"),
+    ));
+    assert!(o.stderr.contains("--tools has no effect"), "{o:?}");
+    assert!(
+        o.stderr.contains("--think/--no-think have no effect"),
+        "{o:?}"
+    );
+    assert_eq!(o.stdout.lines().count(), 1, "{o:?}");
+}

@@ -2,11 +2,13 @@
 
 pub mod generate;
 pub mod loader;
+pub mod reply;
 pub mod rng;
 pub mod sampler;
 pub mod stop;
 
 pub use generate::{generate, FinishReason, GenerateOutput, GenerateRequest};
+pub use reply::{ParsedReply, ReplyEvent, ReplyFormat, ReplyParser, ToolCall, ToolCallFormat};
 pub use sampler::{Sampler, SamplingParams};
 pub use stop::StopChecker;
 

@@ -573,3 +573,25 @@ pub fn assert_error(o: &Out, needles: &[&str]) -> String {
 pub fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
+
+/// Serialised synthetic model whose `tokenizer.chat_template` is `template` (the other options
+/// as in `o`; its `chat_template` flag is ignored).
+pub fn model_bytes_with_template(o: &ModelOpts, template: &str) -> Vec<u8> {
+    let mut w = model_writer(&ModelOpts {
+        chat_template: false,
+        ..o.clone()
+    });
+    w.add_kv(
+        "tokenizer.chat_template",
+        GgufValue::String(template.to_string()),
+    );
+    w.to_bytes()
+}
+
+/// The text of a chat-template fixture, `tests/fixtures/templates/<name>.jinja`.
+pub fn template_fixture(name: &str) -> String {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/templates")
+        .join(format!("{name}.jinja"));
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
