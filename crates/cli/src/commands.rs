@@ -216,8 +216,15 @@ fn load(a: &ModelArgs) -> Result<(LoadedModel, Tokenizer)> {
     let tok = tokenizer_for(&loaded.source)
         .with_context(|| format!("building the tokenizer of {}", a.model.display()))?;
     let spec = loaded.model.spec();
+    let mut kinds = format!("{} attention", spec.n_attention_layers());
+    if spec.n_recurrent_layers() > 0 {
+        kinds.push_str(&format!(", {} recurrent", spec.n_recurrent_layers()));
+    }
+    if spec.n_mtp_layers > 0 {
+        kinds.push_str(&format!(", +{} MTP kept", spec.n_mtp_layers));
+    }
     eprintln!(
-        "kapitsa: {} ({} layers, vocab {}) on {}",
+        "kapitsa: {} ({} layers: {kinds}; vocab {}) on {}",
         loaded.arch,
         spec.layers.len(),
         spec.n_vocab,
