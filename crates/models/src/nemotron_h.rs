@@ -27,9 +27,11 @@ use crate::layers::ffn::{Act, Experts, Ffn, Gating, Latent, Mlp, Moe};
 use crate::layers::mamba2::Mamba2;
 use crate::{BatchInputs, CausalLm, KvCache, Logits, ModelError, ModelSource, ModelSpec, Result};
 
-/// Tensor names: HF `backbone.layers.{i}.mixer.*` or GGUF `blk.{i}.*`.
+/// Tensor names: HF `{prefix}{i}.mixer.*` (prefix `backbone.layers.`, or `mtp.layers.` for
+/// the MTP head) or GGUF `blk.{i}.*`.
 struct Names {
     gguf: bool,
+    prefix: &'static str,
 }
 
 impl Names {
@@ -37,14 +39,32 @@ impl Names {
         if self.gguf {
             format!("blk.{i}.{gguf}")
         } else {
-            format!("backbone.layers.{i}.{hf}")
+            format!("{}{i}.{hf}", self.prefix)
         }
     }
+}
+
+/// The multi-token-prediction head (Nemotron 3 Super; kept for speculative decoding, not run
+/// by `forward`). HF `mtp.layers.0` (input fusion + attention) and `mtp.layers.1` (MoE + head
+/// norm); GGUF one extra block after the trunk with `nextn.*` tensors.
+#[derive(Debug)]
+pub struct NemotronMtp {
+    /// `[n_embd, 2 n_embd]`: projects `[norm(embed(next)), norm(hidden)]`.
+    pub eh_proj: crate::Weight,
+    /// Norm of the next token's embedding.
+    pub enorm: Vec<f32>,
+    /// Norm of the trunk's hidden state.
+    pub hnorm: Vec<f32>,
+    /// Final head norm.
+    pub head_norm: Vec<f32>,
+    /// Attention block then MoE block.
+    pub blocks: Vec<Block>,
 }
 
 /// A loaded Nemotron-H model.
 pub struct NemotronH {
     inner: Decoder,
+    mtp: Option<NemotronMtp>,
 }
 
 struct Hp {
@@ -135,7 +155,24 @@ impl NemotronH {
         let hp = read_hp(src, &arch)?;
         let names = Names {
             gguf: src.gguf().is_some(),
+            prefix: "backbone.layers.",
         };
+        let mut hp = hp;
+        let n_mtp = if names.gguf {
+            Hparams::new(src, &arch)
+                .usize_opt("nextn_predict_layers", "")?
+                .unwrap_or(0)
+        } else if src.has("mtp.layers.0.eh_proj.weight") {
+            1
+        } else {
+            0
+        };
+        if names.gguf {
+            // block_count counts the MTP block appended after the trunk.
+            hp.n_layer = hp.n_layer.checked_sub(n_mtp).filter(|&n| n > 0).ok_or_else(|| {
+                ModelError::Config(format!("{arch}: block_count too small for {n_mtp} MTP layers"))
+            })?;
+        }
         let g = |hf: &str, gguf: &str| if names.gguf { gguf.to_string() } else { hf.to_string() };
         let tok_embd = src.weight(&g("backbone.embeddings.weight", "token_embd.weight"))?;
         let out_norm = vec_weight(src, &g("backbone.norm_f.weight", "output_norm.weight"), hp.n_embd, 0.0)?;
@@ -152,20 +189,108 @@ impl NemotronH {
         let mut blocks = Vec::with_capacity(hp.n_layer);
         for i in 0..hp.n_layer {
             let norm = vec_weight(src, &names.layer(i, "norm.weight", "attn_norm.weight"), hp.n_embd, 0.0)?;
-            let op = load_block(src, &names, i, &hp)?;
+            let op = load_block(src, &names, i, &hp, None)?;
             blocks.push(Block { layer: i, norm, op });
         }
-        Ok(NemotronH {
-            inner: Decoder::new(parts, blocks, backend)?,
+        let mtp = if n_mtp > 0 {
+            if n_mtp != 1 {
+                return Err(ModelError::Config(format!(
+                    "{arch}: {n_mtp} MTP layers (only 1 is supported)"
+                )));
+            }
+            Some(load_mtp(src, &names, &hp)?)
+        } else {
+            None
+        };
+        let mut inner = Decoder::new(parts, blocks, backend)?;
+        if mtp.is_some() {
+            inner.set_mtp_layers(1);
+        }
+        Ok(NemotronH { inner, mtp })
+    }
+
+    /// The MTP head, when the file has one.
+    pub fn mtp(&self) -> Option<&NemotronMtp> {
+        self.mtp.as_ref()
+    }
+}
+
+/// Load the MTP head (see [`NemotronMtp`]).
+fn load_mtp(src: &ModelSource, names: &Names, hp: &Hp) -> Result<NemotronMtp> {
+    let d = hp.n_embd;
+    let v = |name: String| vec_weight(src, &name, d, 0.0);
+    if names.gguf {
+        let b = hp.n_layer;
+        let l = |g: &str| names.layer(b, "", g);
+        let attn = load_block(src, names, b, hp, Some(Kind::Attention))?;
+        let moe = load_block(src, names, b, hp, Some(Kind::Moe))?;
+        Ok(NemotronMtp {
+            eh_proj: src.weight(&l("nextn.eh_proj.weight"))?,
+            enorm: v(l("nextn.enorm.weight"))?,
+            hnorm: v(l("nextn.hnorm.weight"))?,
+            head_norm: v(l("nextn.shared_head_norm.weight"))?,
+            blocks: vec![
+                Block {
+                    layer: b,
+                    norm: v(l("attn_norm.weight"))?,
+                    op: attn,
+                },
+                Block {
+                    layer: b,
+                    norm: v(l("post_attention_norm.weight"))?,
+                    op: moe,
+                },
+            ],
+        })
+    } else {
+        let mtp = Names {
+            gguf: false,
+            prefix: "mtp.layers.",
+        };
+        let attn = load_block(src, &mtp, 0, hp, Some(Kind::Attention))?;
+        let moe = load_block(src, &mtp, 1, hp, Some(Kind::Moe))?;
+        Ok(NemotronMtp {
+            eh_proj: src.weight("mtp.layers.0.eh_proj.weight")?,
+            enorm: v("mtp.layers.0.enorm.weight".into())?,
+            hnorm: v("mtp.layers.0.hnorm.weight".into())?,
+            head_norm: v("mtp.layers.1.final_layernorm.weight".into())?,
+            blocks: vec![
+                Block {
+                    layer: 0,
+                    norm: v("mtp.layers.0.norm.weight".into())?,
+                    op: attn,
+                },
+                Block {
+                    layer: 1,
+                    norm: v("mtp.layers.1.norm.weight".into())?,
+                    op: moe,
+                },
+            ],
         })
     }
 }
 
-fn load_block(src: &ModelSource, names: &Names, i: usize, hp: &Hp) -> Result<BlockOp> {
+/// A block kind, to pick one sub-layer of the folded GGUF MTP block.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Attention,
+    Moe,
+}
+
+/// The op of layer `i`, of the kind its tensors show (or `only` that kind, for the MTP block
+/// that holds two).
+fn load_block(
+    src: &ModelSource,
+    names: &Names,
+    i: usize,
+    hp: &Hp,
+    only: Option<Kind>,
+) -> Result<BlockOp> {
     let l = |h: &str, g: &str| names.layer(i, h, g);
     let w = |h: &str, g: &str| src.weight(&l(h, g));
     let has = |h: &str, g: &str| src.has(&l(h, g));
-    if has("mixer.in_proj.weight", "ssm_in.weight") {
+    let want = |k: Kind| only.is_none_or(|o| o == k);
+    if only.is_none() && has("mixer.in_proj.weight", "ssm_in.weight") {
         let w_in = w("mixer.in_proj.weight", "ssm_in.weight")?;
         let w_out = w("mixer.out_proj.weight", "ssm_out.weight")?;
         let d_inner = w_out.shape.get(1).copied().unwrap_or(0);
@@ -215,7 +340,7 @@ fn load_block(src: &ModelSource, names: &Names, i: usize, hp: &Hp) -> Result<Blo
             eps: hp.eps,
         }));
     }
-    if has("mixer.q_proj.weight", "attn_q.weight") {
+    if want(Kind::Attention) && has("mixer.q_proj.weight", "attn_q.weight") {
         let wq = w("mixer.q_proj.weight", "attn_q.weight")?;
         let wk = w("mixer.k_proj.weight", "attn_k.weight")?;
         let hd = hp.head_dim;
@@ -239,7 +364,7 @@ fn load_block(src: &ModelSource, names: &Names, i: usize, hp: &Hp) -> Result<Blo
             eps: hp.eps,
         }));
     }
-    if has("mixer.gate.weight", "ffn_gate_inp.weight") {
+    if want(Kind::Moe) && has("mixer.gate.weight", "ffn_gate_inp.weight") {
         let router = w("mixer.gate.weight", "ffn_gate_inp.weight")?;
         let n_expert = router.shape.first().copied().unwrap_or(0);
         let bias_name = l("mixer.gate.e_score_correction_bias", "exp_probs_b.bias");
@@ -305,7 +430,7 @@ fn load_block(src: &ModelSource, names: &Names, i: usize, hp: &Hp) -> Result<Blo
             latent,
         })));
     }
-    if has("mixer.up_proj.weight", "ffn_up.weight") {
+    if only.is_none() && has("mixer.up_proj.weight", "ffn_up.weight") {
         return Ok(BlockOp::Ffn(Ffn::Mlp(Mlp {
             gate: None,
             up: w("mixer.up_proj.weight", "ffn_up.weight")?,
