@@ -252,6 +252,46 @@ fn batch_of_three_equals_each_alone() {
     }
 }
 
+/// MLX 4-bit conversions made by mlx-lm (`<fixture>/mlx-4bit`, see the README): our logits
+/// against mlx-lm's own and against transformers run on the dequantised weights; greedy
+/// tokens against mlx-lm's.
+#[test]
+fn mlx_conversions_match_mlx_lm_and_transformers() {
+    let dirs: Vec<PathBuf> = model_dirs()
+        .into_iter()
+        .map(|d| d.join("mlx-4bit"))
+        .filter(|d| d.join("reference.json").exists())
+        .collect();
+    assert!(dirs.len() >= 2, "expected MLX fixtures, found {dirs:?}");
+    for dir in dirs {
+        let m = load_model(&dir, backend(), &LoadOptions::default()).unwrap();
+        let j: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+                .unwrap();
+        for (i, p) in j["prompts"].as_array().unwrap().iter().enumerate() {
+            let ids: Vec<u32> = p["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect();
+            let got = logits(&*m.model, &ids, 512);
+            let hf = read_f32(&dir.join(p["hf_logits"].as_str().unwrap()));
+            let mlx = read_f32(&dir.join(p["mlx_logits"].as_str().unwrap()));
+            let (eh, em) = (rel_err(&got, &hf), rel_err(&got, &mlx));
+            println!("{} prompt {i}: rel err vs transformers {eh:.2e}, vs mlx-lm {em:.2e}", dir.display());
+            assert!(eh < 1e-4 && em < 1e-4, "{}: prompt {i}: {eh} {em}", dir.display());
+            let want: Vec<u32> = p["mlx_greedy"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect();
+            assert_eq!(greedy(&*m.model, &ids, want.len()), want, "{}: prompt {i}", dir.display());
+        }
+    }
+}
+
 #[test]
 fn mtp_weights_are_loaded_when_present() {
     // qwen35moe-b carries an MTP layer (HF `mtp.*`, GGUF block 8 with `nextn.*`).
