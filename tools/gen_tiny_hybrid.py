@@ -1,15 +1,22 @@
 #!/usr/bin/env python3
 """Make tiny random Qwen3.5-MoE / Qwen3.5 (dense) / Qwen3-MoE checkpoints and their reference
-outputs, in the same layout as tools/gen_tiny_models.py (whose tokenizer, converter shim,
-llama_ref driver and JSON writer are imported from it, unchanged).
+outputs, in the same layout as tools/gen_tiny_models.py (whose tokenizer, save_tokenizer,
+converter shim, hf_reference, llama_reference and JSON writer are imported from it, unchanged).
+See tests/fixtures/tiny/README.md, section "Hybrid / MoE models".
 
-Usage (reference venv: torch, transformers 5.24, tokenizers, safetensors, numpy):
+Phase 1 (reference venv: torch, transformers 5.24, tokenizers, safetensors, numpy):
     python tools/gen_tiny_hybrid.py --llama-src DIR --llama-ref BIN [--out DIR] [--only NAME ...]
-                                    [--skip-hf] [--skip-convert] [--skip-llama]
+                                    [--skip-hf] [--skip-convert] [--skip-llama] [--search-seeds]
+Phase 2, MLX 4-bit copies of qwen35moe-a and qwen3moe-a (after phase 1; run with the reference
+venv, the MLX part runs in a venv with mlx + mlx-lm):
+    python tools/gen_tiny_hybrid.py --mlx-python MLXVENV/bin/python [--out DIR] [--only NAME ...]
+                                    [--scratch DIR]
 
   --llama-src / --llama-ref / --out / --only / --skip-*: as in gen_tiny_models.py.
+  --search-seeds: redo the weights-seed search (pick_weights_seed) instead of using the
+                  weights_seed recorded in MODELS (which that search found).
 
-Per model (deterministic, fixed seeds):
+Phase 1, per model (deterministic, fixed seeds):
   1. tokenizer: gen_tiny_models.train_tokenizer() (the shared 400-id byte-level BPE).
   2. model: Qwen3_5MoeForCausalLM / Qwen3_5ForCausalLM / Qwen3MoeForCausalLM built from a text
      config object, every parameter re-drawn by init_weights() below, saved as float32
@@ -17,17 +24,18 @@ Per model (deterministic, fixed seeds):
      fc, the three pre/post norms and one full-attention MoE decoder layer with per-expert
      weights) are appended to model.safetensors afterwards; transformers ignores them
      (_keys_to_ignore_on_load_unexpected = ["^mtp.*"]), llama.cpp's converter turns them
-     into blk.{n_layer}.nextn.* + the MTP layer.
+     into blk.{n_layer} with nextn.* tensors.
   3. HF reference: gen_tiny_models.hf_reference() (float32, eager attention, all-position
      logits, 32 greedy tokens checked against a no-cache argmax loop). The three prompts
      come from the same seeded RNG as gen_tiny_models.make_prompts, lengths 7, 33, 130
      (130 > 2 * 64 crosses two chunk boundaries of the chunked Gated DeltaNet form).
-     The expert routing histogram over the prompt tokens is written to routing.json.
-  4. convert_hf_to_gguf.py --outtype f32 through gen_tiny_models.SHIM (pre-tokenizer "qwen2").
+     routing.json: expert routing histogram over the prompt tokens and the smallest
+     router / greedy-argmax gaps (routing_stats).
+  4. convert_hf_to_gguf.py --outtype f32 through gen_tiny_models.SHIM (pre-tokenizer "qwen2"),
+     plus --no-mtp for Qwen3.5 models without MTP tensors.
   5. gen_tiny_models.llama_reference() (llama_ref, 1 thread, f32 KV, all logits, greedy).
   reference.json: exactly gen_tiny_models.main()'s schema.
-
-Phase 2 (MLX copies) is a separate sub-command, see `mlx --help`.
+Phase 2: see mlx_worker / phase_mlx.
 """
 
 import argparse
@@ -58,30 +66,35 @@ def _rope(theta, mrope_section):
 # Sizes: see tests/fixtures/tiny/README.md ("Hybrid / MoE models") for why some intermediate sizes
 # differ from the first suggestion (file size; MLX group size 32 needs in-dims % 32 == 0).
 MODELS = [
-    dict(name="qwen35moe-a", arch="qwen3_5_moe", seed=2001, hidden_size=64, num_hidden_layers=4,
+    dict(name="qwen35moe-a", arch="qwen3_5_moe", seed=2001, weights_seed=2001,
+         hidden_size=64, num_hidden_layers=4,
          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
          rope_parameters=_rope(1e7, [2, 1, 1]),
          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
          linear_value_head_dim=16, linear_conv_kernel_dim=4,
          num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
          shared_expert_intermediate_size=64),
-    dict(name="qwen35moe-b", arch="qwen3_5_moe", seed=2002, hidden_size=64, num_hidden_layers=8,
+    dict(name="qwen35moe-b", arch="qwen3_5_moe", seed=2002, weights_seed=8002,
+         hidden_size=64, num_hidden_layers=8,
          num_attention_heads=8, num_key_value_heads=2, head_dim=16,
          rope_parameters=_rope(1e7, [1, 1, 0]),
          linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
          linear_value_head_dim=16, linear_conv_kernel_dim=4,
          num_experts=16, num_experts_per_tok=4, moe_intermediate_size=12,
          shared_expert_intermediate_size=20, mtp=True),
-    dict(name="qwen35-a", arch="qwen3_5", seed=2003, hidden_size=64, num_hidden_layers=4,
+    dict(name="qwen35-a", arch="qwen3_5", seed=2003, weights_seed=2003,
+         hidden_size=64, num_hidden_layers=4,
          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
          rope_parameters=_rope(1e7, [2, 1, 1]),
          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
          linear_value_head_dim=16, linear_conv_kernel_dim=4, intermediate_size=72),
-    dict(name="qwen3moe-a", arch="qwen3_moe", seed=2004, hidden_size=64, num_hidden_layers=3,
+    dict(name="qwen3moe-a", arch="qwen3_moe", seed=2004, weights_seed=2004,
+         hidden_size=64, num_hidden_layers=3,
          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
          rope_parameters={"rope_type": "default", "rope_theta": 1e6},
          num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96),
-    dict(name="qwen3moe-b", arch="qwen3_moe", seed=2005, hidden_size=64, num_hidden_layers=2,
+    dict(name="qwen3moe-b", arch="qwen3_moe", seed=2005, weights_seed=3005,
+         hidden_size=64, num_hidden_layers=2,
          num_attention_heads=6, num_key_value_heads=3, head_dim=16,
          rope_parameters={"rope_type": "default", "rope_theta": 1e4},
          num_experts=16, num_experts_per_tok=4, moe_intermediate_size=20, intermediate_size=80),
@@ -171,7 +184,8 @@ def mtp_tensors(m, seed):
     """Random weights of one Qwen3.5-MoE MTP block (checkpoint names, [out, in] layout)."""
     import torch
 
-    H, nh, nkv, hd = m["hidden_size"], m["num_attention_heads"], m["num_key_value_heads"], m["head_dim"]
+    H, hd = m["hidden_size"], m["head_dim"]
+    nh, nkv = m["num_attention_heads"], m["num_key_value_heads"]
     E, I, S = m["num_experts"], m["moe_intermediate_size"], m["shared_expert_intermediate_size"]
     shapes = {
         "mtp.fc.weight": (H, 2 * H),
@@ -353,8 +367,9 @@ def write_reference(m, folder, entries, llama_greedy, info):
              "llama_logits": f"llama_logits_{i}.bin", "hf_greedy": e["hf_greedy"]}
         if llama_greedy is not None:
             p["llama_greedy"] = llama_greedy[i]
-            hf = np.fromfile(folder / f"hf_logits_{i}.bin", dtype="<f4").reshape(len(e["ids"]), VOCAB)
-            ll = np.fromfile(folder / f"llama_logits_{i}.bin", dtype="<f4").reshape(len(e["ids"]), VOCAB)
+            shape = (len(e["ids"]), VOCAB)
+            hf = np.fromfile(folder / f"hf_logits_{i}.bin", dtype="<f4").reshape(shape)
+            ll = np.fromfile(folder / f"llama_logits_{i}.bin", dtype="<f4").reshape(shape)
             d = float(np.abs(hf - ll).max())
             p["max_abs_diff_hf_vs_llama"] = d
             p["argmax_agree_all_positions"] = bool((hf.argmax(-1) == ll.argmax(-1)).all())
@@ -384,17 +399,21 @@ def phase1(a):
         if not a.skip_hf:
             # Weights seed: see pick_weights_seed (no near-ties in expert routing / greedy
             # argmax if possible); the prompts always come from `seed`.
-            wseed = pick_weights_seed(m, tok, prompts)
+            if "weights_seed" in m and not a.search_seeds:
+                wseed = m["weights_seed"]  # found by pick_weights_seed (--search-seeds)
+            else:
+                wseed = pick_weights_seed(m, tok, prompts)
             build_hf(m, tok, folder, wseed)
             entries = G.hf_reference(folder, prompts)
             st = routing_stats(folder, prompts, [e["hf_greedy"] for e in entries])
             write_reference(m, folder, entries, None, None)  # HF part first (for --skip-hf)
             (folder / "routing.json").write_text(G.dump_json(dict(
                 weights_seed=wseed,
-                what="transformers f32: hist = prompt tokens (3 prompts, 170 tokens) routed to each "
-                     "expert per MoE layer; min_router_gap = smallest k-th minus (k+1)-th router "
-                     "logit per layer over prompt + greedy positions; min_greedy_gap = smallest "
-                     "top1 - top2 output logit over the same positions", **st)))
+                what="transformers f32: hist = prompt tokens (3 prompts, 170 tokens) routed "
+                     "to each expert per MoE layer; min_router_gap = smallest k-th minus "
+                     "(k+1)-th router logit per layer over prompt + greedy positions; "
+                     "min_greedy_gap = smallest top1 - top2 output logit over the same "
+                     "positions", **st)))
         else:
             entries = [dict(ids=p["ids"], hf_greedy=p["hf_greedy"])
                        for p in json.loads((folder / "reference.json").read_text())["prompts"]]
@@ -466,7 +485,14 @@ def mlx_worker(folder: Path, scratch: Path):
             w[f"{p}.gate_up_proj"] = mx.concatenate([mx.stack(g), mx.stack(u)], axis=1)
             w[f"{p}.down_proj"] = mx.stack(d)
     mx.save_safetensors(str(src / "model.safetensors"), w, metadata={"format": "pt"})
-    (src / "config.json").write_text(json.dumps(dict(cfg, model_type=mtype), indent=2) + "\n")
+    # transformers 5 writes Qwen3-MoE's expert count as "num_local_experts" and rope_theta only
+    # inside rope_parameters; mlx-lm's qwen3_moe ModelArgs wants the published-config names.
+    mcfg = dict(cfg, model_type=mtype)
+    if "num_local_experts" in cfg and "num_experts" not in cfg:
+        mcfg["num_experts"] = cfg["num_local_experts"]
+    if "rope_theta" not in cfg and "rope_theta" in (cfg.get("rope_parameters") or {}):
+        mcfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
+    (src / "config.json").write_text(json.dumps(mcfg, indent=2) + "\n")
     for f in TOKENIZER_FILES:
         if (folder / f).exists():
             shutil.copy(folder / f, src / f)
@@ -612,6 +638,8 @@ def main():
     ap.add_argument("--skip-hf", action="store_true", help="reuse the saved HF folders/outputs")
     ap.add_argument("--skip-convert", action="store_true")
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--search-seeds", action="store_true",
+                    help="redo the weights-seed search instead of using MODELS' weights_seed")
     ap.add_argument("--mlx-python", type=Path,
                     help="phase 2 instead of phase 1: python of a venv with mlx + mlx-lm")
     ap.add_argument("--scratch", type=Path, default=Path("/tmp/kapitsa-tiny-mlx"),
