@@ -5,8 +5,8 @@
 
 use kapitsa_base::{CpuFeatures, ThreadPool};
 use kapitsa_kernels_cpu::attention::{self, AttnShape, KvSlice};
-use kapitsa_kernels_cpu::gdn::{self, GdnShape};
 use kapitsa_kernels_cpu::conv;
+use kapitsa_kernels_cpu::gdn::{self, GdnShape};
 use kapitsa_kernels_cpu::mamba2::{self, Mamba2Shape};
 use kapitsa_kernels_cpu::matmul::{self, QMatrix};
 use kapitsa_kernels_cpu::ops;

@@ -6,8 +6,8 @@ use kapitsa_kernels_cpu::ops::Rope;
 
 use crate::config::Hparams;
 use crate::layers::attention::Attention;
-use crate::layers::decoder::DecoderParts;
-use crate::layers::ffn::{Act, Experts, Gating, Mlp, Moe};
+use crate::layers::decoder::{Block, BlockOp, DecoderParts};
+use crate::layers::ffn::{Act, Experts, Ffn, Gating, Mlp, Moe};
 use crate::{ModelError, ModelSource, Result, Weight};
 
 /// How the tensors of one model file are named.
@@ -44,7 +44,9 @@ impl Names {
                 });
             }
         }
-        Err(ModelError::MissingTensor("model.embed_tokens.weight".into()))
+        Err(ModelError::MissingTensor(
+            "model.embed_tokens.weight".into(),
+        ))
     }
 
     /// Name of a per-layer tensor: HF `<prefix>layers.{i}.{hf}` or GGUF `blk.{i}.{gguf}`.
@@ -117,7 +119,9 @@ impl CommonHparams {
             return Err(ModelError::Config(format!("{arch}: zero-sized dimension")));
         }
         if c.rope_theta.is_nan() || c.rope_theta <= 0.0 {
-            return Err(ModelError::Config(format!("{arch}: rope_theta must be positive")));
+            return Err(ModelError::Config(format!(
+                "{arch}: rope_theta must be positive"
+            )));
         }
         Ok(c)
     }
@@ -228,6 +232,51 @@ pub fn load_attention(
         rope: Some(Rope::new(o.n_rot, c.rope_theta)),
         gated: o.gated,
         eps: c.rms_eps,
+    })
+}
+
+/// The attention block of a Qwen-style layer `i`: pre-norm `input_layernorm` / `attn_norm`
+/// (plus `norm_offset`) and [`load_attention`].
+pub fn attention_block(
+    src: &ModelSource,
+    names: &Names,
+    i: usize,
+    c: &CommonHparams,
+    o: &AttnOptions,
+    norm_offset: f32,
+) -> Result<Block> {
+    Ok(Block {
+        layer: i,
+        norm: vec_weight(
+            src,
+            &names.layer(i, "input_layernorm.weight", "attn_norm.weight"),
+            c.n_embd,
+            norm_offset,
+        )?,
+        op: BlockOp::Attention(load_attention(src, names, i, c, o)?),
+    })
+}
+
+/// The FFN block of a Qwen-style layer `i`: pre-norm `post_attention_layernorm` / GGUF
+/// `gguf_norm` (plus `norm_offset`) and `ffn`.
+pub fn ffn_block(
+    src: &ModelSource,
+    names: &Names,
+    i: usize,
+    c: &CommonHparams,
+    gguf_norm: &str,
+    norm_offset: f32,
+    ffn: Ffn,
+) -> Result<Block> {
+    Ok(Block {
+        layer: i,
+        norm: vec_weight(
+            src,
+            &names.layer(i, "post_attention_layernorm.weight", gguf_norm),
+            c.n_embd,
+            norm_offset,
+        )?,
+        op: BlockOp::Ffn(ffn),
     })
 }
 

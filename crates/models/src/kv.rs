@@ -146,7 +146,12 @@ impl KvCache {
                 })),
                 LayerKind::Recurrent(shape) => Ok(LayerCache::Rec(LayerRec {
                     shape: *shape,
-                    conv: vec![0.0; n_slots.checked_mul(shape.conv_len()).ok_or_else(too_large)?],
+                    conv: vec![
+                        0.0;
+                        n_slots
+                            .checked_mul(shape.conv_len())
+                            .ok_or_else(too_large)?
+                    ],
                     state: vec![0.0; n_slots.checked_mul(shape.state_len).ok_or_else(too_large)?],
                 })),
                 LayerKind::Stateless => Ok(LayerCache::None),
@@ -208,7 +213,10 @@ impl KvCache {
     /// Tokens the recurrent states of `slot` summarise, or `None` when they are unusable
     /// (a forward pass failed midway; only a restart at position 0 is possible).
     pub fn recurrent_pos(&self, slot: usize) -> Option<usize> {
-        self.rec_pos.get(slot).copied().filter(|&p| p != REC_INVALID)
+        self.rec_pos
+            .get(slot)
+            .copied()
+            .filter(|&p| p != REC_INVALID)
     }
 
     /// Called by models before a chunk of `slot` starting at `pos0` runs through the
@@ -302,8 +310,7 @@ impl KvCache {
         for l in &mut self.layers {
             if let LayerCache::Rec(r) = l {
                 let (c, s) = (r.shape.conv_len(), r.shape.state_len);
-                let Some((sc, ss)) = it.next().filter(|(a, b)| a.len() == c && b.len() == s)
-                else {
+                let Some((sc, ss)) = it.next().filter(|(a, b)| a.len() == c && b.len() == s) else {
                     return Err(ModelError::Batch(
                         "recurrent snapshot does not fit this cache".into(),
                     ));

@@ -97,14 +97,16 @@ fn read_hp(src: &ModelSource, arch: &str) -> Result<Hp> {
         .unwrap_or(1.0);
     let norm_topk = if hp.is_gguf() {
         src.gguf()
-            .and_then(|g| g.opt_bool(&format!("{arch}.expert_weights_norm")).ok().flatten())
+            .and_then(|g| {
+                g.opt_bool(&format!("{arch}.expert_weights_norm"))
+                    .ok()
+                    .flatten()
+            })
             .unwrap_or(true)
     } else {
         hp.hf_bool("norm_topk_prob").unwrap_or(true)
     };
-    let groups = hp
-        .usize_opt("expert_group_count", "n_group")?
-        .unwrap_or(1);
+    let groups = hp.usize_opt("expert_group_count", "n_group")?.unwrap_or(1);
     if groups > 1 {
         return Err(ModelError::Config(format!(
             "{arch}: group-limited expert routing ({groups} groups) is not supported"
@@ -169,13 +171,30 @@ impl NemotronH {
         };
         if names.gguf {
             // block_count counts the MTP block appended after the trunk.
-            hp.n_layer = hp.n_layer.checked_sub(n_mtp).filter(|&n| n > 0).ok_or_else(|| {
-                ModelError::Config(format!("{arch}: block_count too small for {n_mtp} MTP layers"))
-            })?;
+            hp.n_layer = hp
+                .n_layer
+                .checked_sub(n_mtp)
+                .filter(|&n| n > 0)
+                .ok_or_else(|| {
+                    ModelError::Config(format!(
+                        "{arch}: block_count too small for {n_mtp} MTP layers"
+                    ))
+                })?;
         }
-        let g = |hf: &str, gguf: &str| if names.gguf { gguf.to_string() } else { hf.to_string() };
+        let g = |hf: &str, gguf: &str| {
+            if names.gguf {
+                gguf.to_string()
+            } else {
+                hf.to_string()
+            }
+        };
         let tok_embd = src.weight(&g("backbone.embeddings.weight", "token_embd.weight"))?;
-        let out_norm = vec_weight(src, &g("backbone.norm_f.weight", "output_norm.weight"), hp.n_embd, 0.0)?;
+        let out_norm = vec_weight(
+            src,
+            &g("backbone.norm_f.weight", "output_norm.weight"),
+            hp.n_embd,
+            0.0,
+        )?;
         let output = src.weight_opt(&g("lm_head.weight", "output.weight"))?;
         let parts = DecoderParts {
             arch: arch.clone(),
@@ -188,7 +207,12 @@ impl NemotronH {
         };
         let mut blocks = Vec::with_capacity(hp.n_layer);
         for i in 0..hp.n_layer {
-            let norm = vec_weight(src, &names.layer(i, "norm.weight", "attn_norm.weight"), hp.n_embd, 0.0)?;
+            let norm = vec_weight(
+                src,
+                &names.layer(i, "norm.weight", "attn_norm.weight"),
+                hp.n_embd,
+                0.0,
+            )?;
             let op = load_block(src, &names, i, &hp, None)?;
             blocks.push(Block { layer: i, norm, op });
         }
@@ -317,7 +341,11 @@ fn load_block(
                 .collect()
         };
         let conv_b = if has("mixer.conv1d.bias", "ssm_conv1d.bias") {
-            Some(flat_weight(src, &l("mixer.conv1d.bias", "ssm_conv1d.bias"), conv_dim)?)
+            Some(flat_weight(
+                src,
+                &l("mixer.conv1d.bias", "ssm_conv1d.bias"),
+                conv_dim,
+            )?)
         } else {
             None
         };
@@ -402,7 +430,10 @@ fn load_block(
             Some(Mlp {
                 gate: None,
                 up: w("mixer.shared_experts.up_proj.weight", "ffn_up_shexp.weight")?,
-                down: w("mixer.shared_experts.down_proj.weight", "ffn_down_shexp.weight")?,
+                down: w(
+                    "mixer.shared_experts.down_proj.weight",
+                    "ffn_down_shexp.weight",
+                )?,
                 act: Act::Relu2,
             })
         } else {

@@ -7,8 +7,10 @@ use std::sync::Arc;
 
 use kapitsa_backend::Backend;
 
-use crate::common::{load_attention, load_globals, load_swiglu, vec_weight, AttnOptions, CommonHparams, Names};
-use crate::layers::decoder::{Block, BlockOp, Decoder};
+use crate::common::{
+    attention_block, ffn_block, load_globals, load_swiglu, AttnOptions, CommonHparams, Names,
+};
+use crate::layers::decoder::Decoder;
 use crate::layers::ffn::Ffn;
 use crate::{BatchInputs, CausalLm, KvCache, Logits, ModelSource, ModelSpec, Result};
 
@@ -32,17 +34,9 @@ pub(crate) fn load_dense(
     };
     let mut blocks = Vec::with_capacity(2 * c.n_layer);
     for i in 0..c.n_layer {
-        let norm = |h: &str, g: &str| vec_weight(src, &names.layer(i, h, g), c.n_embd, 0.0);
-        blocks.push(Block {
-            layer: i,
-            norm: norm("input_layernorm.weight", "attn_norm.weight")?,
-            op: BlockOp::Attention(load_attention(src, &names, i, &c, &opts)?),
-        });
-        blocks.push(Block {
-            layer: i,
-            norm: norm("post_attention_layernorm.weight", "ffn_norm.weight")?,
-            op: BlockOp::Ffn(Ffn::Mlp(load_swiglu(src, &names, i, "mlp", "")?)),
-        });
+        blocks.push(attention_block(src, &names, i, &c, &opts, 0.0)?);
+        let mlp = Ffn::Mlp(load_swiglu(src, &names, i, "mlp", "")?);
+        blocks.push(ffn_block(src, &names, i, &c, "ffn_norm.weight", 0.0, mlp)?);
     }
     Decoder::new(parts, blocks, backend)
 }

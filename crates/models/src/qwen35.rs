@@ -28,8 +28,7 @@ use kapitsa_backend::Backend;
 use kapitsa_kernels_cpu::gdn::GdnShape;
 
 use crate::common::{
-    n_experts,
-    first_weight, flat_weight, load_attention, load_globals, load_qwen_moe, load_swiglu,
+    first_weight, flat_weight, load_attention, load_globals, load_qwen_moe, load_swiglu, n_experts,
     vec_weight, AttnOptions, CommonHparams, Names,
 };
 use crate::config::Hparams;
@@ -73,9 +72,15 @@ fn read_hybrid(src: &ModelSource, arch: &str, c: &mut CommonHparams, moe: bool) 
     };
     if gguf {
         // block_count counts the MTP block(s) appended after the trunk.
-        c.n_layer = c.n_layer.checked_sub(n_mtp).filter(|&n| n > 0).ok_or_else(|| {
-            ModelError::Config(format!("{arch}: block_count too small for {n_mtp} MTP layers"))
-        })?;
+        c.n_layer = c
+            .n_layer
+            .checked_sub(n_mtp)
+            .filter(|&n| n > 0)
+            .ok_or_else(|| {
+                ModelError::Config(format!(
+                    "{arch}: block_count too small for {n_mtp} MTP layers"
+                ))
+            })?;
     }
     let interval = hp
         .usize_opt("full_attention_interval", "full_attention_interval")?
@@ -121,7 +126,9 @@ fn read_hybrid(src: &ModelSource, arch: &str, c: &mut CommonHparams, moe: bool) 
             })
         };
         let factor = get("partial_rotary_factor")
-            .or_else(|| get("rope_parameters").and_then(|r| r.get("partial_rotary_factor").cloned()))
+            .or_else(|| {
+                get("rope_parameters").and_then(|r| r.get("partial_rotary_factor").cloned())
+            })
             .and_then(|v| v.as_f64())
             .unwrap_or(0.25);
         (c.head_dim as f64 * factor) as usize
@@ -270,10 +277,18 @@ fn layer_blocks(
     let gguf = names.gguf;
     let l = |h: &str, g: &str| names.layer(i, h, g);
     let w = |h: &str, g: &str| src.weight(&l(h, g));
-    let norm1 = vec_weight(src, &l("input_layernorm.weight", "attn_norm.weight"), c.n_embd, off)?;
+    let norm1 = vec_weight(
+        src,
+        &l("input_layernorm.weight", "attn_norm.weight"),
+        c.n_embd,
+        off,
+    )?;
     let norm2 = vec_weight(
         src,
-        &l("post_attention_layernorm.weight", "post_attention_norm.weight"),
+        &l(
+            "post_attention_layernorm.weight",
+            "post_attention_norm.weight",
+        ),
         c.n_embd,
         off,
     )?;
@@ -305,7 +320,12 @@ fn layer_blocks(
             conv_k: hy.conv_k,
             dt_bias: flat_weight(src, &l("linear_attn.dt_bias", "ssm_dt.bias"), nv)?,
             a_neg,
-            norm: vec_weight(src, &l("linear_attn.norm.weight", "ssm_norm.weight"), dv, 0.0)?,
+            norm: vec_weight(
+                src,
+                &l("linear_attn.norm.weight", "ssm_norm.weight"),
+                dv,
+                0.0,
+            )?,
             w_out: w("linear_attn.out_proj.weight", "ssm_out.weight")?,
             shape: GdnShape {
                 n_k_heads: hy.n_k_heads,
@@ -388,7 +408,12 @@ fn load_mtp(
     let norm = if names.gguf && !src.has(&g("", "nextn.shared_head_norm.weight")) {
         vec_weight(src, "output_norm.weight", d, 0.0)?
     } else {
-        vec_weight(src, &pick("norm.weight", "nextn.shared_head_norm.weight"), d, off)?
+        vec_weight(
+            src,
+            &pick("norm.weight", "nextn.shared_head_norm.weight"),
+            d,
+            off,
+        )?
     };
     Ok(Qwen35Mtp {
         fc: first_weight(src, &[pick("fc.weight", "nextn.eh_proj.weight")])?,
@@ -398,7 +423,12 @@ fn load_mtp(
             d,
             off,
         )?,
-        norm_hidden: vec_weight(src, &pick("pre_fc_norm_hidden.weight", "nextn.hnorm.weight"), d, off)?,
+        norm_hidden: vec_weight(
+            src,
+            &pick("pre_fc_norm_hidden.weight", "nextn.hnorm.weight"),
+            d,
+            off,
+        )?,
         norm,
         blocks: vec![attn, ffn],
     })

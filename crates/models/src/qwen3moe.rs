@@ -9,9 +9,12 @@ use std::sync::Arc;
 
 use kapitsa_backend::Backend;
 
-use crate::common::{n_experts, load_attention, load_globals, load_qwen_moe, vec_weight, AttnOptions, CommonHparams, Names};
+use crate::common::{
+    attention_block, ffn_block, load_globals, load_qwen_moe, n_experts, AttnOptions, CommonHparams,
+    Names,
+};
 use crate::config::Hparams;
-use crate::layers::decoder::{Block, BlockOp, Decoder};
+use crate::layers::decoder::Decoder;
 use crate::layers::ffn::Ffn;
 use crate::{BatchInputs, CausalLm, KvCache, Logits, ModelError, ModelSource, ModelSpec, Result};
 
@@ -57,18 +60,17 @@ impl Qwen3Moe {
         };
         let mut blocks = Vec::with_capacity(2 * c.n_layer);
         for i in 0..c.n_layer {
-            let norm = |h: &str, g: &str| vec_weight(src, &names.layer(i, h, g), c.n_embd, 0.0);
-            blocks.push(Block {
-                layer: i,
-                norm: norm("input_layernorm.weight", "attn_norm.weight")?,
-                op: BlockOp::Attention(load_attention(src, &names, i, &c, &opts)?),
-            });
+            blocks.push(attention_block(src, &names, i, &c, &opts, 0.0)?);
             let moe = load_qwen_moe(src, &names, i, n_expert, top_k, n_ff, norm_topk)?;
-            blocks.push(Block {
-                layer: i,
-                norm: norm("post_attention_layernorm.weight", "ffn_norm.weight")?,
-                op: BlockOp::Ffn(Ffn::Moe(moe)),
-            });
+            blocks.push(ffn_block(
+                src,
+                &names,
+                i,
+                &c,
+                "ffn_norm.weight",
+                0.0,
+                Ffn::Moe(moe),
+            )?);
         }
         Ok(Qwen3Moe {
             inner: Decoder::new(parts, blocks, backend)?,

@@ -4,32 +4,12 @@
 //! saved recurrent state == continuing, a chunk that does not continue the state is refused,
 //! and a failed pass cannot be continued but can be restarted.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-
-use kapitsa_backend::{Backend, CpuBackend};
-use kapitsa_base::pool::RayonPool;
 use kapitsa_models::{load_model, BatchInputs, CausalLm, KvCache, KvType, LoadOptions};
 
 const LONG: usize = 320;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny")
-}
-
-fn backend() -> Arc<dyn Backend> {
-    Arc::new(CpuBackend::new(Box::new(RayonPool::new(2).expect("pool"))))
-}
-
-fn model_dirs() -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(fixtures())
-        .expect("tests/fixtures/tiny exists")
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("reference.json").exists())
-        .collect();
-    v.sort();
-    v
-}
+mod common;
+use common::{backend, model_dirs, rel_err};
 
 /// Deterministic pseudo-random token ids below `n`.
 fn ids(n_vocab: usize, len: usize, seed: u64) -> Vec<u32> {
@@ -66,12 +46,6 @@ fn logits_in_pieces(model: &dyn CausalLm, ids: &[u32], pieces: &[usize]) -> Vec<
     out
 }
 
-fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(1f32, |m, v| m.max(v.abs()));
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
-}
-
 fn argmaxes(l: &[f32], n_vocab: usize) -> Vec<usize> {
     l.chunks_exact(n_vocab)
         .map(kapitsa_kernels_cpu::ops::argmax)
@@ -93,8 +67,17 @@ fn long_prefill_one_chunk_equals_pieces_equals_token_by_token() {
             let got = logits_in_pieces(model, &ids, pieces);
             let e = rel_err(&got, &one);
             println!("{}: pieces {pieces:?}: rel err {e:.2e}", dir.display());
-            assert!(e < 1e-4, "{}: pieces {pieces:?} differ by {e}", dir.display());
-            assert_eq!(argmaxes(&got, nv), am, "{}: pieces {pieces:?}", dir.display());
+            assert!(
+                e < 1e-4,
+                "{}: pieces {pieces:?} differ by {e}",
+                dir.display()
+            );
+            assert_eq!(
+                argmaxes(&got, nv),
+                am,
+                "{}: pieces {pieces:?}",
+                dir.display()
+            );
         }
     }
 }

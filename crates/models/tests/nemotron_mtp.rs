@@ -43,7 +43,10 @@ fn gguf_mtp_block_is_kept_and_trunk_unchanged() {
     for (k, v) in src.metadata() {
         w.add_kv(k.clone(), v.clone());
     }
-    w.add_kv(format!("{arch}.block_count"), GgufValue::U32(n_layer as u32 + 1));
+    w.add_kv(
+        format!("{arch}.block_count"),
+        GgufValue::U32(n_layer as u32 + 1),
+    );
     w.add_kv(format!("{arch}.nextn_predict_layers"), GgufValue::U32(1));
     for t in src.tensor_infos() {
         let v = src.tensor(&t.name).unwrap();
@@ -58,7 +61,11 @@ fn gguf_mtp_block_is_kept_and_trunk_unchanged() {
             .unwrap();
     };
     for s in ["attn_q", "attn_k", "attn_v", "attn_output"] {
-        copy(&mut w, &format!("blk.3.{s}.weight"), &format!("blk.{b}.{s}.weight"));
+        copy(
+            &mut w,
+            &format!("blk.3.{s}.weight"),
+            &format!("blk.{b}.{s}.weight"),
+        );
     }
     for s in [
         "ffn_gate_inp.weight",
@@ -94,8 +101,12 @@ fn gguf_mtp_block_is_kept_and_trunk_unchanged() {
     let path = dir.path().join("with-mtp.gguf");
     std::fs::write(&path, w.to_bytes()).unwrap();
 
-    let plain = load_model(&fixture().join("model-f32.gguf"), backend(), &LoadOptions::default())
-        .unwrap();
+    let plain = load_model(
+        &fixture().join("model-f32.gguf"),
+        backend(),
+        &LoadOptions::default(),
+    )
+    .unwrap();
     let with = load_model(&path, backend(), &LoadOptions::default()).unwrap();
     assert_eq!(plain.model.spec().n_mtp_layers, 0);
     assert_eq!(with.model.spec().n_mtp_layers, 1);
@@ -107,7 +118,10 @@ fn gguf_mtp_block_is_kept_and_trunk_unchanged() {
     for (k, v) in src.metadata() {
         bad.add_kv(k.clone(), v.clone());
     }
-    bad.add_kv(format!("{arch}.nextn_predict_layers"), GgufValue::U32(n_layer as u32));
+    bad.add_kv(
+        format!("{arch}.nextn_predict_layers"),
+        GgufValue::U32(n_layer as u32),
+    );
     for t in src.tensor_infos() {
         let v = src.tensor(&t.name).unwrap();
         bad.add_tensor(t.name.clone(), v.dtype, &v.shape, v.data.to_vec())

@@ -1,32 +1,14 @@
-//! Tiny random Qwen2/Qwen3 checkpoints made with transformers (tests/fixtures/tiny, see the
-//! README there): our logits against transformers' and llama.cpp's, greedy tokens, and the
-//! self-consistency invariants (chunking, batching).
+//! Tiny random checkpoints of every supported architecture made with transformers
+//! (tests/fixtures/tiny, see the README there): our logits against transformers', llama.cpp's
+//! (on its own GGUF conversions) and mlx-lm's (on its MLX conversions), greedy tokens, MTP
+//! weights, and the self-consistency invariants (chunking, batching).
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use kapitsa_backend::{Backend, CpuBackend};
-use kapitsa_base::pool::RayonPool;
 use kapitsa_models::{load_model, BatchInputs, CausalLm, KvCache, KvType, LoadOptions};
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny")
-}
-
-fn backend() -> Arc<dyn Backend> {
-    Arc::new(CpuBackend::new(Box::new(RayonPool::new(2).expect("pool"))))
-}
-
-fn model_dirs() -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(fixtures())
-        .expect("tests/fixtures/tiny exists")
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("reference.json").exists())
-        .collect();
-    v.sort();
-    assert!(v.len() >= 4, "expected at least 4 tiny models, found {v:?}");
-    v
-}
+mod common;
+use common::{backend, fixtures, model_dirs, rel_err};
 
 struct Prompt {
     ids: Vec<u32>,
@@ -117,13 +99,6 @@ fn self_tol(model: &dyn CausalLm) -> f32 {
     } else {
         1e-6
     }
-}
-
-/// max |a - b| / max(1, max |b|): the relative error measure the acceptance criteria use.
-fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(1f32, |m, v| m.max(v.abs()));
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
 
 #[test]
@@ -279,15 +254,27 @@ fn mlx_conversions_match_mlx_lm_and_transformers() {
             let hf = read_f32(&dir.join(p["hf_logits"].as_str().unwrap()));
             let mlx = read_f32(&dir.join(p["mlx_logits"].as_str().unwrap()));
             let (eh, em) = (rel_err(&got, &hf), rel_err(&got, &mlx));
-            println!("{} prompt {i}: rel err vs transformers {eh:.2e}, vs mlx-lm {em:.2e}", dir.display());
-            assert!(eh < 1e-4 && em < 1e-4, "{}: prompt {i}: {eh} {em}", dir.display());
+            println!(
+                "{} prompt {i}: rel err vs transformers {eh:.2e}, vs mlx-lm {em:.2e}",
+                dir.display()
+            );
+            assert!(
+                eh < 1e-4 && em < 1e-4,
+                "{}: prompt {i}: {eh} {em}",
+                dir.display()
+            );
             let want: Vec<u32> = p["mlx_greedy"]
                 .as_array()
                 .unwrap()
                 .iter()
                 .map(|x| x.as_u64().unwrap() as u32)
                 .collect();
-            assert_eq!(greedy(&*m.model, &ids, want.len()), want, "{}: prompt {i}", dir.display());
+            assert_eq!(
+                greedy(&*m.model, &ids, want.len()),
+                want,
+                "{}: prompt {i}",
+                dir.display()
+            );
         }
     }
 }
@@ -301,7 +288,12 @@ fn mtp_weights_are_loaded_when_present() {
         assert_eq!(m.model.spec().n_mtp_layers, 1, "{}", path.display());
         assert_eq!(m.model.spec().layers.len(), 8, "{}", path.display());
     }
-    let m = load_model(&fixtures().join("qwen35moe-a"), backend(), &LoadOptions::default()).unwrap();
+    let m = load_model(
+        &fixtures().join("qwen35moe-a"),
+        backend(),
+        &LoadOptions::default(),
+    )
+    .unwrap();
     assert_eq!(m.model.spec().n_mtp_layers, 0);
 }
 
@@ -311,11 +303,19 @@ fn every_supported_architecture_has_fixtures() {
     for dir in model_dirs() {
         let m = load_model(&dir, backend(), &LoadOptions::default()).unwrap();
         seen.insert(m.arch.clone());
-        let g = load_model(&dir.join("model-f32.gguf"), backend(), &LoadOptions::default()).unwrap();
+        let g = load_model(
+            &dir.join("model-f32.gguf"),
+            backend(),
+            &LoadOptions::default(),
+        )
+        .unwrap();
         seen.insert(g.arch.clone());
     }
     for arch in kapitsa_models::registry::supported_archs() {
-        assert!(seen.contains(arch), "no tiny fixture exercises '{arch}' (saw {seen:?})");
+        assert!(
+            seen.contains(arch),
+            "no tiny fixture exercises '{arch}' (saw {seen:?})"
+        );
     }
 }
 

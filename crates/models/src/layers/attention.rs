@@ -56,8 +56,7 @@ impl Attention {
     /// Check every shape against the model width `d`.
     pub fn validate(&self, d: usize, layer: usize) -> Result<()> {
         let hd = self.head_dim;
-        if self.n_head == 0 || self.n_head_kv == 0 || !self.n_head.is_multiple_of(self.n_head_kv)
-        {
+        if self.n_head == 0 || self.n_head_kv == 0 || !self.n_head.is_multiple_of(self.n_head_kv) {
             return Err(ModelError::Config(format!(
                 "layer {layer}: {} query heads is not a multiple of {} KV heads",
                 self.n_head, self.n_head_kv
@@ -101,7 +100,13 @@ impl Attention {
     }
 
     /// `out[n, d] = attention(h[n, d])` for cache layer `layer`.
-    pub fn forward(&self, st: &mut Step<'_>, layer: usize, h: &[f32], out: &mut [f32]) -> Result<()> {
+    pub fn forward(
+        &self,
+        st: &mut Step<'_>,
+        layer: usize,
+        h: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
         let be = st.be;
         let batch = st.batch;
         let n = batch.n_tokens();

@@ -88,10 +88,16 @@ impl Decoder {
             });
         };
         if n_vocab == 0 || d == 0 {
-            return Err(ModelError::Config(format!("{}: zero-sized embedding", p.arch)));
+            return Err(ModelError::Config(format!(
+                "{}: zero-sized embedding",
+                p.arch
+            )));
         }
         if p.rms_eps.is_nan() || p.rms_eps <= 0.0 {
-            return Err(ModelError::Config(format!("{}: rms_eps must be positive", p.arch)));
+            return Err(ModelError::Config(format!(
+                "{}: rms_eps must be positive",
+                p.arch
+            )));
         }
         p.tok_embd.check_dequant_type()?;
         match &p.output {

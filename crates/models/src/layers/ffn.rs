@@ -160,7 +160,14 @@ impl Experts {
         }
     }
 
-    fn validate(&self, n_exp: usize, n_ff: usize, n_in: usize, n_out: usize, act: Act) -> Result<()> {
+    fn validate(
+        &self,
+        n_exp: usize,
+        n_ff: usize,
+        n_in: usize,
+        n_out: usize,
+        act: Act,
+    ) -> Result<()> {
         match self {
             Experts::Stacked { gate, up, down } => {
                 check_experts(up, [n_exp, n_ff, n_in])?;
@@ -406,7 +413,8 @@ impl Moe {
                 &mut yout,
             )?;
             for (j, &i) in pairs.iter().enumerate() {
-                slot_out[i * d_exp..(i + 1) * d_exp].copy_from_slice(&yout[j * d_exp..(j + 1) * d_exp]);
+                slot_out[i * d_exp..(i + 1) * d_exp]
+                    .copy_from_slice(&yout[j * d_exp..(j + 1) * d_exp]);
             }
         }
         // Weighted sum over each token's slots, in slot order.
@@ -431,13 +439,15 @@ impl Moe {
             sh.forward(be, x, n, &mut s)?;
             for t in 0..n {
                 let g = match &self.shared_gate {
-                    Some(w) => sigmoid(kapitsa_kernels_cpu::ops::dot_f32(
-                        &x[t * d..(t + 1) * d],
-                        w,
-                    )),
+                    Some(w) => {
+                        sigmoid(kapitsa_kernels_cpu::ops::dot_f32(&x[t * d..(t + 1) * d], w))
+                    }
                     None => 1.0,
                 };
-                for (o, &v) in out[t * d..(t + 1) * d].iter_mut().zip(&s[t * d..(t + 1) * d]) {
+                for (o, &v) in out[t * d..(t + 1) * d]
+                    .iter_mut()
+                    .zip(&s[t * d..(t + 1) * d])
+                {
                     *o += g * v;
                 }
             }

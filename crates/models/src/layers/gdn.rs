@@ -105,12 +105,23 @@ impl GatedDeltaNet {
     }
 
     /// `out[n, d] = gdn(h[n, d])`, updating the recurrent states of cache layer `layer`.
-    pub fn forward(&self, st: &mut Step<'_>, layer: usize, h: &[f32], out: &mut [f32]) -> Result<()> {
+    pub fn forward(
+        &self,
+        st: &mut Step<'_>,
+        layer: usize,
+        h: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
         let be = st.be;
         let batch = st.batch;
         let n = batch.n_tokens();
         let s = &self.shape;
-        let (kd, vd, cd, nv) = (self.key_dim(), self.value_dim(), self.conv_dim(), s.n_v_heads);
+        let (kd, vd, cd, nv) = (
+            self.key_dim(),
+            self.value_dim(),
+            self.conv_dim(),
+            s.n_v_heads,
+        );
 
         let mut qkv = vec![0f32; n * cd];
         let mut z = vec![0f32; n * vd];

@@ -79,7 +79,11 @@ impl Mamba2 {
         let (di, cd, h) = (self.d_inner(), self.conv_dim(), s.n_heads);
         check_matrix(&self.w_in, [di + cd + h, d])?;
         check_matrix(&self.w_out, [d, di])?;
-        check_vec(&format!("layer {layer} conv1d"), &self.conv_w, cd * self.conv_k)?;
+        check_vec(
+            &format!("layer {layer} conv1d"),
+            &self.conv_w,
+            cd * self.conv_k,
+        )?;
         if let Some(b) = &self.conv_b {
             check_vec(&format!("layer {layer} conv1d bias"), b, cd)?;
         }
@@ -91,7 +95,13 @@ impl Mamba2 {
     }
 
     /// `out[n, d] = mamba2(h[n, d])`, updating the recurrent states of cache layer `layer`.
-    pub fn forward(&self, st: &mut Step<'_>, layer: usize, h: &[f32], out: &mut [f32]) -> Result<()> {
+    pub fn forward(
+        &self,
+        st: &mut Step<'_>,
+        layer: usize,
+        h: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
         let be = st.be;
         let batch = st.batch;
         let n = batch.n_tokens();

@@ -29,19 +29,15 @@ pub fn sigmoid(x: f32) -> f32 {
 
 /// Check a matmul weight: a dot kernel exists for its type and its shape is `want`.
 pub fn check_matrix(w: &Weight, want: [usize; 2]) -> Result<()> {
-    w.check_matmul_type()?;
-    if w.shape != want {
-        return Err(ModelError::BadShape {
-            name: w.name.clone(),
-            got: w.shape.clone(),
-            want: want.to_vec(),
-        });
-    }
-    Ok(())
+    check_weight(w, &want)
 }
 
 /// Check a stacked-experts weight `[n_expert, rows, cols]`.
 pub fn check_experts(w: &Weight, want: [usize; 3]) -> Result<()> {
+    check_weight(w, &want)
+}
+
+fn check_weight(w: &Weight, want: &[usize]) -> Result<()> {
     w.check_matmul_type()?;
     if w.shape != want {
         return Err(ModelError::BadShape {
