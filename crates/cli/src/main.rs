@@ -1,7 +1,10 @@
 //! `kapitsa`: run, chat with, inspect and probe models from the command line.
 
+mod bench;
 mod commands;
 mod inspect;
+mod serve;
+mod synth;
 
 use std::process::ExitCode;
 
@@ -26,6 +29,12 @@ enum Cmd {
     /// Write the logits of every prompt position to a file (raw little-endian f32
     /// [n_prompt_tokens, n_vocab]); prints the prompt token ids on stdout.
     Logits(commands::LogitsArgs),
+    /// Measure prompt-processing and decode speed like llama.cpp's llama-bench.
+    Bench(bench::BenchArgs),
+    /// Write a production-shaped GGUF with random weights (benchmarks, smoke tests).
+    Synth(synth::SynthArgs),
+    /// Serve the model over HTTP (OpenAI- and Anthropic-compatible API).
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -35,6 +44,9 @@ fn main() -> ExitCode {
         Cmd::Chat(a) => commands::chat(a),
         Cmd::Inspect(a) => inspect::inspect(a),
         Cmd::Logits(a) => commands::logits(a),
+        Cmd::Bench(a) => bench::bench(a),
+        Cmd::Synth(a) => synth::synth(a),
+        Cmd::Serve(a) => serve::serve(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -5,11 +5,18 @@ pub mod loader;
 pub mod reply;
 pub mod rng;
 pub mod sampler;
+pub mod scheduler;
+pub mod service;
 pub mod stop;
 
 pub use generate::{generate, FinishReason, GenerateOutput, GenerateRequest};
 pub use reply::{ParsedReply, ReplyEvent, ReplyFormat, ReplyParser, ToolCall, ToolCallFormat};
 pub use sampler::{Sampler, SamplingParams};
+pub use scheduler::{Scheduler, SchedulerConfig, SeqId, StepPlan};
+pub use service::{
+    EngineConfig, EngineHandle, EngineMetrics, Event, Request, RequestStream, SubmitError,
+    TokenLogprob, Usage,
+};
 pub use stop::StopChecker;
 
 /// Errors of a generation.

@@ -1,0 +1,186 @@
+//! The `serve` subcommand: the OpenAI- and Anthropic-compatible HTTP server.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use kapitsa_engine::{EngineConfig, EngineHandle};
+use kapitsa_models::KvType;
+use kapitsa_server::{Server, ServerConfig};
+
+/// `kapitsa serve`.
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Model: a GGUF file, or a Hugging Face / MLX model directory.
+    #[arg(short, long)]
+    model: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0 = any free port; the chosen address is printed).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require this API key (as `Authorization: Bearer KEY` or `x-api-key: KEY`) on every
+    /// endpoint except /health and /metrics.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Sequences generated at once (cache slots).
+    #[arg(long, default_value_t = 8)]
+    max_running: usize,
+    /// Tokens per forward pass (decode tokens plus prefill chunks).
+    #[arg(long, default_value_t = 512)]
+    max_batch_tokens: usize,
+    /// Context per sequence in tokens (0 = the model's training context, capped at 32768).
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    ctx: usize,
+    /// Requests waiting for a slot before new ones get 429.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Compute threads (0 = one per core).
+    #[arg(short, long, default_value_t = 0)]
+    threads: usize,
+    /// Model name clients use in `model` (default: the file or directory name, without
+    /// `.gguf`).
+    #[arg(long)]
+    model_name: Option<String>,
+    /// Largest request body (bytes; KiB/MiB/GiB or K/M/G suffixes accepted).
+    #[arg(long, default_value = "4MiB", value_parser = parse_size)]
+    max_body_bytes: usize,
+    /// KV cache element type: f16 or f32.
+    #[arg(long, default_value = "f16")]
+    kv_type: String,
+    /// Use this Jinja chat template instead of the model's own.
+    #[arg(long, value_name = "FILE")]
+    chat_template_file: Option<PathBuf>,
+    /// On SIGINT/SIGTERM, seconds the requests in flight may go on before they are cancelled.
+    #[arg(long, default_value_t = 10)]
+    shutdown_grace: u64,
+}
+
+/// `4096`, `4KiB`, `4K`, `4MiB`, `1GiB` ... -> bytes.
+fn parse_size(s: &str) -> std::result::Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size (examples: 65536, 512KiB, 4MiB)"))?;
+    let mul: usize = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => return Err(format!("unknown size unit in '{s}' (use KiB, MiB or GiB)")),
+    };
+    n.checked_mul(mul)
+        .filter(|&b| b > 0)
+        .ok_or_else(|| format!("'{s}' is not a usable size"))
+}
+
+/// `kapitsa serve`.
+pub fn serve(a: ServeArgs) -> Result<()> {
+    let kv_type = match a.kv_type.as_str() {
+        "f16" => KvType::F16,
+        "f32" => KvType::F32,
+        other => bail!("unknown --kv-type '{other}' (use f16 or f32)"),
+    };
+    if a.max_running == 0 {
+        bail!("--max-running must be >= 1");
+    }
+    if a.max_batch_tokens < a.max_running {
+        bail!("--max-batch-tokens must be >= --max-running");
+    }
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("loading {msg} [{bar:30}] {bytes}/{total_bytes} ({eta})")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_message(
+        a.model
+            .file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+    );
+    let progress = |done: u64, total: u64| {
+        bar.set_length(total);
+        bar.set_position(done);
+    };
+    let (loaded, served) = kapitsa_server::load(
+        &a.model,
+        a.threads,
+        a.model_name.clone(),
+        a.chat_template_file.as_deref(),
+        Some(&progress),
+    )?;
+    bar.finish_and_clear();
+    let n_ctx = if a.ctx == 0 {
+        loaded.model.spec().n_ctx_train.min(32768)
+    } else {
+        a.ctx
+    };
+    if served.template.is_none() {
+        eprintln!(
+            "note: the model has no chat template; the chat endpoints answer 400 (use --chat-template-file)"
+        );
+    }
+    let engine = EngineHandle::start(
+        loaded.model.clone(),
+        served.tokenizer.clone(),
+        EngineConfig {
+            max_running: a.max_running,
+            max_batch_tokens: a.max_batch_tokens,
+            n_ctx,
+            max_queue: a.max_queue,
+            kv_type,
+        },
+    )
+    .context("starting the engine")?;
+    let cfg = ServerConfig {
+        api_key: a.api_key.clone(),
+        max_body_bytes: a.max_body_bytes,
+        shutdown_grace: Duration::from_secs(a.shutdown_grace),
+    };
+    let name = served.name.clone();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
+            .await
+            .with_context(|| format!("listening on {}:{}", a.host, a.port))?;
+        let addr = listener.local_addr()?;
+        eprintln!(
+            "kapitsa: serving '{name}' ({} arch, context {n_ctx}, {} slots) on http://{addr}",
+            loaded.arch, a.max_running
+        );
+        Server::new(Arc::new(engine), served, cfg)
+            .run(listener, async {
+                kapitsa_server::shutdown_signal().await;
+                eprintln!("kapitsa: shutting down");
+            })
+            .await
+            .context("serving")?;
+        eprintln!("kapitsa: stopped");
+        anyhow::Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("4MiB"), Ok(4 << 20));
+        assert_eq!(parse_size("512k"), Ok(512 << 10));
+        assert!(parse_size("x").is_err());
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("3 parsecs").is_err());
+    }
+}

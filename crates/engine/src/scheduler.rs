@@ -1,0 +1,518 @@
+//! Continuous batching: which sequences run in the next forward pass, and how many tokens each.
+//!
+//! A pure data structure (no model, no cache): the engine calls [`Scheduler::schedule`] to get
+//! a [`StepPlan`], runs it as one batch, then reports what happened with
+//! [`Scheduler::update`].
+//!
+//! Each step, within `max_batch_tokens`:
+//! 1. every running sequence that is decoding gets its one new token (decode has priority, so
+//!    a long prompt never stalls the others: `max_batch_tokens >= n_slots` is required);
+//! 2. running sequences still in prefill get the next chunk of their prompt, oldest first;
+//! 3. while budget and a slot remain, waiting sequences are admitted first-in first-out and
+//!    get a first chunk. A prompt longer than what is left is spread over several steps
+//!    (chunked prefill).
+//!
+//! A sequence is "decoding" when exactly one of its tokens is not in the cache yet (the last
+//! sampled one); it is in prefill when more are missing: a new prompt, or a sequence
+//! recomputing its prompt and generated tokens after a preemption.
+//!
+//! **Slots and prefix reuse.** A slot keeps the tokens of its last sequence after that one
+//! ends. On admission the scheduler asks the caller (`reuse(slot, tokens)`, which is
+//! [`kapitsa_cache::SlotCache::reusable_prefix`] in the engine) how many leading tokens each
+//! free slot can reuse, and picks the slot with the longest reusable prefix (ties: the slot
+//! idle the longest, to keep recently used contents around). Those tokens are not recomputed
+//! ([`Admission::reused`]). Models with recurrent layers reuse a slot only when everything it
+//! holds is a prefix of the new sequence; `reusable_prefix` encodes that rule.
+//!
+//! **Finishing.** The engine samples and reports [`Outcome::Token`] (the scheduler then ends
+//! the sequence at `max_tokens` ([`FinishReason::Length`]) or when its tokens fill the context
+//! ([`FinishReason::ContextFull`], the same rule as [`crate::generate()`])), or
+//! [`Outcome::Finish`] for conditions the engine detects (end-of-generation token, stop
+//! string). [`Scheduler::cancel`] removes a sequence at once; its slot is free for the next
+//! step.
+//!
+//! **Preemption.** With one contiguous slot per sequence the only exhausted resource is the
+//! slot count (a sequence reaching the end of its slot's context finishes with `ContextFull`:
+//! a bigger slot does not exist, so preemption would not help). Two ways to preempt:
+//! - [`Scheduler::preempt`]: the caller asks (e.g. the engine after a failed forward pass left
+//!   a slot's recurrent state unusable). The sequence goes back to the *head* of the queue and
+//!   is recomputed (prompt and generated tokens) when it gets a slot again, reusing whatever
+//!   prefix a slot still holds.
+//! - Time slicing, off by default ([`SchedulerConfig::preempt_after_steps`] = `None`): when no
+//!   slot is free and the request at the head of the queue has waited at least `n` steps, the
+//!   sequence that has been running longest (at least `n` steps since its admission) is moved
+//!   to the *tail* of the queue, and the waiting request takes its slot. This bounds the wait
+//!   of a new request at the cost of recomputation; with the default off, a request waits
+//!   until a running one finishes (requests are bounded by `max_tokens` and `n_ctx`).
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::FinishReason;
+
+/// Id of a sequence (the engine uses the request id).
+pub type SeqId = u64;
+
+/// Scheduler settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Cache slots (sequences running at once).
+    pub n_slots: usize,
+    /// Tokens per step (>= `n_slots`).
+    pub max_batch_tokens: usize,
+    /// Positions per slot.
+    pub n_ctx: usize,
+    /// Time-slicing preemption (see the module docs); `None` (default) disables it.
+    pub preempt_after_steps: Option<u64>,
+}
+
+/// Why [`Scheduler::new`] or [`Scheduler::add`] refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SchedulerError {
+    /// Invalid configuration.
+    #[error("bad scheduler config: {0}")]
+    Config(String),
+    /// The sequence cannot be scheduled.
+    #[error("bad sequence: {0}")]
+    Seq(String),
+}
+
+/// The tokens one sequence contributes to a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScheduledSeq {
+    /// The sequence.
+    pub id: SeqId,
+    /// Its cache slot.
+    pub slot: usize,
+    /// New tokens to run (>= 1).
+    pub tokens: Vec<u32>,
+    /// Position of the first of them (the slot holds positions `0..start_pos`).
+    pub start_pos: usize,
+    /// Whether the last token's logits are needed (the chunk reaches the end of the
+    /// sequence): the engine samples the next token from them.
+    pub want_logits: bool,
+}
+
+/// A sequence that got a slot in this step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Admission {
+    /// The sequence.
+    pub id: SeqId,
+    /// The slot it got.
+    pub slot: usize,
+    /// Leading tokens reused from the slot's previous contents (not recomputed).
+    pub reused: usize,
+    /// Whether this is its first admission (`false`: recomputing after a preemption).
+    pub first: bool,
+}
+
+/// What to run in one forward pass.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepPlan {
+    /// Sequences of the batch, in batch order: decodes first, then prefill chunks.
+    pub seqs: Vec<ScheduledSeq>,
+    /// Sequences admitted in this step (they also appear in `seqs`).
+    pub admitted: Vec<Admission>,
+    /// Sequences preempted by the time-slicing policy in this step (back in the queue).
+    pub preempted: Vec<SeqId>,
+}
+
+impl StepPlan {
+    /// Nothing to run.
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    /// Tokens in the batch.
+    pub fn n_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+}
+
+/// What happened to one sequence of a step ([`Scheduler::update`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The chunk is in the cache; no token was sampled (a prefill chunk without logits).
+    Computed,
+    /// The chunk is in the cache and `token` was sampled and appended.
+    Token(u32),
+    /// The chunk is in the cache and the sequence ends (end-of-generation token, stop string).
+    Finish(FinishReason),
+    /// The forward pass failed for this sequence: it is removed and its slot freed (the
+    /// caller must treat the slot's contents as lost).
+    Failed,
+}
+
+#[derive(Debug, Clone)]
+struct Seq {
+    /// Prompt, then generated tokens.
+    tokens: Vec<u32>,
+    max_tokens: usize,
+    n_generated: usize,
+    /// Tokens whose K/V are in the slot (meaningful while running).
+    computed: usize,
+    slot: Option<usize>,
+    admitted_once: bool,
+    /// Step at which it entered the queue, or was admitted (when running).
+    since: u64,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Slot {
+    owner: Option<SeqId>,
+    /// Step at which it was last released (for tie-breaking).
+    released: u64,
+}
+
+/// The continuous-batching scheduler (see the module docs).
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    seqs: HashMap<SeqId, Seq>,
+    waiting: VecDeque<SeqId>,
+    /// In admission order.
+    running: Vec<SeqId>,
+    slots: Vec<Slot>,
+    /// The last plan's chunks not yet reported: id -> (tokens, want_logits).
+    inflight: HashMap<SeqId, (usize, bool)>,
+    step: u64,
+}
+
+impl Scheduler {
+    /// An empty scheduler.
+    pub fn new(cfg: SchedulerConfig) -> Result<Scheduler, SchedulerError> {
+        let bad = |m: String| Err(SchedulerError::Config(m));
+        if cfg.n_slots == 0 {
+            return bad("n_slots must be >= 1".into());
+        }
+        if cfg.max_batch_tokens < cfg.n_slots {
+            return bad(format!(
+                "max_batch_tokens ({}) must be >= n_slots ({})",
+                cfg.max_batch_tokens, cfg.n_slots
+            ));
+        }
+        if cfg.n_ctx < 2 {
+            return bad("n_ctx must be >= 2".into());
+        }
+        Ok(Scheduler {
+            slots: vec![Slot::default(); cfg.n_slots],
+            cfg,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            inflight: HashMap::new(),
+            step: 0,
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// Queue a new sequence at the tail. `prompt` must be non-empty and shorter than `n_ctx`,
+    /// `max_tokens >= 1`, and `id` unused.
+    pub fn add(
+        &mut self,
+        id: SeqId,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+    ) -> Result<(), SchedulerError> {
+        let bad = |m: String| Err(SchedulerError::Seq(m));
+        if prompt.is_empty() {
+            return bad("empty prompt".into());
+        }
+        if prompt.len() >= self.cfg.n_ctx {
+            return bad(format!(
+                "prompt of {} tokens does not fit the context of {}",
+                prompt.len(),
+                self.cfg.n_ctx
+            ));
+        }
+        if max_tokens == 0 {
+            return bad("max_tokens must be >= 1".into());
+        }
+        if self.seqs.contains_key(&id) {
+            return bad(format!("sequence {id} already exists"));
+        }
+        self.seqs.insert(
+            id,
+            Seq {
+                tokens: prompt,
+                max_tokens,
+                n_generated: 0,
+                computed: 0,
+                slot: None,
+                admitted_once: false,
+                since: self.step,
+            },
+        );
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// Remove a sequence, waiting or running; its slot (if any) is free at once. Returns
+    /// whether it existed.
+    pub fn cancel(&mut self, id: SeqId) -> bool {
+        self.remove(id)
+    }
+
+    /// Push a running sequence back to the head of the queue, freeing its slot; it will be
+    /// recomputed later. Returns whether it was running.
+    pub fn preempt(&mut self, id: SeqId) -> bool {
+        if !self.release(id) {
+            return false;
+        }
+        self.waiting.push_front(id);
+        true
+    }
+
+    /// Free the slot of running `id` and mark it waiting (not queued). Returns whether it ran.
+    fn release(&mut self, id: SeqId) -> bool {
+        let Some(s) = self.seqs.get_mut(&id) else {
+            return false;
+        };
+        let Some(slot) = s.slot.take() else {
+            return false;
+        };
+        s.computed = 0;
+        s.since = self.step;
+        self.slots[slot] = Slot {
+            owner: None,
+            released: self.step,
+        };
+        self.running.retain(|&r| r != id);
+        self.inflight.remove(&id);
+        true
+    }
+
+    fn remove(&mut self, id: SeqId) -> bool {
+        if !self.seqs.contains_key(&id) {
+            return false;
+        }
+        if !self.release(id) {
+            self.waiting.retain(|&w| w != id);
+        }
+        self.seqs.remove(&id);
+        self.inflight.remove(&id);
+        true
+    }
+
+    /// Sequences waiting for a slot.
+    pub fn n_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Sequences holding a slot.
+    pub fn n_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Slots owned by a sequence.
+    pub fn n_slots_used(&self) -> usize {
+        self.slots.iter().filter(|s| s.owner.is_some()).count()
+    }
+
+    /// No sequence at all.
+    pub fn is_idle(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    /// Whether `id` is known (waiting or running).
+    pub fn contains(&self, id: SeqId) -> bool {
+        self.seqs.contains_key(&id)
+    }
+
+    /// The slot of a running sequence.
+    pub fn slot_of(&self, id: SeqId) -> Option<usize> {
+        self.seqs.get(&id).and_then(|s| s.slot)
+    }
+
+    /// Ids of the waiting sequences, head first.
+    pub fn waiting(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.waiting.iter().copied()
+    }
+
+    /// Ids of the running sequences, in admission order.
+    pub fn running(&self) -> &[SeqId] {
+        &self.running
+    }
+
+    /// Plan the next step. `reuse(slot, tokens)` says how many leading `tokens` a free slot
+    /// can reuse (at most `tokens.len() - 1`). An earlier plan whose outcomes were not
+    /// reported is forgotten (its chunks count as not computed).
+    pub fn schedule(&mut self, mut reuse: impl FnMut(usize, &[u32]) -> usize) -> StepPlan {
+        self.step += 1;
+        self.inflight.clear();
+        let mut plan = StepPlan::default();
+        self.time_slice(&mut plan);
+        let mut budget = self.cfg.max_batch_tokens;
+
+        // 1. decodes
+        for &id in &self.running {
+            let s = &self.seqs[&id];
+            if s.tokens.len() - s.computed == 1 {
+                plan.seqs.push(chunk(id, s, 1));
+                budget -= 1;
+            }
+        }
+        // 2. running prefills, oldest first
+        for &id in &self.running {
+            if budget == 0 {
+                break;
+            }
+            let s = &self.seqs[&id];
+            let left = s.tokens.len() - s.computed;
+            if left > 1 {
+                let n = left.min(budget);
+                plan.seqs.push(chunk(id, s, n));
+                budget -= n;
+            }
+        }
+        // 3. admissions, FIFO
+        while budget > 0 {
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
+            let free = self
+                .slots
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.owner.is_none());
+            let tokens = &self.seqs[&id].tokens;
+            let best = free
+                .map(|(i, s)| {
+                    let r = reuse(i, tokens).min(tokens.len() - 1);
+                    (i, r, s.released)
+                })
+                // longest reuse, then released longest ago, then lowest index
+                .min_by(|a, b| b.1.cmp(&a.1).then(a.2.cmp(&b.2)).then(a.0.cmp(&b.0)));
+            let Some((slot, reused, _)) = best else {
+                break;
+            };
+            self.waiting.pop_front();
+            self.slots[slot].owner = Some(id);
+            self.running.push(id);
+            let s = self.seqs.get_mut(&id).expect("waiting sequence exists");
+            s.slot = Some(slot);
+            s.computed = reused;
+            s.since = self.step;
+            plan.admitted.push(Admission {
+                id,
+                slot,
+                reused,
+                first: !s.admitted_once,
+            });
+            s.admitted_once = true;
+            let n = (s.tokens.len() - reused).min(budget);
+            plan.seqs.push(chunk(id, s, n));
+            budget -= n;
+        }
+        for c in &plan.seqs {
+            self.inflight.insert(c.id, (c.tokens.len(), c.want_logits));
+        }
+        plan
+    }
+
+    /// The time-slicing policy (module docs).
+    fn time_slice(&mut self, plan: &mut StepPlan) {
+        let Some(n) = self.cfg.preempt_after_steps else {
+            return;
+        };
+        let Some(&head) = self.waiting.front() else {
+            return;
+        };
+        if self.slots.iter().any(|s| s.owner.is_none()) {
+            return;
+        }
+        if self.step - self.seqs[&head].since < n {
+            return;
+        }
+        let victim = self
+            .running
+            .iter()
+            .copied()
+            .filter(|id| self.step - self.seqs[id].since >= n)
+            .min_by_key(|id| self.seqs[id].since);
+        if let Some(v) = victim {
+            self.release(v);
+            self.waiting.push_back(v);
+            plan.preempted.push(v);
+        }
+    }
+
+    /// Report the outcomes of the last plan's sequences; returns the sequences that ended
+    /// (removed, slots freed) with the reason, in the order of `outcomes`. Sequences of the
+    /// plan that are missing from `outcomes` count as [`Outcome::Computed`] (or
+    /// [`Outcome::Failed`] if they wanted logits); unknown, cancelled or preempted ids are
+    /// ignored. [`Outcome::Failed`] sequences are not in the returned list.
+    pub fn update(&mut self, outcomes: &[(SeqId, Outcome)]) -> Vec<(SeqId, FinishReason)> {
+        let mut done = Vec::new();
+        let mut inflight = std::mem::take(&mut self.inflight);
+        for (id, out) in outcomes {
+            let Some((n, _)) = inflight.remove(id) else {
+                continue;
+            };
+            self.apply(*id, n, out.clone(), &mut done);
+        }
+        let mut rest: Vec<_> = inflight.into_iter().collect();
+        rest.sort_unstable_by_key(|(id, _)| *id);
+        for (id, (n, want)) in rest {
+            debug_assert!(!want, "no outcome reported for sequence {id}");
+            let out = if want {
+                Outcome::Failed
+            } else {
+                Outcome::Computed
+            };
+            self.apply(id, n, out, &mut done);
+        }
+        done
+    }
+
+    fn apply(&mut self, id: SeqId, n: usize, out: Outcome, done: &mut Vec<(SeqId, FinishReason)>) {
+        let n_ctx = self.cfg.n_ctx;
+        let Some(s) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        if s.slot.is_none() {
+            return;
+        }
+        let finish = match out {
+            Outcome::Computed => {
+                s.computed += n;
+                None
+            }
+            Outcome::Token(t) => {
+                s.computed += n;
+                s.tokens.push(t);
+                s.n_generated += 1;
+                if s.n_generated >= s.max_tokens {
+                    Some(FinishReason::Length)
+                } else if s.tokens.len() >= n_ctx {
+                    Some(FinishReason::ContextFull)
+                } else {
+                    None
+                }
+            }
+            Outcome::Finish(r) => Some(r),
+            Outcome::Failed => {
+                self.remove(id);
+                return;
+            }
+        };
+        if let Some(r) = finish {
+            self.remove(id);
+            done.push((id, r));
+        }
+    }
+}
+
+fn chunk(id: SeqId, s: &Seq, n: usize) -> ScheduledSeq {
+    let start = s.computed;
+    ScheduledSeq {
+        id,
+        slot: s.slot.expect("running sequence has a slot"),
+        tokens: s.tokens[start..start + n].to_vec(),
+        start_pos: start,
+        want_logits: start + n == s.tokens.len(),
+    }
+}

@@ -1,0 +1,929 @@
+//! The engine service: one engine thread owning the model's cache and a
+//! [`Scheduler`](crate::Scheduler), driven through a cloneable [`EngineHandle`] (continuous
+//! batching of many requests).
+//!
+//! Flow: [`EngineHandle::submit`] validates a [`Request`] and queues it; the engine thread
+//! admits it into a free cache slot when one is available, runs its prompt in chunks mixed into
+//! the decode steps of the other sequences, then streams [`Event::Text`] pieces and one final
+//! [`Event::Done`] (or [`Event::Error`]) through the [`RequestStream`]. Dropping the stream or
+//! calling [`EngineHandle::cancel`] cancels the request; its slot is freed at the next step.
+//!
+//! The engine loop: wait for a message when there is no work, else drain new requests and
+//! cancellations without blocking; drop requests whose stream was dropped; ask the scheduler
+//! for a [`StepPlan`](crate::StepPlan) (decodes first, then prefill chunks, within
+//! `max_batch_tokens`); run it as one [`BatchInputs`](kapitsa_models::BatchInputs); for each
+//! sequence that got logits: sample with the request's own seeded [`Sampler`], detokenise
+//! incrementally and check stop strings exactly as [`crate::generate()`] does (so a request
+//! gives the same tokens and text batched as alone), send the text that became final; report
+//! to the scheduler; publish the metrics.
+//!
+//! - **Log-probabilities** are the log-softmax of the raw logits: the model's distribution at
+//!   temperature 1, before penalties and truncation (what OpenAI reports).
+//! - **Failures.** When a forward pass fails (error or panic), each sequence of the batch is
+//!   rerun alone: those that fail alone get [`Event::Error`], the others go on. A sequence
+//!   whose recurrent state the failed pass already consumed cannot be rerun from where it
+//!   was: it is preempted and recomputed from its first token (once; if that happens again
+//!   it fails). Panics elsewhere in the engine thread end every request with an error and
+//!   stop the engine (later submissions get [`SubmitError::ShutDown`]).
+//! - **Queueing.** Requests are admitted first-come first-served as slots free up; the
+//!   engine does not time-slice (see [`crate::scheduler`] for the policy it could use).
+//! - **Blocking.** [`EngineHandle::shutdown`] (and dropping the last handle) waits for the
+//!   step in progress; from async code call it in `spawn_blocking`. Everything else returns
+//!   at once.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use kapitsa_models::{CausalLm, KvType};
+use kapitsa_text::Tokenizer;
+use tokio::sync::mpsc as tmpsc;
+
+use crate::{EngineError, FinishReason, Sampler, SamplingParams};
+
+/// Most alternatives [`Request::top_logprobs`] may ask for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Settings of the engine.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Sequences decoding at once (= cache slots); default 8.
+    pub max_running: usize,
+    /// Tokens per forward pass (decode tokens plus prefill chunks); default 512. Must be
+    /// `>= max_running` so that every running sequence can decode in each step.
+    pub max_batch_tokens: usize,
+    /// Context (cache positions) per sequence; default 4096.
+    pub n_ctx: usize,
+    /// Requests waiting for a slot before [`SubmitError::QueueFull`]; default 64.
+    pub max_queue: usize,
+    /// Element type of the KV cache.
+    pub kv_type: KvType,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_running: 8,
+            max_batch_tokens: 512,
+            n_ctx: 4096,
+            max_queue: 64,
+            kv_type: KvType::default(),
+        }
+    }
+}
+
+/// One generation request, in tokens.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Prompt token ids: non-empty, in the vocabulary, shorter than the context.
+    pub prompt: Vec<u32>,
+    /// Sampling settings (the seed makes sampled output reproducible).
+    pub sampling: SamplingParams,
+    /// Maximum new tokens (>= 1).
+    pub max_tokens: usize,
+    /// Stop strings: generation ends when one appears; it is not part of the text.
+    pub stop: Vec<String>,
+    /// Keep going past end-of-generation tokens.
+    pub ignore_eos: bool,
+    /// `None`: no log-probabilities; `Some(n)`: the log-probability of each sampled token plus
+    /// the `n` (<= [`MAX_TOP_LOGPROBS`]) most likely alternatives.
+    pub top_logprobs: Option<usize>,
+}
+
+impl Request {
+    /// Greedy generation of up to `max_tokens` after `prompt`, no stop strings, no logprobs.
+    pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
+        Request {
+            prompt,
+            sampling: SamplingParams::greedy(),
+            max_tokens,
+            stop: Vec::new(),
+            ignore_eos: false,
+            top_logprobs: None,
+        }
+    }
+}
+
+/// Log-probability of one generated token.
+///
+/// Values are the log-softmax of the model's raw logits (temperature 1, before penalties,
+/// top-k/top-p/min-p and temperature), i.e. the model's own distribution, as OpenAI reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    /// The sampled token.
+    pub id: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The most likely tokens with their log-probabilities, most likely first
+    /// (`top_logprobs` of them).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Token counts of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens (the end-of-generation token that ended the request is not counted,
+    /// as in [`crate::generate()`]).
+    pub completion_tokens: usize,
+    /// Prompt tokens whose K/V were reused from a cache slot instead of computed.
+    pub cached_tokens: usize,
+}
+
+/// What a [`RequestStream`] delivers: any number of `Text`, then exactly one `Done` or `Error`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// Generated text that is final.
+    Text {
+        /// The text piece: stop strings (and text that might start one) are held back, and a
+        /// stop string and everything after it is never sent.
+        text: String,
+        /// The tokens generated since the previous `Text` (their text may be partly held
+        /// back or cut); all `tokens` of a request concatenated are its completion tokens.
+        tokens: Vec<u32>,
+        /// One entry per token of `tokens` when the request asked for logprobs, else empty.
+        logprobs: Vec<TokenLogprob>,
+    },
+    /// The request finished normally.
+    Done {
+        /// Why.
+        finish: FinishReason,
+        /// Token counts.
+        usage: Usage,
+    },
+    /// The request failed (model error, engine panic, shutdown); nothing follows.
+    Error(String),
+}
+
+/// Why [`EngineHandle::submit`] refused a request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    /// `max_queue` requests are already waiting.
+    #[error("too many requests are waiting; try again later")]
+    QueueFull,
+    /// The prompt does not leave room for a generated token.
+    #[error("prompt of {n_prompt} tokens does not fit the context of {n_ctx} tokens")]
+    PromptTooLong {
+        /// Prompt tokens.
+        n_prompt: usize,
+        /// Context per sequence.
+        n_ctx: usize,
+    },
+    /// Invalid parameters (sampling, tokens outside the vocabulary, empty prompt, ...).
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    /// The engine is shutting down or has stopped.
+    #[error("the engine is shutting down")]
+    ShutDown,
+}
+
+/// The events of one request. Dropping it cancels the request.
+#[derive(Debug)]
+pub struct RequestStream {
+    id: u64,
+    rx: tmpsc::UnboundedReceiver<Event>,
+}
+
+impl RequestStream {
+    /// The request's id (for [`EngineHandle::cancel`]).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The next event; `None` after the last one (`Done` / `Error`), or if the engine died.
+    pub async fn recv(&mut self) -> Option<Event> {
+        self.rx.recv().await
+    }
+
+    /// The next event, blocking the thread (not for use inside an async runtime).
+    pub fn blocking_recv(&mut self) -> Option<Event> {
+        self.rx.blocking_recv()
+    }
+}
+
+/// Counters of the engine (a snapshot).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EngineMetrics {
+    /// Requests accepted but not holding a slot (new or preempted).
+    pub queued: usize,
+    /// Sequences holding a slot (prefilling or decoding).
+    pub running: usize,
+    /// Cache slots (= `max_running`).
+    pub slots_total: usize,
+    /// Slots owned by a running sequence.
+    pub slots_used: usize,
+    /// Prompt tokens of admitted requests.
+    pub prompt_tokens_total: u64,
+    /// Tokens generated.
+    pub generated_tokens_total: u64,
+    /// Prompt tokens reused from cache slots.
+    pub cached_tokens_total: u64,
+    /// Requests that ended with `Done`.
+    pub requests_finished: u64,
+    /// Requests cancelled (explicitly or by dropping the stream).
+    pub requests_cancelled: u64,
+    /// Sequences pushed back to the queue to be recomputed later.
+    pub preemptions: u64,
+    /// Forward passes run.
+    pub steps: u64,
+}
+
+/// A message to the engine thread.
+enum Msg {
+    Submit(Box<Submitted>),
+    Cancel(u64),
+    Shutdown,
+}
+
+/// A validated request on its way to the engine thread.
+struct Submitted {
+    id: u64,
+    req: Request,
+    sampler: Sampler,
+    tx: tmpsc::UnboundedSender<Event>,
+}
+
+/// State shared by the handles and the engine thread.
+struct Shared {
+    /// Requests accepted and not holding a slot (checked against `max_queue`).
+    queued: AtomicUsize,
+    metrics: Mutex<EngineMetrics>,
+    shutting_down: AtomicBool,
+}
+
+/// The handles' side.
+struct Inner {
+    tx: Mutex<Option<mpsc::Sender<Msg>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    shared: Arc<Shared>,
+    next_id: AtomicU64,
+    n_ctx: usize,
+    n_vocab: usize,
+    max_queue: usize,
+}
+
+impl Inner {
+    fn shutdown(&self) {
+        self.shared.shutting_down.store(true, Ordering::SeqCst);
+        if let Some(tx) = self.tx.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = tx.send(Msg::Shutdown);
+        }
+        let thread = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = thread {
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// A handle to the engine thread; cheap to clone, `Send + Sync`. The engine shuts down when
+/// [`EngineHandle::shutdown`] is called or the last handle is dropped.
+#[derive(Clone)]
+pub struct EngineHandle {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for EngineHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineHandle")
+            .field("n_ctx", &self.inner.n_ctx)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EngineHandle {
+    /// Allocate the cache (`max_running` slots of `n_ctx` tokens) and start the engine thread.
+    pub fn start(
+        model: Arc<dyn CausalLm>,
+        tok: Arc<Tokenizer>,
+        cfg: EngineConfig,
+    ) -> Result<EngineHandle, EngineError> {
+        let bad = |m: String| Err(EngineError::BadRequest(m));
+        if cfg.max_running == 0 {
+            return bad("max_running must be >= 1".into());
+        }
+        if cfg.max_batch_tokens < cfg.max_running {
+            return bad(format!(
+                "max_batch_tokens ({}) must be >= max_running ({})",
+                cfg.max_batch_tokens, cfg.max_running
+            ));
+        }
+        if cfg.n_ctx < 2 {
+            return bad("n_ctx must be >= 2".into());
+        }
+        let n_vocab = model.spec().n_vocab;
+        let shared = Arc::new(Shared {
+            queued: AtomicUsize::new(0),
+            metrics: Mutex::new(EngineMetrics {
+                slots_total: cfg.max_running,
+                ..Default::default()
+            }),
+            shutting_down: AtomicBool::new(false),
+        });
+        let (tx, rx) = mpsc::channel();
+        let engine = engine::Engine::new(model, tok, &cfg, rx, shared.clone())?;
+        let thread = std::thread::Builder::new()
+            .name("kapitsa-engine".into())
+            .spawn(move || engine.run())
+            .map_err(|e| EngineError::BadRequest(format!("cannot start engine thread: {e}")))?;
+        Ok(EngineHandle {
+            inner: Arc::new(Inner {
+                tx: Mutex::new(Some(tx)),
+                thread: Mutex::new(Some(thread)),
+                shared,
+                next_id: AtomicU64::new(1),
+                n_ctx: cfg.n_ctx,
+                n_vocab,
+                max_queue: cfg.max_queue,
+            }),
+        })
+    }
+
+    /// Validate `req` (prompt non-empty, in the vocabulary and shorter than the context,
+    /// `max_tokens >= 1`, sampling parameters, `top_logprobs`) and queue it.
+    pub fn submit(&self, req: Request) -> Result<RequestStream, SubmitError> {
+        let inner = &self.inner;
+        if inner.shared.shutting_down.load(Ordering::SeqCst) {
+            return Err(SubmitError::ShutDown);
+        }
+        if req.prompt.is_empty() {
+            return Err(SubmitError::BadRequest("empty prompt".into()));
+        }
+        if let Some(t) = req.prompt.iter().find(|&&t| t as usize >= inner.n_vocab) {
+            return Err(SubmitError::BadRequest(format!(
+                "prompt token {t} is outside the vocabulary ({})",
+                inner.n_vocab
+            )));
+        }
+        if req.prompt.len() >= inner.n_ctx {
+            return Err(SubmitError::PromptTooLong {
+                n_prompt: req.prompt.len(),
+                n_ctx: inner.n_ctx,
+            });
+        }
+        if req.max_tokens == 0 {
+            return Err(SubmitError::BadRequest("max_tokens must be >= 1".into()));
+        }
+        if let Some(n) = req.top_logprobs {
+            if n > MAX_TOP_LOGPROBS {
+                return Err(SubmitError::BadRequest(format!(
+                    "top_logprobs must be <= {MAX_TOP_LOGPROBS}"
+                )));
+            }
+        }
+        let sampler = Sampler::new(req.sampling.clone()).map_err(|e| match e {
+            EngineError::BadRequest(m) => SubmitError::BadRequest(m),
+            e => SubmitError::BadRequest(e.to_string()),
+        })?;
+        // Reserve a place in the queue.
+        let q = &inner.shared.queued;
+        let mut cur = q.load(Ordering::SeqCst);
+        loop {
+            if cur >= inner.max_queue {
+                return Err(SubmitError::QueueFull);
+            }
+            match q.compare_exchange(cur, cur + 1, Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(_) => break,
+                Err(c) => cur = c,
+            }
+        }
+        let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let (etx, erx) = tmpsc::unbounded_channel();
+        let msg = Msg::Submit(Box::new(Submitted {
+            id,
+            req,
+            sampler,
+            tx: etx,
+        }));
+        let sent = match &*inner.tx.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(tx) => tx.send(msg).is_ok(),
+            None => false,
+        };
+        if !sent {
+            q.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::ShutDown);
+        }
+        Ok(RequestStream { id, rx: erx })
+    }
+
+    /// Cancel request `id` (no effect if it already ended). Its stream ends without `Done`.
+    pub fn cancel(&self, id: u64) {
+        if let Some(tx) = &*self.inner.tx.lock().unwrap_or_else(|e| e.into_inner()) {
+            let _ = tx.send(Msg::Cancel(id));
+        }
+    }
+
+    /// A snapshot of the counters (updated after every step).
+    pub fn metrics(&self) -> EngineMetrics {
+        let mut m = *self
+            .inner
+            .shared
+            .metrics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        m.queued = self.inner.shared.queued.load(Ordering::SeqCst);
+        m
+    }
+
+    /// Context per sequence.
+    pub fn n_ctx(&self) -> usize {
+        self.inner.n_ctx
+    }
+
+    /// Stop accepting requests, end every request in flight (with `Event::Error("server
+    /// shutting down")`, or `Done` if it had just finished) and join the engine thread. The
+    /// step running when this is called completes first. Idempotent.
+    pub fn shutdown(&self) {
+        self.inner.shutdown();
+    }
+}
+
+mod engine {
+    //! The engine thread: drain messages, schedule, run one batch, sample, stream, repeat.
+
+    use std::collections::HashMap;
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+
+    use kapitsa_cache::SlotCache;
+    use kapitsa_models::{BatchInputs, Logits};
+    use kapitsa_text::IncrementalDecoder;
+
+    use super::*;
+    use crate::scheduler::{Outcome, ScheduledSeq, Scheduler, SchedulerConfig, SeqId};
+    use crate::StopChecker;
+
+    const SHUTTING_DOWN: &str = "server shutting down";
+
+    /// Per-request state kept by the engine thread.
+    struct Active {
+        tx: tmpsc::UnboundedSender<Event>,
+        sampler: Sampler,
+        dec: IncrementalDecoder,
+        stop: StopChecker,
+        ignore_eos: bool,
+        top_logprobs: Option<usize>,
+        /// Prompt and generated tokens (for the sampler's penalties).
+        history: Vec<u32>,
+        n_prompt: usize,
+        n_cached: usize,
+        n_generated: usize,
+        /// Not yet sent: final text, and the tokens (with logprobs) since the last `Text`.
+        text: String,
+        tokens: Vec<u32>,
+        logprobs: Vec<TokenLogprob>,
+        /// Times a failed batch made it recompute (at most once).
+        recomputes: u32,
+    }
+
+    impl Active {
+        /// Send the pending text and tokens, if any.
+        fn send_text(&mut self) {
+            if self.text.is_empty() && self.tokens.is_empty() {
+                return;
+            }
+            let _ = self.tx.send(Event::Text {
+                text: std::mem::take(&mut self.text),
+                tokens: std::mem::take(&mut self.tokens),
+                logprobs: std::mem::take(&mut self.logprobs),
+            });
+        }
+    }
+
+    pub(super) struct Engine {
+        model: Arc<dyn CausalLm>,
+        tok: Arc<Tokenizer>,
+        cache: SlotCache,
+        sched: Scheduler,
+        rx: mpsc::Receiver<Msg>,
+        shared: Arc<Shared>,
+        active: HashMap<SeqId, Active>,
+        metrics: EngineMetrics,
+    }
+
+    impl Engine {
+        pub(super) fn new(
+            model: Arc<dyn CausalLm>,
+            tok: Arc<Tokenizer>,
+            cfg: &EngineConfig,
+            rx: mpsc::Receiver<Msg>,
+            shared: Arc<Shared>,
+        ) -> Result<Engine, EngineError> {
+            let mut cache = SlotCache::new(&*model, cfg.max_running, cfg.n_ctx, cfg.kv_type)?;
+            // The engine owns every slot for good; the scheduler decides who uses which, and
+            // a slot keeps its tokens between sequences for prefix reuse.
+            for _ in 0..cfg.max_running {
+                cache.alloc();
+            }
+            let sched = Scheduler::new(SchedulerConfig {
+                n_slots: cfg.max_running,
+                max_batch_tokens: cfg.max_batch_tokens,
+                n_ctx: cfg.n_ctx,
+                preempt_after_steps: None,
+            })
+            .map_err(|e| EngineError::BadRequest(e.to_string()))?;
+            Ok(Engine {
+                model,
+                tok,
+                cache,
+                sched,
+                rx,
+                shared,
+                active: HashMap::new(),
+                metrics: EngineMetrics {
+                    slots_total: cfg.max_running,
+                    ..Default::default()
+                },
+            })
+        }
+
+        pub(super) fn run(mut self) {
+            let r = catch_unwind(AssertUnwindSafe(|| self.run_loop()));
+            let msg = match &r {
+                Ok(()) => SHUTTING_DOWN.to_string(),
+                Err(p) => format!("engine failed: {}", panic_message(&**p)),
+            };
+            self.shared.shutting_down.store(true, Ordering::SeqCst);
+            let ids: Vec<SeqId> = self.active.keys().copied().collect();
+            for id in ids {
+                self.drop_seq(id, Some(&msg));
+            }
+            while let Ok(m) = self.rx.try_recv() {
+                if let Msg::Submit(s) = m {
+                    self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+                    let _ = s.tx.send(Event::Error(msg.clone()));
+                }
+            }
+            self.publish();
+        }
+
+        fn run_loop(&mut self) {
+            loop {
+                if self.sched.is_idle() {
+                    self.publish();
+                    let Ok(m) = self.rx.recv() else { return };
+                    if !self.handle(m) {
+                        return;
+                    }
+                }
+                loop {
+                    match self.rx.try_recv() {
+                        Ok(m) => {
+                            if !self.handle(m) {
+                                return;
+                            }
+                        }
+                        Err(mpsc::TryRecvError::Disconnected) => return,
+                        Err(mpsc::TryRecvError::Empty) => break,
+                    }
+                }
+                let closed: Vec<SeqId> = self
+                    .active
+                    .iter()
+                    .filter(|(_, a)| a.tx.is_closed())
+                    .map(|(&id, _)| id)
+                    .collect();
+                for id in closed {
+                    self.cancel(id);
+                }
+                if !self.sched.is_idle() {
+                    self.step();
+                    self.publish();
+                }
+            }
+        }
+
+        /// Handle one message; `false` on shutdown.
+        fn handle(&mut self, m: Msg) -> bool {
+            match m {
+                Msg::Submit(s) => {
+                    let Submitted {
+                        id,
+                        req,
+                        sampler,
+                        tx,
+                    } = *s;
+                    if let Err(e) = self.sched.add(id, req.prompt.clone(), req.max_tokens) {
+                        self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+                        let _ = tx.send(Event::Error(e.to_string()));
+                        return true;
+                    }
+                    self.active.insert(
+                        id,
+                        Active {
+                            tx,
+                            sampler,
+                            dec: IncrementalDecoder::new(),
+                            stop: StopChecker::new(&req.stop),
+                            ignore_eos: req.ignore_eos,
+                            top_logprobs: req.top_logprobs,
+                            n_prompt: req.prompt.len(),
+                            history: req.prompt,
+                            n_cached: 0,
+                            n_generated: 0,
+                            text: String::new(),
+                            tokens: Vec::new(),
+                            logprobs: Vec::new(),
+                            recomputes: 0,
+                        },
+                    );
+                    true
+                }
+                Msg::Cancel(id) => {
+                    self.cancel(id);
+                    true
+                }
+                Msg::Shutdown => false,
+            }
+        }
+
+        /// Cancel a request (waiting or running).
+        fn cancel(&mut self, id: SeqId) {
+            if self.active.contains_key(&id) {
+                self.drop_seq(id, None);
+                self.metrics.requests_cancelled += 1;
+            }
+        }
+
+        /// Remove a request from the scheduler and the engine, sending `Error(msg)` if given.
+        fn drop_seq(&mut self, id: SeqId, msg: Option<&str>) {
+            if self.sched.contains(id) && self.sched.slot_of(id).is_none() {
+                self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            }
+            self.sched.cancel(id);
+            if let Some(a) = self.active.remove(&id) {
+                if let Some(m) = msg {
+                    let _ = a.tx.send(Event::Error(m.to_string()));
+                }
+            }
+        }
+
+        fn publish(&self) {
+            let mut m = self
+                .shared
+                .metrics
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            *m = EngineMetrics {
+                queued: self.shared.queued.load(Ordering::SeqCst),
+                running: self.sched.n_running(),
+                slots_used: self.sched.n_slots_used(),
+                ..self.metrics
+            };
+        }
+
+        /// One scheduler step: one forward pass over every scheduled sequence.
+        fn step(&mut self) {
+            let plan = {
+                let cache = &self.cache;
+                self.sched.schedule(|s, t| cache.reusable_prefix(s, t))
+            };
+            for _ in &plan.preempted {
+                self.shared.queued.fetch_add(1, Ordering::SeqCst);
+                self.metrics.preemptions += 1;
+            }
+            for a in &plan.admitted {
+                self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+                if a.first {
+                    if let Some(act) = self.active.get_mut(&a.id) {
+                        act.n_cached = a.reused;
+                        self.metrics.prompt_tokens_total += act.n_prompt as u64;
+                        self.metrics.cached_tokens_total += a.reused as u64;
+                    }
+                }
+            }
+            if plan.is_empty() {
+                return;
+            }
+            let mut batch = BatchInputs::default();
+            for s in &plan.seqs {
+                batch.push_seq(s.slot, &s.tokens, s.start_pos as u32, s.want_logits);
+            }
+            let res = self.forward(&batch);
+            self.metrics.steps += 1;
+            let mut outcomes = Vec::with_capacity(plan.seqs.len());
+            match res {
+                Ok(logits) => {
+                    let mut row = 0;
+                    for s in &plan.seqs {
+                        let r = s.want_logits.then(|| {
+                            row += 1;
+                            logits.row(row - 1)
+                        });
+                        outcomes.push((s.id, self.process(s, r)));
+                    }
+                }
+                Err(msg) => self.recover(&plan.seqs, &msg, &mut outcomes),
+            }
+            for (id, reason) in self.sched.update(&outcomes) {
+                self.finish(id, reason);
+            }
+        }
+
+        /// Run a batch, turning errors and panics into a message.
+        fn forward(&mut self, batch: &BatchInputs) -> Result<Logits, String> {
+            let model = &*self.model;
+            let kv = self.cache.kv_mut();
+            match catch_unwind(AssertUnwindSafe(|| model.forward(batch, kv))) {
+                Ok(Ok(l)) => Ok(l),
+                Ok(Err(e)) => Err(format!("model error: {e}")),
+                Err(p) => Err(format!("model panicked: {}", panic_message(&*p))),
+            }
+        }
+
+        /// A batch failed: find the culprits by running each sequence alone. A sequence whose
+        /// recurrent state the failed pass destroyed cannot be rerun from where it was; it is
+        /// preempted and recomputed from scratch (once; a second time it fails).
+        fn recover(&mut self, seqs: &[ScheduledSeq], msg: &str, out: &mut Vec<(SeqId, Outcome)>) {
+            if seqs.len() == 1 {
+                out.push((seqs[0].id, self.fail(&seqs[0], msg)));
+                return;
+            }
+            for s in seqs {
+                let kv = self.cache.kv_mut();
+                let state_lost = kv.has_recurrent()
+                    && s.start_pos > 0
+                    && kv.recurrent_pos(s.slot) != Some(s.start_pos);
+                if state_lost {
+                    let first = self.active.get(&s.id).is_some_and(|a| a.recomputes == 0);
+                    if first && self.sched.preempt(s.id) {
+                        if let Some(a) = self.active.get_mut(&s.id) {
+                            a.recomputes += 1;
+                        }
+                        self.cache.set_tokens(s.slot, Vec::new());
+                        self.shared.queued.fetch_add(1, Ordering::SeqCst);
+                        self.metrics.preemptions += 1;
+                    } else {
+                        out.push((s.id, self.fail(s, msg)));
+                    }
+                    continue;
+                }
+                let mut b = BatchInputs::default();
+                b.push_seq(s.slot, &s.tokens, s.start_pos as u32, s.want_logits);
+                match self.forward(&b) {
+                    Ok(l) => {
+                        let o = self.process(s, s.want_logits.then(|| l.row(0)));
+                        out.push((s.id, o));
+                    }
+                    Err(m) => out.push((s.id, self.fail(s, &m))),
+                }
+            }
+        }
+
+        /// End a sequence with an error; its slot's contents are lost.
+        fn fail(&mut self, s: &ScheduledSeq, msg: &str) -> Outcome {
+            self.cache.set_tokens(s.slot, Vec::new());
+            if let Some(a) = self.active.remove(&s.id) {
+                let _ = a.tx.send(Event::Error(msg.to_string()));
+            }
+            Outcome::Failed
+        }
+
+        /// After a successful pass: record the slot's contents, sample if there are logits.
+        fn process(&mut self, s: &ScheduledSeq, row: Option<&[f32]>) -> Outcome {
+            let mut stored = self.cache.tokens(s.slot).to_vec();
+            stored.truncate(s.start_pos);
+            stored.extend_from_slice(&s.tokens);
+            self.cache.set_tokens(s.slot, stored);
+            let Some(row) = row else {
+                return Outcome::Computed;
+            };
+            let tok = &*self.tok;
+            let Some(a) = self.active.get_mut(&s.id) else {
+                return Outcome::Computed;
+            };
+            let r = catch_unwind(AssertUnwindSafe(|| sample(a, tok, row)));
+            match r {
+                Ok(o) => {
+                    if matches!(
+                        o,
+                        Outcome::Token(_) | Outcome::Finish(FinishReason::StopString)
+                    ) {
+                        self.metrics.generated_tokens_total += 1;
+                    }
+                    if matches!(o, Outcome::Token(_)) && !a.text.is_empty() {
+                        a.send_text();
+                    }
+                    o
+                }
+                Err(p) => {
+                    let m = format!("sampling panicked: {}", panic_message(&*p));
+                    self.fail(s, &m)
+                }
+            }
+        }
+
+        /// Send the last text and `Done`.
+        fn finish(&mut self, id: SeqId, reason: FinishReason) {
+            let Some(mut a) = self.active.remove(&id) else {
+                return;
+            };
+            if reason != FinishReason::StopString {
+                let (out, _) = a.stop.push(&a.dec.flush());
+                a.text.push_str(&out);
+                let rest = a.stop.finish();
+                a.text.push_str(&rest);
+            }
+            a.send_text();
+            let _ = a.tx.send(Event::Done {
+                finish: reason,
+                usage: Usage {
+                    prompt_tokens: a.n_prompt,
+                    completion_tokens: a.n_generated,
+                    cached_tokens: a.n_cached,
+                },
+            });
+            self.metrics.requests_finished += 1;
+        }
+    }
+
+    /// Sample the next token of `a` from `row` and run it through the detokeniser and stop
+    /// strings, as [`crate::generate()`] does.
+    fn sample(a: &mut Active, tok: &Tokenizer, row: &[f32]) -> Outcome {
+        let t = a.sampler.sample(row, &a.history);
+        if !a.ignore_eos && tok.eog_ids().contains(&t) {
+            return Outcome::Finish(FinishReason::EndOfGeneration);
+        }
+        if let Some(n) = a.top_logprobs {
+            a.logprobs.push(token_logprob(row, t, n));
+        }
+        a.n_generated += 1;
+        a.history.push(t);
+        a.tokens.push(t);
+        let piece = a.dec.push(tok, t);
+        let (out, hit) = a.stop.push(&piece);
+        a.text.push_str(&out);
+        if hit {
+            Outcome::Finish(FinishReason::StopString)
+        } else {
+            Outcome::Token(t)
+        }
+    }
+
+    fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+        if let Some(s) = p.downcast_ref::<&str>() {
+            s.to_string()
+        } else if let Some(s) = p.downcast_ref::<String>() {
+            s.clone()
+        } else {
+            "unknown panic".to_string()
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::token_logprob;
+
+        #[test]
+        fn logprobs_are_log_softmax() {
+            let row = [1.0f32, 3.0, 2.0, 3.0];
+            let lp = token_logprob(&row, 2, 3);
+            let z: f64 = row.iter().map(|&x| (x as f64).exp()).sum();
+            assert!((lp.logprob as f64 - (2.0 - z.ln())).abs() < 1e-6);
+            let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+            assert_eq!(ids, [1, 3, 2]);
+            let total: f64 = lp.top.iter().map(|t| (t.1 as f64).exp()).sum();
+            assert!(total < 1.0);
+            assert_eq!(token_logprob(&row, 0, 0).top, []);
+        }
+    }
+}
+
+/// The log-softmax of `row` (raw logits, temperature 1) at `id`, and the `n` best tokens.
+fn token_logprob(row: &[f32], id: u32, n: usize) -> TokenLogprob {
+    let max = row
+        .iter()
+        .copied()
+        .filter(|x| !x.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = row
+        .iter()
+        .filter(|x| !x.is_nan())
+        .map(|&x| ((x - max) as f64).exp())
+        .sum();
+    let lse = max as f64 + sum.ln();
+    let lp = |x: f32| (x as f64 - lse) as f32;
+    let mut idx: Vec<u32> = (0..row.len() as u32)
+        .filter(|&i| !row[i as usize].is_nan())
+        .collect();
+    let by = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
+    let n = n.min(idx.len());
+    if n > 0 && n < idx.len() {
+        idx.select_nth_unstable_by(n - 1, by);
+    }
+    idx.truncate(n);
+    idx.sort_unstable_by(by);
+    TokenLogprob {
+        id,
+        logprob: row.get(id as usize).map_or(f32::NEG_INFINITY, |&x| lp(x)),
+        top: idx.into_iter().map(|i| (i, lp(row[i as usize]))).collect(),
+    }
+}

@@ -1,0 +1,654 @@
+//! Anthropic Messages API: `/v1/messages` (streaming or not) and
+//! `/v1/messages/count_tokens`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use kapitsa_engine::{ReplyEvent, SamplingParams};
+use serde_json::{json, Map, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::engine::{FinishReason, Request};
+use crate::error::{Api, ApiError, ApiResult, ErrorKind};
+use crate::gen::{cancelled, new_id, random_u64, submit_all, which_stop, Choice, Merged};
+use crate::params::{parse_body, type_name, Fields};
+use crate::{body_bytes, AppState};
+
+type SseTx = mpsc::Sender<Result<SseEvent, Infallible>>;
+
+/// A request converted for the chat template.
+struct Conversation {
+    messages: Vec<Value>,
+    /// Tools in OpenAI form (`{"type": "function", "function": {...}}`), `None` if hidden.
+    tools: Option<Value>,
+    /// Template variables (`enable_thinking`).
+    extra: Option<Value>,
+}
+
+/// The text of a `tool_result` content or a `system` value: a string or text blocks.
+fn block_text(v: Option<&Value>, param: &str) -> ApiResult<String> {
+    match v {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(a)) => {
+            let mut out = Vec::new();
+            for (i, b) in a.iter().enumerate() {
+                let p = format!("{param}[{i}]");
+                let ty = b.get("type").and_then(Value::as_str).unwrap_or("");
+                match (ty, b.get("text")) {
+                    ("text", Some(Value::String(t))) => out.push(t.clone()),
+                    ("text", _) => {
+                        return Err(ApiError::bad_param(
+                            &p,
+                            format!("'{p}.text' must be a string"),
+                        ))
+                    }
+                    _ => {
+                        return Err(ApiError::bad_param(
+                            &p,
+                            format!(
+                                "content blocks of type '{ty}' are not supported here (text only)"
+                            ),
+                        ))
+                    }
+                }
+            }
+            Ok(out.join("\n"))
+        }
+        Some(v) => Err(ApiError::bad_param(
+            param,
+            format!(
+                "'{param}' must be a string or an array of text blocks, got {}",
+                type_name(v)
+            ),
+        )),
+    }
+}
+
+/// Convert `system`, `messages`, `tools`, `tool_choice` and `thinking`.
+fn conversation(f: &Fields) -> ApiResult<Conversation> {
+    let mut messages = Vec::new();
+    let system = block_text(f.get("system"), "system")?;
+    if !system.is_empty() {
+        messages.push(json!({"role": "system", "content": system}));
+    }
+    let list = f
+        .array("messages")?
+        .ok_or_else(|| ApiError::bad_param("messages", "'messages' is a required property"))?;
+    if list.is_empty() {
+        return Err(ApiError::bad_param(
+            "messages",
+            "'messages' must not be empty",
+        ));
+    }
+    for (i, m) in list.iter().enumerate() {
+        let p = format!("messages[{i}]");
+        let Value::Object(obj) = m else {
+            return Err(ApiError::bad_param(&p, format!("'{p}' must be an object")));
+        };
+        let prefix = format!("{p}.");
+        let mf = Fields::nested(obj, &prefix);
+        let role = mf
+            .str("role")?
+            .ok_or_else(|| mf.error("role", format!("'{p}.role' is a required property")))?;
+        if role != "user" && role != "assistant" {
+            return Err(mf.error(
+                "role",
+                format!("unknown role '{role}' (expected 'user' or 'assistant'; use the top-level 'system' for system prompts)"),
+            ));
+        }
+        let content = mf.required("content")?;
+        let blocks: Vec<Value> = match content {
+            Value::String(s) => vec![json!({"type": "text", "text": s})],
+            Value::Array(a) => a.clone(),
+            v => {
+                return Err(mf.error(
+                    "content",
+                    format!(
+                        "'{p}.content' must be a string or an array of content blocks, got {}",
+                        type_name(v)
+                    ),
+                ))
+            }
+        };
+        let mut texts = Vec::new();
+        let mut reasoning = Vec::new();
+        let mut calls = Vec::new();
+        let mut results = Vec::new();
+        for (j, b) in blocks.iter().enumerate() {
+            let bp = format!("{p}.content[{j}]");
+            let Value::Object(bo) = b else {
+                return Err(ApiError::bad_param(
+                    &bp,
+                    format!("'{bp}' must be an object"),
+                ));
+            };
+            let bprefix = format!("{bp}.");
+            let bf = Fields::nested(bo, &bprefix);
+            let ty = bf
+                .str("type")?
+                .ok_or_else(|| bf.error("type", format!("'{bp}.type' is a required property")))?;
+            match (ty, role) {
+                ("text", _) => texts.push(
+                    bf.str("text")?
+                        .ok_or_else(|| bf.error("text", format!("'{bp}.text' is a required property")))?
+                        .to_string(),
+                ),
+                ("thinking", "assistant") => {
+                    reasoning.push(bf.str("thinking")?.unwrap_or("").to_string())
+                }
+                ("redacted_thinking", "assistant") => {}
+                ("tool_use", "assistant") => {
+                    let name = bf
+                        .str("name")?
+                        .ok_or_else(|| bf.error("name", format!("'{bp}.name' is a required property")))?;
+                    let input = bf.object("input")?.cloned().unwrap_or_default();
+                    let mut c = json!({
+                        "type": "function",
+                        "function": {"name": name, "arguments": Value::Object(input)},
+                    });
+                    if let Some(id) = bf.str("id")? {
+                        c["id"] = id.into();
+                    }
+                    calls.push(c);
+                }
+                ("tool_result", "user") => {
+                    let id = bf.str("tool_use_id")?.ok_or_else(|| {
+                        bf.error("tool_use_id", format!("'{bp}.tool_use_id' is a required property"))
+                    })?;
+                    let mut text = block_text(bf.get("content"), &format!("{bp}.content"))?;
+                    if bf.bool("is_error")?.unwrap_or(false) {
+                        text = format!("Error: {text}");
+                    }
+                    results.push(json!({"role": "tool", "tool_call_id": id, "content": text}));
+                }
+                ("image" | "document", _) => {
+                    return Err(ApiError::bad_param(
+                        &bp,
+                        format!("content blocks of type '{ty}' are not supported: this server serves a text-only model"),
+                    ))
+                }
+                _ => {
+                    return Err(ApiError::bad_param(
+                        &bp,
+                        format!("content blocks of type '{ty}' are not allowed in a '{role}' message"),
+                    ))
+                }
+            }
+        }
+        if role == "user" {
+            messages.extend(results);
+            if !texts.is_empty() {
+                messages.push(json!({"role": "user", "content": texts.join("\n")}));
+            }
+        } else {
+            let mut msg = Map::new();
+            msg.insert("role".into(), "assistant".into());
+            msg.insert("content".into(), texts.join("\n").into());
+            if !reasoning.is_empty() {
+                msg.insert("reasoning_content".into(), reasoning.join("\n").into());
+            }
+            if !calls.is_empty() {
+                msg.insert("tool_calls".into(), Value::Array(calls));
+            }
+            messages.push(Value::Object(msg));
+        }
+    }
+    let mut tools = None;
+    if let Some(list) = f.array("tools")? {
+        let mut conv = Vec::new();
+        for (i, t) in list.iter().enumerate() {
+            let p = format!("tools[{i}]");
+            let Value::Object(to) = t else {
+                return Err(ApiError::bad_param(&p, format!("'{p}' must be an object")));
+            };
+            let prefix = format!("{p}.");
+            let tf = Fields::nested(to, &prefix);
+            if let Some(ty) = tf.str("type")? {
+                if ty != "custom" {
+                    return Err(tf.error(
+                        "type",
+                        format!("tools of type '{ty}' are not supported (only client tools with an input_schema)"),
+                    ));
+                }
+            }
+            let name = tf
+                .str("name")?
+                .filter(|n| !n.is_empty())
+                .ok_or_else(|| tf.error("name", format!("'{p}.name' is a required property")))?;
+            let schema = tf.object("input_schema")?.ok_or_else(|| {
+                tf.error(
+                    "input_schema",
+                    format!("'{p}.input_schema' is a required property"),
+                )
+            })?;
+            // Key order as OpenAI clients send it (the template prints the tools as JSON).
+            let mut func = Map::new();
+            func.insert("name".into(), name.into());
+            if let Some(d) = tf.str("description")? {
+                func.insert("description".into(), d.into());
+            }
+            func.insert("parameters".into(), Value::Object(schema.clone()));
+            let func = Value::Object(func);
+            conv.push(json!({"type": "function", "function": func}));
+        }
+        if !conv.is_empty() {
+            tools = Some(Value::Array(conv));
+        }
+    }
+    if let Some(tc) = f.object("tool_choice")? {
+        let ty = tc.get("type").and_then(Value::as_str).unwrap_or("");
+        match ty {
+            "auto" => {}
+            "none" => tools = None,
+            "any" | "tool" => {
+                return Err(f.error(
+                    "tool_choice",
+                    format!("tool_choice '{ty}' is not supported yet (it needs constrained decoding); use 'auto'"),
+                ))
+            }
+            other => {
+                return Err(f.error("tool_choice", format!("unknown tool_choice type '{other}'")))
+            }
+        }
+    }
+    let extra = match f.object("thinking")? {
+        None => None,
+        Some(t) => match t.get("type").and_then(Value::as_str) {
+            Some("enabled") => Some(json!({"enable_thinking": true})),
+            Some("disabled") => Some(json!({"enable_thinking": false})),
+            _ => {
+                return Err(f.error(
+                    "thinking",
+                    "'thinking.type' must be 'enabled' or 'disabled'",
+                ))
+            }
+        },
+    };
+    Ok(Conversation {
+        messages,
+        tools,
+        extra,
+    })
+}
+
+/// Render and tokenize a conversation; returns the prompt text and tokens.
+fn prompt(st: &AppState, c: &Conversation) -> ApiResult<(String, Vec<u32>)> {
+    let text = st.render(c.messages.clone(), c.tools.as_ref(), c.extra.as_ref())?;
+    let ids = st.encode(&text)?;
+    Ok((text, ids))
+}
+
+/// `POST /v1/messages/count_tokens`.
+pub async fn count_tokens(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let r = (|| -> ApiResult<Response> {
+        let body = body_bytes(&st, body)?;
+        let map = parse_body(&body)?;
+        let f = Fields::new(&map);
+        st.check_model(f.str("model")?)?;
+        let c = conversation(&f)?;
+        let (_, ids) = prompt(&st, &c)?;
+        Ok(Json(json!({"input_tokens": ids.len()})).into_response())
+    })();
+    r.unwrap_or_else(|e| e.into_response_for(Api::Anthropic))
+}
+
+/// `POST /v1/messages`.
+pub async fn messages(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match messages_inner(st, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response_for(Api::Anthropic),
+    }
+}
+
+fn stop_reason(f: &FinishReason, tool_calls: bool) -> &'static str {
+    match f {
+        FinishReason::Length | FinishReason::ContextFull => "max_tokens",
+        FinishReason::StopString => "stop_sequence",
+        FinishReason::EndOfGeneration if tool_calls => "tool_use",
+        FinishReason::EndOfGeneration => "end_turn",
+    }
+}
+
+fn usage_json(input: usize, output: usize, cached: usize) -> Value {
+    json!({
+        "input_tokens": input,
+        "output_tokens": output,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    })
+}
+
+async fn messages_inner(
+    st: Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> ApiResult<Response> {
+    let body = body_bytes(&st, body)?;
+    let map = parse_body(&body)?;
+    let f = Fields::new(&map);
+    st.check_model(f.str("model")?)?;
+    let max_tokens = f
+        .int_in("max_tokens", 1, i64::from(u32::MAX))?
+        .ok_or_else(|| ApiError::bad_param("max_tokens", "max_tokens: Field required"))?
+        as usize;
+    let conv = conversation(&f)?;
+    let mut s = SamplingParams::default();
+    if let Some(t) = f.f32_in("temperature", 0.0, 1.0)? {
+        s.temperature = t;
+    }
+    if let Some(p) = f.f32_in("top_p", 0.0, 1.0)? {
+        s.top_p = p.max(1e-6);
+    }
+    if let Some(k) = f.int_in("top_k", 0, i64::from(u32::MAX))? {
+        s.top_k = k as usize;
+    }
+    s.seed = random_u64();
+    s.validate().map_err(|e| ApiError::bad(e.to_string()))?;
+    let stops = f.strings("stop_sequences", 16)?;
+    let stream = f.bool("stream")?.unwrap_or(false);
+    st.check_open()?;
+    let (text, ids) = prompt(&st, &conv)?;
+    let room = st.room(ids.len(), "messages")?;
+    let req = Request {
+        prompt: ids.clone(),
+        sampling: s,
+        max_tokens: max_tokens.min(room),
+        stop: stops.clone(),
+        ignore_eos: false,
+        top_logprobs: None,
+    };
+    let merged = submit_all(&st, vec![req])?;
+    let fmt = st.model.reply_format;
+    let choice = Choice::new(fmt, fmt.starts_in_reasoning(&text), conv.tools.as_ref());
+    let id = new_id("msg_");
+    if stream {
+        let (tx, rx) = mpsc::channel(64);
+        tokio::spawn(stream_messages(
+            st.clone(),
+            merged,
+            choice,
+            id,
+            ids.len(),
+            stops,
+            tx,
+        ));
+        return Ok(Sse::new(ReceiverStream::new(rx))
+            .keep_alive(KeepAlive::default())
+            .into_response());
+    }
+    let mut c = choice;
+    let mut m = merged;
+    let mut cancel = st.cancel_rx();
+    loop {
+        tokio::select! {
+            ev = m.rx.recv() => {
+                let Some((_, ev)) = ev else { break };
+                c.event(ev)?;
+            }
+            _ = cancelled(&mut cancel) => {
+                return Err(ApiError::new(ErrorKind::Unavailable, "the server is shutting down"));
+            }
+        }
+    }
+    let Some(finish) = c.finish.clone() else {
+        return Err(ApiError::internal(
+            "the engine stopped before the reply was complete",
+        ));
+    };
+    let r = &c.reply;
+    let mut content = Vec::new();
+    if let Some(th) = r.reasoning.as_ref().filter(|t| !t.is_empty()) {
+        content.push(json!({"type": "thinking", "thinking": th, "signature": ""}));
+    }
+    if !r.content.is_empty() {
+        content.push(json!({"type": "text", "text": r.content}));
+    }
+    for t in &r.tool_calls {
+        content.push(json!({"type": "tool_use", "id": new_id("toolu_"), "name": t.name, "input": t.arguments}));
+    }
+    let stop_seq = (finish == FinishReason::StopString)
+        .then(|| which_stop(&st.model.tokenizer, &c, &stops))
+        .flatten();
+    Ok(Json(json!({
+        "id": id,
+        "type": "message",
+        "role": "assistant",
+        "model": st.model.name,
+        "content": content,
+        "stop_reason": stop_reason(&finish, !r.tool_calls.is_empty()),
+        "stop_sequence": stop_seq,
+        "usage": usage_json(ids.len(), c.usage.completion_tokens, c.usage.cached_tokens),
+    }))
+    .into_response())
+}
+
+fn event(name: &str, v: Value) -> SseEvent {
+    SseEvent::default().event(name).data(v.to_string())
+}
+
+async fn send(tx: &SseTx, ev: SseEvent) -> bool {
+    tx.send(Ok(ev)).await.is_ok()
+}
+
+/// The open content block of a stream.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Block {
+    None,
+    Thinking,
+    Text,
+}
+
+/// Stream a message: `message_start`, `ping`, then per block `content_block_start`,
+/// `content_block_delta`s and `content_block_stop`, then `message_delta` and `message_stop`.
+async fn stream_messages(
+    st: Arc<AppState>,
+    mut merged: Merged,
+    mut c: Choice,
+    id: String,
+    n_prompt: usize,
+    stops: Vec<String>,
+    tx: SseTx,
+) {
+    let start = json!({
+        "type": "message_start",
+        "message": {
+            "id": id,
+            "type": "message",
+            "role": "assistant",
+            "model": st.model.name,
+            "content": [],
+            "stop_reason": Value::Null,
+            "stop_sequence": Value::Null,
+            "usage": usage_json(n_prompt, 0, 0),
+        },
+    });
+    if !send(&tx, event("message_start", start)).await
+        || !send(&tx, event("ping", json!({"type": "ping"}))).await
+    {
+        return;
+    }
+    let mut open = Block::None;
+    let mut index: usize = 0;
+    let mut n_calls = 0;
+    let mut cancel = st.cancel_rx();
+    let error = |e: &ApiError| event("error", e.body(Api::Anthropic));
+    loop {
+        let ev = tokio::select! {
+            ev = merged.rx.recv() => match ev {
+                Some((_, ev)) => ev,
+                None => break,
+            },
+            _ = tx.closed() => return,
+            _ = cancelled(&mut cancel) => {
+                let e = ApiError::new(ErrorKind::Unavailable, "the server is shutting down");
+                let _ = send(&tx, error(&e)).await;
+                return;
+            }
+        };
+        let events = match c.event(ev) {
+            Ok(e) => e,
+            Err(e) => {
+                let _ = send(&tx, error(&e)).await;
+                return;
+            }
+        };
+        for e in events {
+            let mut out = Vec::new();
+            let want = match &e {
+                ReplyEvent::Reasoning(_) => Block::Thinking,
+                ReplyEvent::Content(_) => Block::Text,
+                ReplyEvent::ToolCall(_) => Block::None,
+            };
+            if open != Block::None && open != want {
+                out.push(event(
+                    "content_block_stop",
+                    json!({"type": "content_block_stop", "index": index}),
+                ));
+                index += 1;
+                open = Block::None;
+            }
+            if open == Block::None && want != Block::None {
+                let block = if want == Block::Thinking {
+                    json!({"type": "thinking", "thinking": "", "signature": ""})
+                } else {
+                    json!({"type": "text", "text": ""})
+                };
+                out.push(event(
+                    "content_block_start",
+                    json!({"type": "content_block_start", "index": index, "content_block": block}),
+                ));
+                open = want;
+            }
+            match e {
+                ReplyEvent::Reasoning(t) => out.push(event(
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": index, "delta": {"type": "thinking_delta", "thinking": t}}),
+                )),
+                ReplyEvent::Content(t) => out.push(event(
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": t}}),
+                )),
+                ReplyEvent::ToolCall(call) => {
+                    n_calls += 1;
+                    out.push(event(
+                        "content_block_start",
+                        json!({"type": "content_block_start", "index": index, "content_block": {
+                            "type": "tool_use", "id": new_id("toolu_"), "name": call.name, "input": {},
+                        }}),
+                    ));
+                    out.push(event(
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": index, "delta": {
+                            "type": "input_json_delta", "partial_json": call.arguments_json(),
+                        }}),
+                    ));
+                    out.push(event(
+                        "content_block_stop",
+                        json!({"type": "content_block_stop", "index": index}),
+                    ));
+                    index += 1;
+                }
+            }
+            for ev in out {
+                if !send(&tx, ev).await {
+                    return;
+                }
+            }
+        }
+        if c.done() {
+            break;
+        }
+    }
+    let Some(finish) = c.finish.clone() else {
+        let e = ApiError::internal("the engine stopped before the reply was complete");
+        let _ = send(&tx, error(&e)).await;
+        return;
+    };
+    if open != Block::None
+        && !send(
+            &tx,
+            event(
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": index}),
+            ),
+        )
+        .await
+    {
+        return;
+    }
+    let stop_seq = (finish == FinishReason::StopString)
+        .then(|| which_stop(&st.model.tokenizer, &c, &stops))
+        .flatten();
+    let delta = json!({
+        "type": "message_delta",
+        "delta": {"stop_reason": stop_reason(&finish, n_calls > 0), "stop_sequence": stop_seq},
+        "usage": {
+            "output_tokens": c.usage.completion_tokens,
+            "input_tokens": n_prompt,
+            "cache_read_input_tokens": c.usage.cached_tokens,
+        },
+    });
+    if send(&tx, event("message_delta", delta)).await {
+        let _ = send(&tx, event("message_stop", json!({"type": "message_stop"}))).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conversation_with_tools() {
+        let v = json!({
+            "system": [{"type": "text", "text": "be brief"}],
+            "messages": [
+                {"role": "user", "content": "weather in Bern?"},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "call it", "signature": "x"},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Bern"}},
+                ]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sunny"}]},
+                    {"type": "text", "text": "thanks"},
+                ]},
+            ],
+            "tools": [{"name": "get_weather", "description": "d", "input_schema": {"type": "object"}}],
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+        });
+        let c = conversation(&Fields::new(v.as_object().unwrap())).unwrap();
+        assert_eq!(
+            c.messages[0],
+            json!({"role": "system", "content": "be brief"})
+        );
+        assert_eq!(
+            c.messages[2]["tool_calls"][0]["function"]["arguments"]["city"],
+            "Bern"
+        );
+        assert_eq!(c.messages[2]["reasoning_content"], "call it");
+        assert_eq!(
+            c.messages[3],
+            json!({"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"})
+        );
+        assert_eq!(c.messages[4], json!({"role": "user", "content": "thanks"}));
+        assert_eq!(
+            c.tools.unwrap()[0]["function"]["parameters"],
+            json!({"type": "object"})
+        );
+        assert_eq!(c.extra.unwrap()["enable_thinking"], true);
+        let bad = json!({"messages": [{"role": "system", "content": "x"}]});
+        assert!(conversation(&Fields::new(bad.as_object().unwrap())).is_err());
+    }
+}

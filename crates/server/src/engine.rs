@@ -1,0 +1,57 @@
+//! What the HTTP layer needs from an engine, as a trait: implemented by the real
+//! [`EngineHandle`]; tests can put a scripted engine behind the same server.
+
+use std::future::Future;
+use std::pin::Pin;
+
+pub use kapitsa_engine::service::{
+    EngineConfig, EngineHandle, EngineMetrics, Event, Request, RequestStream, SubmitError,
+    TokenLogprob, Usage, MAX_TOP_LOGPROBS,
+};
+pub use kapitsa_engine::FinishReason;
+
+/// The future of [`EventStream::recv`].
+pub type RecvFuture<'a> = Pin<Box<dyn Future<Output = Option<Event>> + Send + 'a>>;
+
+/// The events of one submitted request; dropping it cancels the request.
+pub trait EventStream: Send {
+    /// The next event; `None` after `Done` / `Error` or when the engine is gone.
+    fn recv(&mut self) -> RecvFuture<'_>;
+}
+
+/// A generation engine.
+pub trait Engine: Send + Sync + 'static {
+    /// Queue a request.
+    fn submit(&self, req: Request) -> Result<Box<dyn EventStream>, SubmitError>;
+    /// Counters.
+    fn metrics(&self) -> EngineMetrics;
+    /// Context per sequence, in tokens.
+    fn n_ctx(&self) -> usize;
+    /// Stop: end every request in flight and refuse new ones (may block until the engine
+    /// thread has stopped).
+    fn shutdown(&self);
+}
+
+impl EventStream for RequestStream {
+    fn recv(&mut self) -> RecvFuture<'_> {
+        Box::pin(RequestStream::recv(self))
+    }
+}
+
+impl Engine for EngineHandle {
+    fn submit(&self, req: Request) -> Result<Box<dyn EventStream>, SubmitError> {
+        EngineHandle::submit(self, req).map(|s| Box::new(s) as Box<dyn EventStream>)
+    }
+
+    fn metrics(&self) -> EngineMetrics {
+        EngineHandle::metrics(self)
+    }
+
+    fn n_ctx(&self) -> usize {
+        EngineHandle::n_ctx(self)
+    }
+
+    fn shutdown(&self) {
+        EngineHandle::shutdown(self)
+    }
+}

@@ -1,0 +1,513 @@
+//! `kapitsa serve`: an OpenAI- and Anthropic-compatible HTTP server over the engine service.
+//!
+//! Endpoints (see the crate's `README.md` for the fields each one accepts and what is not
+//! supported):
+//!
+//! | method | path | API |
+//! |---|---|---|
+//! | POST | `/v1/chat/completions` | OpenAI chat completions, streaming (SSE) or not |
+//! | POST | `/v1/completions` | OpenAI legacy completions (text or token-id prompts) |
+//! | GET | `/v1/models`, `/v1/models/{id}` | OpenAI model list |
+//! | POST | `/v1/messages` | Anthropic Messages, streaming or not |
+//! | POST | `/v1/messages/count_tokens` | Anthropic token counting |
+//! | GET | `/health` | `{"status": "ok"}` (503 while shutting down) |
+//! | GET | `/metrics` | Prometheus text |
+//!
+//! With an API key set, every endpoint but `/health` and `/metrics` needs it, as
+//! `Authorization: Bearer KEY` or `x-api-key: KEY`.
+//!
+//! The server talks to the engine through the [`engine::Engine`] trait, implemented by
+//! [`kapitsa_engine::EngineHandle`]; a request of `n` choices is `n` engine requests. Chat
+//! replies go through [`kapitsa_engine::ReplyParser`] (format detected from the chat template)
+//! so reasoning and tool calls come back as their own fields, never as markup in the text.
+
+pub mod anthropic;
+pub mod engine;
+pub mod error;
+pub mod gen;
+pub mod metrics;
+pub mod openai;
+pub mod params;
+
+use std::future::Future;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request as HttpRequest, State};
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use kapitsa_engine::ReplyFormat;
+use kapitsa_models::{LoadOptions, LoadedModel, ModelSource};
+use kapitsa_text::{ChatTemplate, Tokenizer};
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::engine::Engine;
+use crate::error::{Api, ApiError, ApiResult, ErrorKind};
+use crate::metrics::Metrics;
+
+/// Default request body limit: 4 MiB.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
+
+/// Settings of the HTTP layer.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Required API key (`None`: no authentication).
+    pub api_key: Option<String>,
+    /// Largest accepted request body; larger ones get 413.
+    pub max_body_bytes: usize,
+    /// On shutdown, how long requests in flight may go on before they are cancelled.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            api_key: None,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The served model's name, tokenizer and chat template.
+pub struct ServedModel {
+    /// The name clients use in `model` (and `/v1/models` lists).
+    pub name: String,
+    /// Tokenizer.
+    pub tokenizer: Arc<Tokenizer>,
+    /// Chat template; `None`: chat endpoints answer 400.
+    pub template: Option<ChatTemplate>,
+    /// Reasoning / tool-call markup of replies, from the template source.
+    pub reply_format: ReplyFormat,
+    /// Whether the template reads `tools` (else tool definitions cannot reach the model).
+    pub template_uses_tools: bool,
+    /// `created` of `/v1/models` (server start, UNIX seconds).
+    pub created: u64,
+}
+
+impl ServedModel {
+    /// A model named `name` with `template_src` (the chat template's source, if any).
+    pub fn new(
+        name: String,
+        tokenizer: Arc<Tokenizer>,
+        template_src: Option<&str>,
+    ) -> anyhow::Result<ServedModel> {
+        let token_name = |id: Option<u32>| {
+            id.and_then(|i| tokenizer.token_bytes(i))
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+        };
+        let template = match template_src {
+            Some(src) => Some(
+                ChatTemplate::new(
+                    src,
+                    token_name(tokenizer.bos_id()),
+                    token_name(tokenizer.eos_id()),
+                )
+                .context("compiling the chat template")?,
+            ),
+            None => None,
+        };
+        let src = template_src.unwrap_or("");
+        Ok(ServedModel {
+            name,
+            reply_format: ReplyFormat::from_template(src),
+            template_uses_tools: src.contains("tools"),
+            template,
+            tokenizer,
+            created: gen::unix_now(),
+        })
+    }
+}
+
+/// The source text of the chat template of `src` (GGUF metadata, `tokenizer_config.json`, or
+/// `chat_template.jinja`).
+pub fn template_source(src: &ModelSource) -> Option<String> {
+    if let Some(g) = src.gguf() {
+        return g
+            .get_str("tokenizer.chat_template")
+            .ok()
+            .map(str::to_string);
+    }
+    src.hf()
+        .and_then(|h| h.tokenizer_config())
+        .and_then(|c| c.get("chat_template"))
+        .and_then(|v| v.as_str())
+        .map(str::to_string)
+        .or_else(|| std::fs::read_to_string(src.path().join("chat_template.jinja")).ok())
+}
+
+/// The default model name for `path`: the file or directory name, without a `.gguf`
+/// extension.
+pub fn default_model_name(path: &Path) -> String {
+    let name = path
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    match name.strip_suffix(".gguf") {
+        Some(stem) if !stem.is_empty() => stem.to_string(),
+        _ => name,
+    }
+}
+
+/// Load the model at `path` on a CPU backend with `threads` threads (0 = one per core), with
+/// its tokenizer and chat template (`template_override`: a template file used instead of the
+/// model's own).
+pub fn load(
+    path: &Path,
+    threads: usize,
+    name: Option<String>,
+    template_override: Option<&Path>,
+    progress: Option<&dyn Fn(u64, u64)>,
+) -> anyhow::Result<(LoadedModel, ServedModel)> {
+    let pool = kapitsa_base::pool::RayonPool::new(threads).context("starting the thread pool")?;
+    let be: Arc<dyn kapitsa_backend::Backend> =
+        Arc::new(kapitsa_backend::CpuBackend::new(Box::new(pool)));
+    let loaded = kapitsa_models::load_model(path, be, &LoadOptions { progress })
+        .with_context(|| format!("loading {}", path.display()))?;
+    let tok = kapitsa_engine::loader::tokenizer_for(&loaded.source)
+        .with_context(|| format!("building the tokenizer of {}", path.display()))?;
+    let src = match template_override {
+        Some(p) => Some(
+            std::fs::read_to_string(p)
+                .with_context(|| format!("reading the chat template {}", p.display()))?,
+        ),
+        None => template_source(&loaded.source),
+    };
+    let name = name.unwrap_or_else(|| default_model_name(path));
+    let served = ServedModel::new(name, Arc::new(tok), src.as_deref())?;
+    Ok((loaded, served))
+}
+
+/// Everything a handler needs.
+pub struct AppState {
+    /// The engine.
+    pub engine: Arc<dyn Engine>,
+    /// The served model.
+    pub model: ServedModel,
+    /// Settings.
+    pub cfg: ServerConfig,
+    /// Server metrics.
+    pub metrics: Arc<Metrics>,
+    /// Turns true when requests in flight must be cancelled (shutdown grace over).
+    cancel: watch::Receiver<bool>,
+    /// Shutting down: no new work is accepted.
+    draining: AtomicBool,
+}
+
+impl AppState {
+    /// A receiver that resolves [`gen::cancelled`] on shutdown.
+    pub fn cancel_rx(&self) -> watch::Receiver<bool> {
+        self.cancel.clone()
+    }
+
+    /// Check the request's `model` field.
+    pub fn check_model(&self, model: Option<&str>) -> ApiResult<()> {
+        match model {
+            None => Err(ApiError::bad_param(
+                "model",
+                "'model' is a required property",
+            )),
+            Some(m) if m == self.model.name => Ok(()),
+            Some(m) => Err(ApiError::new(
+                ErrorKind::NotFound,
+                format!(
+                    "The model '{m}' does not exist; this server serves '{}'",
+                    self.model.name
+                ),
+            )
+            .with_param("model")
+            .with_code("model_not_found")),
+        }
+    }
+
+    /// Refuse new work while shutting down.
+    pub fn check_open(&self) -> ApiResult<()> {
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(ApiError::new(
+                ErrorKind::Unavailable,
+                "the server is shutting down",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Render a conversation with the chat template (generation prompt added).
+    pub fn render(
+        &self,
+        messages: Vec<Value>,
+        tools: Option<&Value>,
+        extra: Option<&Value>,
+    ) -> ApiResult<String> {
+        let t = self.model.template.as_ref().ok_or_else(|| {
+            ApiError::bad(
+                "this model has no chat template: use /v1/completions, or start the server with --chat-template-file",
+            )
+        })?;
+        t.render(&Value::Array(messages), tools, true, extra)
+            .map_err(|e| {
+                ApiError::bad(format!(
+                    "the chat template failed on this conversation: {e}"
+                ))
+            })
+    }
+
+    /// Tokenize a rendered prompt (special tokens written in it are parsed).
+    pub fn encode(&self, text: &str) -> ApiResult<Vec<u32>> {
+        self.model
+            .tokenizer
+            .encode(text, true, true)
+            .map_err(|e| ApiError::bad(format!("cannot tokenize the prompt: {e}")))
+    }
+
+    /// Check a prompt against the context; returns the room left for the reply.
+    pub fn room(&self, n_prompt: usize, param: &str) -> ApiResult<usize> {
+        let n_ctx = self.engine.n_ctx();
+        if n_prompt == 0 {
+            return Err(ApiError::bad_param(param, "the prompt is empty"));
+        }
+        if n_prompt >= n_ctx {
+            return Err(ApiError::bad(format!(
+                "This model's maximum context length is {n_ctx} tokens. However, your prompt has {n_prompt} tokens, which leaves no room for a reply."
+            ))
+            .with_param(param)
+            .with_code("context_length_exceeded"));
+        }
+        Ok(n_ctx - n_prompt)
+    }
+}
+
+/// The request body, or 413 / 400.
+pub fn body_bytes(st: &AppState, body: Result<Bytes, BytesRejection>) -> ApiResult<Bytes> {
+    body.map_err(|r| {
+        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                ErrorKind::TooLarge,
+                format!(
+                    "the request body is larger than the limit of {} bytes",
+                    st.cfg.max_body_bytes
+                ),
+            )
+        } else {
+            ApiError::bad(format!("cannot read the request body: {r}"))
+        }
+    })
+}
+
+/// Which error format a path uses.
+fn api_for_path(path: &str) -> Api {
+    if path.starts_with("/v1/messages") {
+        Api::Anthropic
+    } else {
+        Api::OpenAi
+    }
+}
+
+/// The keys a request carries: `x-api-key` and `Authorization: Bearer`.
+fn request_keys(req: &HttpRequest) -> Vec<&str> {
+    let h = req.headers();
+    let mut keys = Vec::new();
+    if let Some(k) = h.get("x-api-key").and_then(|v| v.to_str().ok()) {
+        keys.push(k.trim());
+    }
+    if let Some(auth) = h.get("authorization").and_then(|v| v.to_str().ok()) {
+        if let Some((scheme, key)) = auth.trim().split_once(' ') {
+            if scheme.eq_ignore_ascii_case("bearer") {
+                keys.push(key.trim());
+            }
+        }
+    }
+    keys
+}
+
+/// Constant-time string equality.
+fn same_key(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+}
+
+async fn auth(State(st): State<Arc<AppState>>, req: HttpRequest, next: Next) -> Response {
+    if let Some(key) = &st.cfg.api_key {
+        let path = req.uri().path();
+        if path != "/health" && path != "/metrics" {
+            let keys = request_keys(&req);
+            if !keys.iter().any(|k| same_key(k, key)) {
+                let msg = if !keys.is_empty() {
+                    "Incorrect API key provided."
+                } else {
+                    "Missing API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'."
+                };
+                return ApiError::new(ErrorKind::Authentication, msg)
+                    .into_response_for(api_for_path(path));
+            }
+        }
+    }
+    next.run(req).await
+}
+
+async fn count_requests(State(st): State<Arc<AppState>>, req: HttpRequest, next: Next) -> Response {
+    let ep = metrics::endpoint_label(req.uri().path());
+    let r = next.run(req).await;
+    st.metrics.request(ep, r.status().as_u16());
+    r
+}
+
+async fn not_found(req: HttpRequest) -> Response {
+    let path = req.uri().path().to_string();
+    ApiError::new(
+        ErrorKind::NotFound,
+        format!("no route for {} {path}", req.method()),
+    )
+    .with_code("not_found")
+    .into_response_for(api_for_path(&path))
+}
+
+async fn method_not_allowed(req: HttpRequest) -> Response {
+    let path = req.uri().path().to_string();
+    let mut r = ApiError::bad(format!("method {} is not allowed on {path}", req.method()))
+        .into_response_for(api_for_path(&path));
+    *r.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
+    r
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    let m = st.engine.metrics();
+    if st.draining.load(Ordering::SeqCst) {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "shutting_down"})),
+        )
+            .into_response();
+    }
+    Json(json!({
+        "status": "ok",
+        "model": st.model.name,
+        "slots_total": m.slots_total,
+        "slots_used": m.slots_used,
+        "queued": m.queued,
+    }))
+    .into_response()
+}
+
+async fn prometheus(State(st): State<Arc<AppState>>) -> Response {
+    let text = st.metrics.render(&st.engine.metrics());
+    (
+        [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
+        text,
+    )
+        .into_response()
+}
+
+/// The router of all endpoints over `state`.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(openai::chat))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/models", get(openai::models))
+        .route("/v1/models/{id}", get(openai::model))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/health", get(health))
+        .route("/metrics", get(prometheus))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(state.cfg.max_body_bytes))
+        .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
+        .with_state(state)
+}
+
+/// A server ready to run.
+pub struct Server {
+    state: Arc<AppState>,
+    cancel_tx: watch::Sender<bool>,
+}
+
+impl Server {
+    /// A server for `model` on `engine`.
+    pub fn new(engine: Arc<dyn Engine>, model: ServedModel, cfg: ServerConfig) -> Server {
+        let (cancel_tx, cancel) = watch::channel(false);
+        Server {
+            state: Arc::new(AppState {
+                engine,
+                model,
+                cfg,
+                metrics: Arc::new(Metrics::default()),
+                cancel,
+                draining: AtomicBool::new(false),
+            }),
+            cancel_tx,
+        }
+    }
+
+    /// The shared state (metrics, engine).
+    pub fn state(&self) -> Arc<AppState> {
+        self.state.clone()
+    }
+
+    /// Serve on `listener` until `shutdown` resolves; then stop accepting connections, let
+    /// the requests in flight finish for up to `shutdown_grace`, cancel the rest, and shut the
+    /// engine down.
+    pub async fn run(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        let state = self.state.clone();
+        let grace = state.cfg.shutdown_grace;
+        let cancel_tx = self.cancel_tx;
+        let st = state.clone();
+        let signal = async move {
+            shutdown.await;
+            st.draining.store(true, Ordering::SeqCst);
+            tokio::spawn(async move {
+                tokio::time::sleep(grace).await;
+                let _ = cancel_tx.send(true);
+            });
+        };
+        let app = router(state.clone());
+        let r = axum::serve(listener, app)
+            .with_graceful_shutdown(signal)
+            .await;
+        let engine = state.engine.clone();
+        let _ = tokio::task::spawn_blocking(move || engine.shutdown()).await;
+        r
+    }
+}
+
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}

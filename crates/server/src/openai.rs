@@ -1,0 +1,1011 @@
+//! OpenAI endpoints: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use kapitsa_engine::{ReplyEvent, ReplyFormat, SamplingParams};
+use serde_json::{json, Map, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::engine::{Request, MAX_TOP_LOGPROBS};
+use crate::error::{Api, ApiError, ApiResult, ErrorKind};
+use crate::gen::{
+    cancelled, chat_logprobs, completion_logprobs, new_id, openai_finish, random_u64, submit_all,
+    unix_now, Choice, Merged,
+};
+use crate::params::{parse_body, type_name, Fields};
+use crate::{body_bytes, AppState};
+
+/// Most choices (`n`) one request may ask for.
+pub const MAX_N: i64 = 16;
+/// Most stop strings one request may give.
+pub const MAX_STOP: usize = 16;
+/// `max_tokens` of `/v1/completions` when not given (OpenAI's default).
+pub const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
+
+type SseTx = mpsc::Sender<Result<SseEvent, Infallible>>;
+
+/// Generation settings shared by the OpenAI endpoints.
+#[derive(Debug, Clone)]
+pub struct GenOpts {
+    /// Sampling (the seed is that of choice 0; choice `i` uses `seed + i`).
+    pub sampling: SamplingParams,
+    /// Requested `max_tokens` (`None`: up to the context, or 16 for completions).
+    pub max_tokens: Option<usize>,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Choices per prompt.
+    pub n: usize,
+    /// `Some(k)`: logprobs with `k` alternatives.
+    pub top_logprobs: Option<usize>,
+    /// Ignore end-of-generation tokens.
+    pub ignore_eos: bool,
+    /// Stream with SSE.
+    pub stream: bool,
+    /// Send a usage chunk at the end of a stream.
+    pub include_usage: bool,
+}
+
+/// Read the sampling and generation fields common to OpenAI requests. `chat`: logprobs is a
+/// boolean plus `top_logprobs` (chat), else an integer (completions).
+pub fn gen_opts(f: &Fields, chat: bool) -> ApiResult<GenOpts> {
+    let mut s = SamplingParams::default();
+    if let Some(t) = f.f32_in("temperature", 0.0, 2.0)? {
+        s.temperature = t;
+    }
+    if let Some(p) = f.f32_in("top_p", 0.0, 1.0)? {
+        // top_p = 0 keeps the single most likely token.
+        s.top_p = p.max(1e-6);
+    }
+    if let Some(k) = f.int_in("top_k", -1, i64::from(u32::MAX))? {
+        s.top_k = k.max(0) as usize;
+    }
+    if let Some(p) = f.f32_in("min_p", 0.0, 1.0)? {
+        s.min_p = p;
+    }
+    if let Some(p) = f.f32_in("presence_penalty", -2.0, 2.0)? {
+        s.presence_penalty = p;
+    }
+    if let Some(p) = f.f32_in("frequency_penalty", -2.0, 2.0)? {
+        s.frequency_penalty = p;
+    }
+    if let Some(p) = f.f32("repetition_penalty")? {
+        if p <= 0.0 {
+            return Err(f.error("repetition_penalty", "'repetition_penalty' must be > 0"));
+        }
+        s.repetition_penalty = p;
+    }
+    s.seed = match f.i64("seed")? {
+        Some(x) => x as u64,
+        None => random_u64(),
+    };
+    s.validate().map_err(|e| ApiError::bad(e.to_string()))?;
+    let mut max_tokens = None;
+    let keys: &[&str] = if chat {
+        &["max_completion_tokens", "max_tokens"]
+    } else {
+        &["max_tokens"]
+    };
+    for k in keys {
+        if let Some(m) = f.int_in(k, 1, i64::from(u32::MAX))? {
+            max_tokens = Some(m as usize);
+            break;
+        }
+    }
+    let stop = f.strings("stop", MAX_STOP)?;
+    let n = f.int_in("n", 1, MAX_N)?.unwrap_or(1) as usize;
+    let max_lp = MAX_TOP_LOGPROBS as i64;
+    let top_logprobs = if chat {
+        let on = f.bool("logprobs")?.unwrap_or(false);
+        let k = f.int_in("top_logprobs", 0, max_lp)?;
+        if k.is_some() && !on {
+            return Err(f.error(
+                "top_logprobs",
+                "'top_logprobs' requires 'logprobs' to be true",
+            ));
+        }
+        on.then_some(k.unwrap_or(0) as usize)
+    } else {
+        f.int_in("logprobs", 0, max_lp)?.map(|k| k as usize)
+    };
+    let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
+    let stream = f.bool("stream")?.unwrap_or(false);
+    let include_usage = match f.object("stream_options")? {
+        Some(o) => Fields::nested(o, "stream_options.")
+            .bool("include_usage")?
+            .unwrap_or(false),
+        None => false,
+    };
+    if let Some(b) = f.object("logit_bias")? {
+        if !b.is_empty() {
+            return Err(f.error("logit_bias", "'logit_bias' is not supported"));
+        }
+    }
+    Ok(GenOpts {
+        sampling: s,
+        max_tokens,
+        stop,
+        n,
+        top_logprobs,
+        ignore_eos,
+        stream,
+        include_usage,
+    })
+}
+
+/// The engine requests of one prompt: `n` of them, seeds `seed + i`.
+fn requests(o: &GenOpts, prompt: &[u32], room: usize, default_max: usize) -> Vec<Request> {
+    let max_tokens = o.max_tokens.unwrap_or(default_max).min(room).max(1);
+    (0..o.n)
+        .map(|i| {
+            let mut sampling = o.sampling.clone();
+            sampling.seed = sampling.seed.wrapping_add(i as u64);
+            Request {
+                prompt: prompt.to_vec(),
+                sampling,
+                max_tokens,
+                stop: o.stop.clone(),
+                ignore_eos: o.ignore_eos,
+                top_logprobs: o.top_logprobs,
+            }
+        })
+        .collect()
+}
+
+/// The text of a `content` field: a string, or an array of text parts joined with newlines.
+pub fn text_content(v: Option<&Value>, param: &str) -> ApiResult<String> {
+    match v {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut texts = Vec::new();
+            for (i, p) in parts.iter().enumerate() {
+                let pp = format!("{param}[{i}]");
+                let ty = p.get("type").and_then(Value::as_str).unwrap_or("");
+                match ty {
+                    "text" | "input_text" | "output_text" => match p.get("text") {
+                        Some(Value::String(t)) => texts.push(t.clone()),
+                        _ => {
+                            return Err(ApiError::bad_param(
+                                &pp,
+                                format!("'{pp}.text' must be a string"),
+                            ))
+                        }
+                    },
+                    "refusal" => {}
+                    "image_url" | "input_image" | "input_audio" | "file" | "image" => {
+                        return Err(ApiError::bad_param(
+                            &pp,
+                            format!("content parts of type '{ty}' are not supported: this server serves a text-only model"),
+                        ))
+                    }
+                    _ => {
+                        return Err(ApiError::bad_param(
+                            &pp,
+                            format!("unknown content part type '{ty}'"),
+                        ))
+                    }
+                }
+            }
+            Ok(texts.join("\n"))
+        }
+        Some(v) => Err(ApiError::bad_param(
+            param,
+            format!(
+                "'{param}' must be a string or an array of content parts, got {}",
+                type_name(v)
+            ),
+        )),
+    }
+}
+
+/// OpenAI messages -> the messages the chat templates expect (string contents, tool-call
+/// arguments as objects).
+fn chat_messages(list: &[Value]) -> ApiResult<Vec<Value>> {
+    if list.is_empty() {
+        return Err(ApiError::bad_param(
+            "messages",
+            "'messages' must not be empty",
+        ));
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for (i, m) in list.iter().enumerate() {
+        let p = format!("messages[{i}]");
+        let Value::Object(obj) = m else {
+            return Err(ApiError::bad_param(&p, format!("'{p}' must be an object")));
+        };
+        let prefix = format!("{p}.");
+        let f = Fields::nested(obj, &prefix);
+        let role = f
+            .str("role")?
+            .ok_or_else(|| f.error("role", format!("'{p}.role' is a required property")))?;
+        let content = text_content(f.get("content"), &format!("{p}.content"))?;
+        let mut msg = Map::new();
+        match role {
+            "system" | "developer" => {
+                msg.insert("role".into(), "system".into());
+                msg.insert("content".into(), content.into());
+            }
+            "user" => {
+                if f.get("content").is_none() {
+                    return Err(f.error("content", format!("'{p}.content' is a required property")));
+                }
+                msg.insert("role".into(), "user".into());
+                msg.insert("content".into(), content.into());
+            }
+            "assistant" => {
+                msg.insert("role".into(), "assistant".into());
+                msg.insert("content".into(), content.into());
+                let reasoning = f.str("reasoning_content")?.or(f.str("reasoning")?);
+                if let Some(r) = reasoning {
+                    msg.insert("reasoning_content".into(), r.into());
+                }
+                if let Some(calls) = f.array("tool_calls")? {
+                    let mut conv = Vec::new();
+                    for (j, c) in calls.iter().enumerate() {
+                        let cp = format!("{p}.tool_calls[{j}]");
+                        let func =
+                            c.get("function")
+                                .and_then(Value::as_object)
+                                .ok_or_else(|| {
+                                    ApiError::bad_param(
+                                        &cp,
+                                        format!("'{cp}.function' must be an object"),
+                                    )
+                                })?;
+                        let name = func.get("name").and_then(Value::as_str).ok_or_else(|| {
+                            ApiError::bad_param(
+                                &cp,
+                                format!("'{cp}.function.name' must be a string"),
+                            )
+                        })?;
+                        let args = match func.get("arguments") {
+                            None | Some(Value::Null) => json!({}),
+                            Some(Value::String(s)) if s.trim().is_empty() => json!({}),
+                            Some(Value::String(s)) => {
+                                serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone()))
+                            }
+                            Some(v) => v.clone(),
+                        };
+                        let mut e = json!({
+                            "type": "function",
+                            "function": {"name": name, "arguments": args},
+                        });
+                        if let Some(id) = c.get("id").and_then(Value::as_str) {
+                            e["id"] = id.into();
+                        }
+                        conv.push(e);
+                    }
+                    if !conv.is_empty() {
+                        msg.insert("tool_calls".into(), Value::Array(conv));
+                    }
+                }
+            }
+            "tool" | "function" => {
+                msg.insert("role".into(), "tool".into());
+                msg.insert("content".into(), content.into());
+                if let Some(id) = f.str("tool_call_id")? {
+                    msg.insert("tool_call_id".into(), id.into());
+                }
+                if let Some(n) = f.str("name")? {
+                    msg.insert("name".into(), n.into());
+                }
+            }
+            other => {
+                return Err(f.error(
+                    "role",
+                    format!(
+                    "unknown role '{other}' (expected system, developer, user, assistant or tool)"
+                ),
+                ))
+            }
+        }
+        if let Some(n) = f.str("name")? {
+            msg.entry("name").or_insert_with(|| n.into());
+        }
+        out.push(Value::Object(msg));
+    }
+    Ok(out)
+}
+
+/// Check `tools` (OpenAI function tools) and `tool_choice`; returns the tools to show the
+/// model (`None` when there are none or `tool_choice` is `"none"`).
+fn chat_tools(f: &Fields) -> ApiResult<Option<Value>> {
+    let Some(tools) = f.array("tools")? else {
+        if let Some(Value::Object(_)) = f.get("tool_choice") {
+            return Err(f.error(
+                "tool_choice",
+                "'tool_choice' names a function but no 'tools' are given",
+            ));
+        }
+        return Ok(None);
+    };
+    for (i, t) in tools.iter().enumerate() {
+        let p = format!("tools[{i}]");
+        let ty = t.get("type").and_then(Value::as_str).unwrap_or("function");
+        if ty != "function" {
+            return Err(ApiError::bad_param(
+                &p,
+                format!("tools of type '{ty}' are not supported (only 'function')"),
+            ));
+        }
+        let func = t
+            .get("function")
+            .and_then(Value::as_object)
+            .ok_or_else(|| ApiError::bad_param(&p, format!("'{p}.function' must be an object")))?;
+        match func.get("name") {
+            Some(Value::String(n)) if !n.is_empty() => {}
+            _ => {
+                return Err(ApiError::bad_param(
+                    &p,
+                    format!("'{p}.function.name' must be a non-empty string"),
+                ))
+            }
+        }
+        if let Some(params) = func.get("parameters") {
+            if !params.is_object() && !params.is_null() {
+                return Err(ApiError::bad_param(
+                    &p,
+                    format!("'{p}.function.parameters' must be a JSON schema object"),
+                ));
+            }
+        }
+    }
+    match f.get("tool_choice") {
+        None => {}
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => {}
+            "none" => return Ok(None),
+            "required" => {
+                return Err(f.error(
+                    "tool_choice",
+                    "tool_choice 'required' is not supported yet (it needs constrained decoding); use 'auto'",
+                ))
+            }
+            other => {
+                return Err(f.error(
+                    "tool_choice",
+                    format!("unknown tool_choice '{other}' (expected 'auto' or 'none')"),
+                ))
+            }
+        },
+        Some(Value::Object(_)) => {
+            return Err(f.error(
+                "tool_choice",
+                "forcing a specific function is not supported yet (it needs constrained decoding); use 'auto'",
+            ))
+        }
+        Some(v) => {
+            return Err(f.error(
+                "tool_choice",
+                format!("'tool_choice' must be a string or an object, got {}", type_name(v)),
+            ))
+        }
+    }
+    Ok((!tools.is_empty()).then(|| Value::Array(tools.clone())))
+}
+
+/// Reject `response_format` types that need constrained decoding.
+fn check_response_format(f: &Fields) -> ApiResult<()> {
+    if let Some(rf) = f.object("response_format")? {
+        let ty = rf.get("type").and_then(Value::as_str).unwrap_or("");
+        match ty {
+            "text" => {}
+            "json_object" | "json_schema" => {
+                return Err(f.error(
+                    "response_format",
+                    format!("response_format '{ty}' is not supported yet: it needs constrained decoding, which this server does not have; use 'text'"),
+                ))
+            }
+            other => {
+                return Err(f.error(
+                    "response_format",
+                    format!("unknown response_format type '{other}'"),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+fn usage_json(prompt: usize, completion: usize, cached: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
+}
+
+/// Collect every event of `m` into `choices` (non-streaming).
+async fn collect(st: &AppState, mut m: Merged, choices: &mut [Choice]) -> ApiResult<()> {
+    let mut cancel = st.cancel_rx();
+    loop {
+        tokio::select! {
+            ev = m.rx.recv() => {
+                let Some((i, ev)) = ev else { break };
+                choices[i].event(ev)?;
+            }
+            _ = cancelled(&mut cancel) => {
+                return Err(ApiError::new(ErrorKind::Unavailable, "the server is shutting down"));
+            }
+        }
+    }
+    if choices.iter().any(|c| !c.done()) {
+        return Err(ApiError::internal(
+            "the engine stopped before the reply was complete",
+        ));
+    }
+    Ok(())
+}
+
+/// Send one SSE event; false when the client is gone.
+async fn send(tx: &SseTx, ev: SseEvent) -> bool {
+    tx.send(Ok(ev)).await.is_ok()
+}
+
+fn data(v: &Value) -> SseEvent {
+    SseEvent::default().data(v.to_string())
+}
+
+/// An SSE response fed by a task given the sending side.
+fn sse_response<F, Fut>(f: F) -> Response
+where
+    F: FnOnce(SseTx) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(f(tx));
+    Sse::new(ReceiverStream::new(rx))
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match chat_inner(st, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response_for(Api::OpenAi),
+    }
+}
+
+async fn chat_inner(st: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> ApiResult<Response> {
+    let body = body_bytes(&st, body)?;
+    let map = parse_body(&body)?;
+    let f = Fields::new(&map);
+    st.check_model(f.str("model")?)?;
+    let list = f
+        .array("messages")?
+        .ok_or_else(|| ApiError::bad_param("messages", "'messages' is a required property"))?;
+    let messages = chat_messages(list)?;
+    let tools = chat_tools(&f)?;
+    check_response_format(&f)?;
+    let extra = f
+        .object("chat_template_kwargs")?
+        .map(|o| Value::Object(o.clone()));
+    let o = gen_opts(&f, true)?;
+    st.check_open()?;
+    let text = st.render(messages, tools.as_ref(), extra.as_ref())?;
+    let prompt = st.encode(&text)?;
+    let room = st.room(prompt.len(), "messages")?;
+    let fmt = st.model.reply_format;
+    let sir = fmt.starts_in_reasoning(&text);
+    let merged = submit_all(&st, requests(&o, &prompt, room, room))?;
+    let choices: Vec<Choice> = (0..o.n)
+        .map(|_| Choice::new(fmt, sir, tools.as_ref()))
+        .collect();
+    let id = new_id("chatcmpl-");
+    let created = unix_now();
+    if o.stream {
+        let st2 = st.clone();
+        return Ok(sse_response(move |tx| {
+            stream_chat(st2, merged, choices, o, id, created, prompt.len(), tx)
+        }));
+    }
+    let mut choices = choices;
+    collect(&st, merged, &mut choices).await?;
+    let tok = &st.model.tokenizer;
+    let mut out = Vec::new();
+    for (i, c) in choices.iter().enumerate() {
+        let r = &c.reply;
+        let mut msg = json!({"role": "assistant", "content": r.content});
+        if let Some(reasoning) = &r.reasoning {
+            msg["reasoning_content"] = reasoning.clone().into();
+        }
+        if !r.tool_calls.is_empty() {
+            let calls: Vec<Value> = r
+                .tool_calls
+                .iter()
+                .map(|t| {
+                    json!({
+                        "id": new_id("call_"),
+                        "type": "function",
+                        "function": {"name": t.name, "arguments": t.arguments_json()},
+                    })
+                })
+                .collect();
+            msg["tool_calls"] = Value::Array(calls);
+            if r.content.is_empty() {
+                msg["content"] = Value::Null;
+            }
+        }
+        let finish = c.finish.as_ref().expect("collected");
+        out.push(json!({
+            "index": i,
+            "message": msg,
+            "logprobs": if o.top_logprobs.is_some() { chat_logprobs(tok, &c.logprobs) } else { Value::Null },
+            "finish_reason": openai_finish(finish, !r.tool_calls.is_empty()),
+        }));
+    }
+    let completion: usize = choices.iter().map(|c| c.usage.completion_tokens).sum();
+    Ok(Json(json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": st.model.name,
+        "system_fingerprint": Value::Null,
+        "choices": out,
+        "usage": usage_json(prompt.len(), completion, choices[0].usage.cached_tokens),
+    }))
+    .into_response())
+}
+
+/// The error chunk of a stream.
+fn error_chunk(e: &ApiError) -> SseEvent {
+    data(&e.body(Api::OpenAi))
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn stream_chat(
+    st: Arc<AppState>,
+    mut merged: Merged,
+    mut choices: Vec<Choice>,
+    o: GenOpts,
+    id: String,
+    created: u64,
+    n_prompt: usize,
+    tx: SseTx,
+) {
+    let model = st.model.name.clone();
+    let tok = st.model.tokenizer.clone();
+    let chunk = |choice: Value| {
+        let mut c = json!({
+            "id": id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": Value::Null,
+            "choices": [choice],
+        });
+        if o.include_usage {
+            c["usage"] = Value::Null;
+        }
+        data(&c)
+    };
+    for i in 0..choices.len() {
+        let c = json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": Value::Null, "finish_reason": Value::Null});
+        if !send(&tx, chunk(c)).await {
+            return;
+        }
+    }
+    let mut n_calls = vec![0usize; choices.len()];
+    let mut lp_sent = vec![0usize; choices.len()];
+    let mut cancel = st.cancel_rx();
+    loop {
+        let (i, ev) = tokio::select! {
+            ev = merged.rx.recv() => match ev {
+                Some(x) => x,
+                None => break,
+            },
+            _ = tx.closed() => return,
+            _ = cancelled(&mut cancel) => {
+                let e = ApiError::new(ErrorKind::Unavailable, "the server is shutting down");
+                let _ = send(&tx, error_chunk(&e)).await;
+                return;
+            }
+        };
+        let events = match choices[i].event(ev) {
+            Ok(e) => e,
+            Err(e) => {
+                let _ = send(&tx, error_chunk(&e)).await;
+                return;
+            }
+        };
+        for e in events {
+            let delta = match e {
+                ReplyEvent::Content(t) => json!({"content": t}),
+                ReplyEvent::Reasoning(t) => json!({"reasoning_content": t}),
+                ReplyEvent::ToolCall(c) => {
+                    let k = n_calls[i];
+                    n_calls[i] += 1;
+                    json!({"tool_calls": [{
+                        "index": k,
+                        "id": new_id("call_"),
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments_json()},
+                    }]})
+                }
+            };
+            let lp = if o.top_logprobs.is_some() && lp_sent[i] < choices[i].logprobs.len() {
+                let v = chat_logprobs(&tok, &choices[i].logprobs[lp_sent[i]..]);
+                lp_sent[i] = choices[i].logprobs.len();
+                v
+            } else {
+                Value::Null
+            };
+            let c =
+                json!({"index": i, "delta": delta, "logprobs": lp, "finish_reason": Value::Null});
+            if !send(&tx, chunk(c)).await {
+                return;
+            }
+        }
+        if let Some(f) = &choices[i].finish {
+            let lp = if o.top_logprobs.is_some() && lp_sent[i] < choices[i].logprobs.len() {
+                chat_logprobs(&tok, &choices[i].logprobs[lp_sent[i]..])
+            } else {
+                Value::Null
+            };
+            let reason = openai_finish(f, n_calls[i] > 0);
+            let c = json!({"index": i, "delta": {}, "logprobs": lp, "finish_reason": reason});
+            if !send(&tx, chunk(c)).await {
+                return;
+            }
+        }
+    }
+    if choices.iter().any(|c| !c.done()) {
+        let e = ApiError::internal("the engine stopped before the reply was complete");
+        let _ = send(&tx, error_chunk(&e)).await;
+        return;
+    }
+    if o.include_usage {
+        let completion: usize = choices.iter().map(|c| c.usage.completion_tokens).sum();
+        let c = json!({
+            "id": id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": Value::Null,
+            "choices": [],
+            "usage": usage_json(n_prompt, completion, choices[0].usage.cached_tokens),
+        });
+        if !send(&tx, data(&c)).await {
+            return;
+        }
+    }
+    let _ = send(&tx, SseEvent::default().data("[DONE]")).await;
+}
+
+/// The prompts of a completions request: (token ids, prompt text).
+fn completion_prompts(st: &AppState, v: &Value) -> ApiResult<Vec<(Vec<u32>, String)>> {
+    let tok = &st.model.tokenizer;
+    let ids = |a: &[Value], p: &str| -> ApiResult<Vec<u32>> {
+        a.iter()
+            .map(|x| {
+                x.as_u64()
+                    .filter(|&t| t <= u64::from(u32::MAX))
+                    .map(|t| t as u32)
+                    .ok_or_else(|| {
+                        ApiError::bad_param(
+                            p,
+                            format!("'{p}' must hold token ids (non-negative integers)"),
+                        )
+                    })
+            })
+            .collect()
+    };
+    let from_ids = |t: Vec<u32>| -> ApiResult<(Vec<u32>, String)> {
+        let text = tok
+            .decode(&t, false)
+            .map_err(|e| ApiError::bad_param("prompt", format!("bad token id in 'prompt': {e}")))?;
+        Ok((t, text))
+    };
+    let from_text =
+        |s: &str| -> ApiResult<(Vec<u32>, String)> { Ok((st.encode(s)?, s.to_string())) };
+    match v {
+        Value::String(s) => Ok(vec![from_text(s)?]),
+        Value::Array(a) if a.is_empty() => {
+            Err(ApiError::bad_param("prompt", "'prompt' must not be empty"))
+        }
+        Value::Array(a) if a.iter().all(Value::is_number) => Ok(vec![from_ids(ids(a, "prompt")?)?]),
+        Value::Array(a) => a
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                let p = format!("prompt[{i}]");
+                match x {
+                    Value::String(s) => from_text(s),
+                    Value::Array(t) => from_ids(ids(t, &p)?),
+                    other => Err(ApiError::bad_param(
+                        &p,
+                        format!(
+                            "'{p}' must be a string or an array of token ids, got {}",
+                            type_name(other)
+                        ),
+                    )),
+                }
+            })
+            .collect(),
+        other => Err(ApiError::bad_param(
+            "prompt",
+            format!(
+                "'prompt' must be a string, an array of strings, or an array of token ids, got {}",
+                type_name(other)
+            ),
+        )),
+    }
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match completions_inner(st, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response_for(Api::OpenAi),
+    }
+}
+
+async fn completions_inner(
+    st: Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> ApiResult<Response> {
+    let body = body_bytes(&st, body)?;
+    let map = parse_body(&body)?;
+    let f = Fields::new(&map);
+    st.check_model(f.str("model")?)?;
+    let o = gen_opts(&f, false)?;
+    let echo = f.bool("echo")?.unwrap_or(false);
+    if let Some(s) = f.str("suffix")? {
+        if !s.is_empty() {
+            return Err(f.error("suffix", "'suffix' (fill-in-the-middle) is not supported"));
+        }
+    }
+    if let Some(b) = f.int_in("best_of", 1, MAX_N)? {
+        if b as usize != o.n {
+            return Err(f.error("best_of", "'best_of' other than 'n' is not supported"));
+        }
+    }
+    let pv = f.required("prompt")?;
+    st.check_open()?;
+    let prompts = completion_prompts(&st, pv)?;
+    let mut reqs = Vec::new();
+    for (ids, _) in &prompts {
+        let room = st.room(ids.len(), "prompt")?;
+        reqs.extend(requests(&o, ids, room, COMPLETIONS_DEFAULT_MAX_TOKENS));
+    }
+    let n_prompt: usize = prompts.iter().map(|p| p.0.len()).sum();
+    let merged = submit_all(&st, reqs)?;
+    let n_choices = prompts.len() * o.n;
+    let choices: Vec<Choice> = (0..n_choices)
+        .map(|_| Choice::new(ReplyFormat::plain(), false, None))
+        .collect();
+    let id = new_id("cmpl-");
+    let created = unix_now();
+    let echoes: Vec<String> = prompts
+        .iter()
+        .flat_map(|(_, t)| std::iter::repeat_n(t.clone(), o.n))
+        .map(|t| if echo { t } else { String::new() })
+        .collect();
+    if o.stream {
+        let st2 = st.clone();
+        return Ok(sse_response(move |tx| {
+            stream_completions(st2, merged, choices, o, echoes, id, created, n_prompt, tx)
+        }));
+    }
+    let mut choices = choices;
+    collect(&st, merged, &mut choices).await?;
+    let tok = &st.model.tokenizer;
+    let out: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let e = &echoes[i];
+            json!({
+                "index": i,
+                "text": format!("{e}{}", c.raw),
+                "logprobs": if o.top_logprobs.is_some() { completion_logprobs(tok, &c.logprobs, e.len()) } else { Value::Null },
+                "finish_reason": openai_finish(c.finish.as_ref().expect("collected"), false),
+            })
+        })
+        .collect();
+    let completion: usize = choices.iter().map(|c| c.usage.completion_tokens).sum();
+    Ok(Json(json!({
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": st.model.name,
+        "system_fingerprint": Value::Null,
+        "choices": out,
+        "usage": usage_json(n_prompt, completion, choices[0].usage.cached_tokens),
+    }))
+    .into_response())
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn stream_completions(
+    st: Arc<AppState>,
+    mut merged: Merged,
+    mut choices: Vec<Choice>,
+    o: GenOpts,
+    echoes: Vec<String>,
+    id: String,
+    created: u64,
+    n_prompt: usize,
+    tx: SseTx,
+) {
+    let model = st.model.name.clone();
+    let tok = st.model.tokenizer.clone();
+    let chunk = |choice: Value| {
+        let mut c = json!({
+            "id": id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "system_fingerprint": Value::Null,
+            "choices": [choice],
+        });
+        if o.include_usage {
+            c["usage"] = Value::Null;
+        }
+        data(&c)
+    };
+    for (i, e) in echoes.iter().enumerate() {
+        if !e.is_empty() {
+            let c = json!({"index": i, "text": e, "logprobs": Value::Null, "finish_reason": Value::Null});
+            if !send(&tx, chunk(c)).await {
+                return;
+            }
+        }
+    }
+    let mut offsets: Vec<usize> = echoes.iter().map(String::len).collect();
+    let mut cancel = st.cancel_rx();
+    loop {
+        let (i, ev) = tokio::select! {
+            ev = merged.rx.recv() => match ev {
+                Some(x) => x,
+                None => break,
+            },
+            _ = tx.closed() => return,
+            _ = cancelled(&mut cancel) => {
+                let e = ApiError::new(ErrorKind::Unavailable, "the server is shutting down");
+                let _ = send(&tx, error_chunk(&e)).await;
+                return;
+            }
+        };
+        let (n_lp, n_raw) = (choices[i].logprobs.len(), choices[i].raw.len());
+        if let Err(e) = choices[i].event(ev) {
+            let _ = send(&tx, error_chunk(&e)).await;
+            return;
+        }
+        let c = &choices[i];
+        let text = &c.raw[n_raw..];
+        let new_lp = &c.logprobs[n_lp..];
+        let lp = if o.top_logprobs.is_some() && !new_lp.is_empty() {
+            completion_logprobs(&tok, new_lp, offsets[i])
+        } else {
+            Value::Null
+        };
+        offsets[i] += text.len();
+        let finish = c
+            .finish
+            .as_ref()
+            .map(|f| Value::from(openai_finish(f, false)))
+            .unwrap_or(Value::Null);
+        if text.is_empty() && lp.is_null() && finish.is_null() {
+            continue;
+        }
+        let ch = json!({"index": i, "text": text, "logprobs": lp, "finish_reason": finish});
+        if !send(&tx, chunk(ch)).await {
+            return;
+        }
+    }
+    if choices.iter().any(|c| !c.done()) {
+        let e = ApiError::internal("the engine stopped before the reply was complete");
+        let _ = send(&tx, error_chunk(&e)).await;
+        return;
+    }
+    if o.include_usage {
+        let completion: usize = choices.iter().map(|c| c.usage.completion_tokens).sum();
+        let c = json!({
+            "id": id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "system_fingerprint": Value::Null,
+            "choices": [],
+            "usage": usage_json(n_prompt, completion, choices[0].usage.cached_tokens),
+        });
+        if !send(&tx, data(&c)).await {
+            return;
+        }
+    }
+    let _ = send(&tx, SseEvent::default().data("[DONE]")).await;
+}
+
+fn model_json(st: &AppState) -> Value {
+    json!({
+        "id": st.model.name,
+        "object": "model",
+        "created": st.model.created,
+        "owned_by": "kapitsa",
+        "max_model_len": st.engine.n_ctx(),
+    })
+}
+
+/// `GET /v1/models`.
+pub async fn models(State(st): State<Arc<AppState>>) -> Response {
+    Json(json!({"object": "list", "data": [model_json(&st)]})).into_response()
+}
+
+/// `GET /v1/models/{id}`.
+pub async fn model(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    match st.check_model(Some(&id)) {
+        Ok(()) => Json(model_json(&st)).into_response(),
+        Err(e) => e.into_response_for(Api::OpenAi),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_are_normalised() {
+        let v = json!([
+            {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+        ]);
+        let m = chat_messages(v.as_array().unwrap()).unwrap();
+        assert_eq!(m[0], json!({"role": "system", "content": "a\nb"}));
+        assert_eq!(m[2]["content"], "");
+        assert_eq!(
+            m[2]["tool_calls"][0]["function"]["arguments"],
+            json!({"x": 1})
+        );
+        assert_eq!(m[3]["tool_call_id"], "call_1");
+        let bad = json!([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]);
+        let e = chat_messages(bad.as_array().unwrap()).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].content[0]"));
+        let bad = json!([{"role": "robot", "content": "x"}]);
+        assert!(chat_messages(bad.as_array().unwrap()).is_err());
+    }
+
+    #[test]
+    fn options_are_checked() {
+        let ok = json!({"temperature": 0, "top_k": -1, "n": 2, "stop": "x", "seed": 5, "logprobs": true, "top_logprobs": 3});
+        let o = gen_opts(&Fields::new(ok.as_object().unwrap()), true).unwrap();
+        assert_eq!(o.sampling.temperature, 0.0);
+        assert_eq!(o.sampling.top_k, 0);
+        assert_eq!(o.n, 2);
+        assert_eq!(o.top_logprobs, Some(3));
+        for bad in [
+            json!({"temperature": 3}),
+            json!({"temperature": "hot"}),
+            json!({"top_p": 1.5}),
+            json!({"n": 0}),
+            json!({"max_tokens": 0}),
+            json!({"top_logprobs": 2}),
+            json!({"repetition_penalty": 0}),
+            json!({"stop": [1]}),
+            json!({"logit_bias": {"1": 5}}),
+        ] {
+            assert!(
+                gen_opts(&Fields::new(bad.as_object().unwrap()), true).is_err(),
+                "{bad}"
+            );
+        }
+    }
+}

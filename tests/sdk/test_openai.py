@@ -1,0 +1,213 @@
+"""The OpenAI Python SDK against `kapitsa serve`."""
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from conftest import TOOL_SYSTEM, WEATHER_SCHEMA, final_answer
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather of a city.",
+            "parameters": WEATHER_SCHEMA,
+        },
+    }
+]
+
+QUESTION = [{"role": "user", "content": "What is 2+2? Answer with just the number."}]
+
+
+def test_models(openai_client, model):
+    ids = [m.id for m in openai_client.models.list().data]
+    assert ids == [model]
+    assert openai_client.models.retrieve(model).id == model
+
+
+def test_chat(openai_client, model):
+    r = openai_client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=16)
+    c = r.choices[0]
+    assert c.message.role == "assistant"
+    assert "4" in c.message.content, c.message.content
+    assert c.finish_reason == "stop"
+    assert not c.message.tool_calls
+    assert r.usage.prompt_tokens > 10
+    assert 0 < r.usage.completion_tokens <= 16
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_streaming(openai_client, model):
+    want = openai_client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=16)
+    stream = openai_client.chat.completions.create(
+        model=model,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=16,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finish, usage, n = "", None, None, 0
+    for chunk in stream:
+        n += 1
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+    assert n >= 3
+    assert text == want.choices[0].message.content
+    assert finish == "stop"
+    assert usage.completion_tokens == want.usage.completion_tokens
+    # The same prompt again: its prefix is served from the cache.
+    assert usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_chat_options(openai_client, model):
+    r = openai_client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}],
+        temperature=0.8,
+        top_p=0.9,
+        seed=7,
+        n=2,
+        max_completion_tokens=8,
+        logprobs=True,
+        top_logprobs=2,
+        presence_penalty=0.5,
+        stop=["\n\n"],
+    )
+    assert len(r.choices) == 2
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        assert c.logprobs.content, c
+        for t in c.logprobs.content:
+            assert t.logprob <= 0
+            assert len(t.top_logprobs) == 2
+    again = openai_client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}],
+        temperature=0.8,
+        top_p=0.9,
+        seed=7,
+        n=2,
+        max_completion_tokens=8,
+        presence_penalty=0.5,
+        stop=["\n\n"],
+    )
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+
+
+def _call_weather(openai_client, model, stream):
+    kwargs = dict(
+        model=model,
+        messages=[
+            {"role": "system", "content": TOOL_SYSTEM},
+            {"role": "user", "content": "What's the weather like in Paris right now?"},
+        ],
+        tools=TOOLS,
+        tool_choice="auto",
+        temperature=0,
+        max_tokens=128,
+    )
+    if not stream:
+        r = openai_client.chat.completions.create(**kwargs)
+        return r.choices[0].message.content, r.choices[0].message.tool_calls, r.choices[0].finish_reason
+    content, calls, finish = "", [], None
+    for chunk in openai_client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            calls.extend(c.delta.tool_calls or [])
+            finish = c.finish_reason or finish
+    return content, calls, finish
+
+
+def _check_call(content, calls, finish):
+    assert calls, f"the model did not call the tool; it answered: {content!r}"
+    assert "<tool_call>" not in (content or "")
+    assert len(calls) == 1, calls
+    call = calls[0]
+    assert call.id and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER_SCHEMA)
+    assert "paris" in args["city"].lower()
+    assert finish == "tool_calls"
+    return call
+
+
+def test_tool_call_round_trip(openai_client, model):
+    content, calls, finish = _call_weather(openai_client, model, stream=False)
+    call = _check_call(content, calls, finish)
+    r = openai_client.chat.completions.create(
+        model=model,
+        messages=[
+            {"role": "system", "content": TOOL_SYSTEM},
+            {"role": "user", "content": "What's the weather like in Paris right now?"},
+            {
+                "role": "assistant",
+                "content": content,
+                "tool_calls": [
+                    {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 22, "sky": "sunny"})},
+        ],
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=64,
+    )
+    c = r.choices[0]
+    final_answer(c.message.content, bool(c.message.tool_calls), c.finish_reason, "stop")
+
+
+def test_tool_call_streaming(openai_client, model):
+    content, calls, finish = _call_weather(openai_client, model, stream=True)
+    _check_call(content, calls, finish)
+    assert calls[0].index == 0 and calls[0].type == "function"
+
+
+def test_completions(openai_client, model):
+    r = openai_client.completions.create(model=model, prompt="def fibonacci(n):", max_tokens=24, temperature=0)
+    text = r.choices[0].text
+    assert text.strip(), r
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.completion_tokens <= 24
+    streamed = ""
+    for chunk in openai_client.completions.create(
+        model=model, prompt="def fibonacci(n):", max_tokens=24, temperature=0, stream=True
+    ):
+        streamed += chunk.choices[0].text if chunk.choices else ""
+    assert streamed == text
+
+
+def test_errors(openai_client, model, base_url):
+    with pytest.raises(openai.NotFoundError):
+        openai_client.chat.completions.create(model="no-such-model", messages=QUESTION)
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client.chat.completions.create(model=model, messages=QUESTION, temperature=5)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client.chat.completions.create(
+            model=model,
+            messages=QUESTION,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+        )
+    assert "not supported" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello " * 6000}])
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        openai_client.completions.create(model=model, prompt="x", max_tokens=0)
+    with pytest.raises(openai.APIStatusError) as e:
+        openai_client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x" * (5 << 20)}])
+    assert e.value.status_code == 413
+    bad = openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model=model, messages=QUESTION)
+    # The server still works.
+    assert openai_client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=4).choices
