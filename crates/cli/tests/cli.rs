@@ -68,7 +68,8 @@ fn run_greedy_prints_text_and_stats() {
         "'hello' is he+ll+o = 3 tokens: {o:?}"
     );
     assert!(
-        o.stderr.contains("qwen2 (2 layers: 2 attention; vocab 263)"),
+        o.stderr
+            .contains("qwen2 (2 layers: 2 attention; vocab 263)"),
         "model banner: {o:?}"
     );
     // Greedy is deterministic.
@@ -391,7 +392,12 @@ fn hybrid_fixtures_run_and_chat() {
     ] {
         let dir = root.join(name);
         let a = assert_ok(run_greedy(&dir, "def add(a, b):", 12, &[]));
-        let b = assert_ok(run_greedy(&dir.join("model-f32.gguf"), "def add(a, b):", 12, &[]));
+        let b = assert_ok(run_greedy(
+            &dir.join("model-f32.gguf"),
+            "def add(a, b):",
+            12,
+            &[],
+        ));
         assert!(a.stderr.contains(kinds), "{name}: {a:?}");
         assert_eq!(generated(&a), generated(&b), "{name}: HF and GGUF differ");
         // (Replies of a random model may contain newlines: compare whole outputs.)
@@ -408,7 +414,10 @@ fn hybrid_fixtures_run_and_chat() {
             three.stdout.starts_with(&one.stdout) && three.stdout.ends_with(&one.stdout),
             "{name}: same question after /reset must get the same reply: {three:?}"
         );
-        assert!(three.stdout.len() > 2 * one.stdout.len(), "{name}: {three:?}");
+        assert!(
+            three.stdout.len() > 2 * one.stdout.len(),
+            "{name}: {three:?}"
+        );
     }
 }
 
