@@ -186,20 +186,26 @@ fn backend(threads: usize) -> Result<Arc<dyn Backend>> {
     Ok(Arc::new(CpuBackend::new(Box::new(pool))))
 }
 
-fn load(a: &ModelArgs) -> Result<(LoadedModel, Tokenizer)> {
-    kv_type(&a.kv_type)?; // reject a bad value before the slow load
-    let be = backend(a.threads)?;
+/// The progress bar shown while the weights of `model` are read.
+pub(crate) fn loading_bar(model: &Path) -> ProgressBar {
     let bar = ProgressBar::new(0);
     bar.set_style(
         ProgressStyle::with_template("loading {msg} [{bar:30}] {bytes}/{total_bytes} ({eta})")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     bar.set_message(
-        a.model
+        model
             .file_name()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default(),
     );
+    bar
+}
+
+fn load(a: &ModelArgs) -> Result<(LoadedModel, Tokenizer)> {
+    kv_type(&a.kv_type)?; // reject a bad value before the slow load
+    let be = backend(a.threads)?;
+    let bar = loading_bar(&a.model);
     let progress = |done: u64, total: u64| {
         bar.set_length(total);
         bar.set_position(done);
@@ -327,23 +333,6 @@ fn read_tools(path: &Path) -> Result<serde_json::Value> {
         }
     }
     Ok(v)
-}
-
-/// The source text of the model's chat template (found where `chat_template_for` looks).
-fn template_source(s: &Session) -> Option<String> {
-    let src = &s.loaded.source;
-    if let Some(g) = src.gguf() {
-        return g
-            .get_str("tokenizer.chat_template")
-            .ok()
-            .map(str::to_string);
-    }
-    src.hf()
-        .and_then(|h| h.tokenizer_config())
-        .and_then(|c| c.get("chat_template"))
-        .and_then(|v| v.as_str())
-        .map(str::to_string)
-        .or_else(|| std::fs::read_to_string(src.path().join("chat_template.jinja")).ok())
 }
 
 /// The text after `/tool`, if `line` is a `/tool` command.
@@ -556,7 +545,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
     };
     let mut s = session(&a.model)?;
     let tmpl = template(&s)?;
-    let src = template_source(&s).unwrap_or_default();
+    let src = kapitsa_engine::loader::chat_template_source(&s.loaded.source).unwrap_or_default();
     let fmt = ReplyFormat::from_template(&src);
     if tools.is_some() && !src.contains("tools") {
         eprintln!("note: the chat template does not use tools; --tools has no effect");

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use indicatif::{ProgressBar, ProgressStyle};
+
 use kapitsa_engine::{EngineConfig, EngineHandle};
 use kapitsa_models::KvType;
 use kapitsa_server::{Server, ServerConfig};
@@ -93,17 +93,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     if a.max_batch_tokens < a.max_running {
         bail!("--max-batch-tokens must be >= --max-running");
     }
-    let bar = ProgressBar::new(0);
-    bar.set_style(
-        ProgressStyle::with_template("loading {msg} [{bar:30}] {bytes}/{total_bytes} ({eta})")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar.set_message(
-        a.model
-            .file_name()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default(),
-    );
+    let bar = crate::commands::loading_bar(&a.model);
     let progress = |done: u64, total: u64| {
         bar.set_length(total);
         bar.set_position(done);

@@ -63,23 +63,25 @@ pub fn gguf_vocab(g: &GgufFile) -> Result<GgufVocab> {
 }
 
 /// The model's own chat template, if it ships one.
-pub fn chat_template_for(src: &ModelSource, tok: &Tokenizer) -> Result<Option<ChatTemplate>> {
-    let source: Option<String> = if let Some(g) = src.gguf() {
-        g.get_str("tokenizer.chat_template")
+/// The source text of the model's chat template: GGUF `tokenizer.chat_template`, else
+/// `tokenizer_config.json`'s `chat_template`, else `chat_template.jinja` in the model directory.
+pub fn chat_template_source(src: &ModelSource) -> Option<String> {
+    if let Some(g) = src.gguf() {
+        return g
+            .get_str("tokenizer.chat_template")
             .ok()
-            .map(str::to_string)
-    } else {
-        let h = src
-            .hf()
-            .ok_or_else(|| EngineError::BadRequest("unknown model source".into()))?;
-        let from_cfg = h
-            .tokenizer_config()
-            .and_then(|c| c.get("chat_template"))
-            .and_then(|v| v.as_str())
             .map(str::to_string);
-        let from_file = std::fs::read_to_string(src.path().join("chat_template.jinja")).ok();
-        from_cfg.or(from_file)
-    };
+    }
+    src.hf()
+        .and_then(|h| h.tokenizer_config())
+        .and_then(|c| c.get("chat_template"))
+        .and_then(|v| v.as_str())
+        .map(str::to_string)
+        .or_else(|| std::fs::read_to_string(src.path().join("chat_template.jinja")).ok())
+}
+
+pub fn chat_template_for(src: &ModelSource, tok: &Tokenizer) -> Result<Option<ChatTemplate>> {
+    let source = chat_template_source(src);
     let Some(source) = source else {
         return Ok(None);
     };

@@ -45,7 +45,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use kapitsa_engine::ReplyFormat;
-use kapitsa_models::{LoadOptions, LoadedModel, ModelSource};
+use kapitsa_models::{LoadOptions, LoadedModel};
 use kapitsa_text::{ChatTemplate, Tokenizer};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
@@ -129,23 +129,6 @@ impl ServedModel {
     }
 }
 
-/// The source text of the chat template of `src` (GGUF metadata, `tokenizer_config.json`, or
-/// `chat_template.jinja`).
-pub fn template_source(src: &ModelSource) -> Option<String> {
-    if let Some(g) = src.gguf() {
-        return g
-            .get_str("tokenizer.chat_template")
-            .ok()
-            .map(str::to_string);
-    }
-    src.hf()
-        .and_then(|h| h.tokenizer_config())
-        .and_then(|c| c.get("chat_template"))
-        .and_then(|v| v.as_str())
-        .map(str::to_string)
-        .or_else(|| std::fs::read_to_string(src.path().join("chat_template.jinja")).ok())
-}
-
 /// The default model name for `path`: the file or directory name, without a `.gguf`
 /// extension.
 pub fn default_model_name(path: &Path) -> String {
@@ -181,7 +164,7 @@ pub fn load(
             std::fs::read_to_string(p)
                 .with_context(|| format!("reading the chat template {}", p.display()))?,
         ),
-        None => template_source(&loaded.source),
+        None => kapitsa_engine::loader::chat_template_source(&loaded.source),
     };
     let name = name.unwrap_or_else(|| default_model_name(path));
     let served = ServedModel::new(name, Arc::new(tok), src.as_deref())?;
