@@ -392,6 +392,9 @@ impl Scheduler {
             self.waiting.pop_front();
             self.slots[slot].owner = Some(id);
             self.running.push(id);
+            // Cannot fail: `id` came from `waiting`, and every id in `waiting` has an entry in
+            // `seqs` (entries are removed only when a sequence leaves `waiting` and `running`;
+            // `self.seqs[&id]` was read just above).
             let s = self.seqs.get_mut(&id).expect("waiting sequence exists");
             s.slot = Some(slot);
             s.computed = reused;
@@ -506,6 +509,8 @@ impl Scheduler {
     }
 }
 
+/// Callers pass only running sequences, which always hold a slot (set on admission, cleared
+/// when they leave `running`), so the `expect` below cannot fail.
 fn chunk(id: SeqId, s: &Seq, n: usize) -> ScheduledSeq {
     let start = s.computed;
     ScheduledSeq {
