@@ -3,7 +3,8 @@
 #
 #   scripts/sdk-tests.sh MODEL_PATH [pytest args...]
 #
-# Creates (once) a virtualenv with openai, anthropic, pytest and jsonschema under
+# Creates (once) a virtualenv with openai, anthropic, pytest, jsonschema and httpx (for the
+# load test, tests/sdk/test_load.py -> bench/load.py) under
 # ${KAPITSA_CACHE:-~/.cache/kapitsa}/sdkvenv, builds kapitsa (release), starts `kapitsa serve` on
 # a free port with an API key, waits for /health, runs pytest, then stops the server with
 # SIGTERM and checks that it exits cleanly (graceful shutdown). The server log is kept in
@@ -16,9 +17,9 @@ cache="${KAPITSA_CACHE:-$HOME/.cache/kapitsa}"
 venv="$cache/sdkvenv"
 mkdir -p "$cache"
 
-if ! "$venv/bin/python" -c "import openai, anthropic, pytest, jsonschema" 2>/dev/null; then
+if ! "$venv/bin/python" -c "import openai, anthropic, pytest, jsonschema, httpx" 2>/dev/null; then
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check openai anthropic pytest jsonschema
+  "$venv/bin/pip" install -q --disable-pip-version-check openai anthropic pytest jsonschema httpx
 fi
 
 cargo build --release -q -p kapitsa-cli
@@ -54,7 +55,7 @@ done
 curl -fsS "http://127.0.0.1:$port/health" >/dev/null || { echo "server not healthy" >&2; cat "$log" >&2; exit 1; }
 
 status=0
-KAPITSA_BASE_URL="http://127.0.0.1:$port" KAPITSA_API_KEY="$key" \
+KAPITSA_BASE_URL="http://127.0.0.1:$port" KAPITSA_API_KEY="$key" KAPITSA_SERVER_PID="$pid" KAPITSA_SERVER_LOG="$log" \
   "$venv/bin/python" -m pytest -v -rxX -p no:cacheprovider tests/sdk "$@" || status=$?
 
 server_status=0

@@ -4,7 +4,7 @@
 //! CPU; a device backend will add buffer handles behind the same op names (see DESIGN.md §4).
 
 use kapitsa_base::{CpuFeatures, ThreadPool};
-use kapitsa_kernels_cpu::attention::{self, AttnShape, KvSlice};
+use kapitsa_kernels_cpu::attention::{self, AttnShape, KvView};
 use kapitsa_kernels_cpu::conv;
 use kapitsa_kernels_cpu::gdn::{self, GdnShape};
 use kapitsa_kernels_cpu::mamba2::{self, Mamba2Shape};
@@ -43,8 +43,8 @@ pub trait Backend: Send + Sync {
         shape: AttnShape,
         q: &[f32],
         pos: &[u32],
-        k: KvSlice<'_>,
-        v: KvSlice<'_>,
+        k: KvView<'_>,
+        v: KvView<'_>,
         out: &mut [f32],
     );
 
@@ -144,8 +144,8 @@ impl Backend for CpuBackend {
         shape: AttnShape,
         q: &[f32],
         pos: &[u32],
-        k: KvSlice<'_>,
-        v: KvSlice<'_>,
+        k: KvView<'_>,
+        v: KvView<'_>,
         out: &mut [f32],
     ) {
         attention::attention(&*self.pool, shape, q, pos, k, v, out)

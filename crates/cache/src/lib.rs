@@ -1,8 +1,9 @@
-//! Cache management: which sequence owns which cache slot, and how many of its positions are
-//! filled. The storage itself ([`kapitsa_models::KvCache`]) is laid out from the model's layer
-//! kinds; this crate decides who uses it. Paged blocks and prefix reuse build on this.
+//! Cache management: which sequence owns which cache slot, which tokens each slot holds, and
+//! when its KV blocks go back to the pool. The storage itself ([`kapitsa_models::KvCache`],
+//! paged KV blocks plus per-slot recurrent states) is laid out from the model's layer kinds;
+//! this crate decides who uses it.
 
-use kapitsa_models::{CausalLm, KvCache, KvType, Result};
+use kapitsa_models::{CausalLm, KvCache, KvType, ModelError, Result};
 
 /// A KV cache plus slot bookkeeping: free list and the tokens each slot holds.
 pub struct SlotCache {
@@ -12,17 +13,46 @@ pub struct SlotCache {
 }
 
 impl SlotCache {
-    /// `n_slots` sequences of up to `n_ctx` tokens for `model`.
+    /// `n_slots` sequences of up to `n_ctx` tokens for `model`, with enough KV blocks for
+    /// every slot to be full at once.
     pub fn new(
         model: &dyn CausalLm,
         n_slots: usize,
         n_ctx: usize,
         kv_type: KvType,
     ) -> Result<SlotCache> {
-        Ok(SlotCache {
-            kv: KvCache::for_model(model, n_slots, n_ctx, kv_type)?,
-            slots: vec![None; n_slots],
-        })
+        Ok(SlotCache::from_kv(KvCache::for_model(
+            model, n_slots, n_ctx, kv_type,
+        )?))
+    }
+
+    /// `n_slots` sequences of up to `n_ctx` tokens sharing a pool of `n_blocks` KV blocks of
+    /// `block_size` positions. The pool must hold at least one full-context sequence.
+    pub fn paged(
+        model: &dyn CausalLm,
+        n_slots: usize,
+        n_ctx: usize,
+        n_blocks: usize,
+        block_size: usize,
+        kv_type: KvType,
+    ) -> Result<SlotCache> {
+        if block_size == 0 || n_blocks.saturating_mul(block_size) < n_ctx {
+            return Err(ModelError::Config(format!(
+                "a KV pool of {n_blocks} blocks x {block_size} positions cannot hold one \
+                 sequence of {n_ctx} tokens"
+            )));
+        }
+        Ok(SlotCache::from_kv(KvCache::paged(
+            model, n_slots, n_ctx, n_blocks, block_size, kv_type,
+        )?))
+    }
+
+    fn from_kv(kv: KvCache) -> SlotCache {
+        let n = kv.n_slots();
+        SlotCache {
+            kv,
+            slots: vec![None; n],
+        }
     }
 
     /// Claim a free slot, or `None` when all are in use.
@@ -32,10 +62,11 @@ impl SlotCache {
         Some(i)
     }
 
-    /// Release a slot (its contents become garbage).
+    /// Release a slot: its contents are dropped and its KV blocks go back to the pool.
     pub fn free(&mut self, slot: usize) {
         if let Some(s) = self.slots.get_mut(slot) {
             *s = None;
+            self.kv.release(slot);
         }
     }
 
@@ -78,9 +109,45 @@ impl SlotCache {
         n
     }
 
+    /// Get `slot` ready to compute positions `start..end`: what it holds past `start` is
+    /// dropped (tokens and KV blocks), and KV blocks for `start..end` are taken from the pool.
+    /// `false` (and only the drop done) when the pool has too few free blocks.
+    pub fn reserve(&mut self, slot: usize, start: usize, end: usize) -> bool {
+        if let Some(Some(t)) = self.slots.get_mut(slot) {
+            t.truncate(start);
+        }
+        self.kv.truncate(slot, start);
+        self.kv.prepare(slot, start, end.saturating_sub(start)).is_ok()
+    }
+
+    /// Drop everything `slot` holds (tokens, KV blocks, recurrent state); the slot stays
+    /// claimed.
+    pub fn evict(&mut self, slot: usize) {
+        if let Some(Some(t)) = self.slots.get_mut(slot) {
+            t.clear();
+        }
+        self.kv.release(slot);
+    }
+
+    /// Whether `slot` holds KV blocks.
+    pub fn holds_blocks(&self, slot: usize) -> bool {
+        self.kv.slot_blocks(slot) > 0
+    }
+
+    /// KV blocks in use and in the pool.
+    pub fn blocks(&self) -> (usize, usize) {
+        let total = self.kv.n_blocks();
+        (total - self.kv.n_free_blocks(), total)
+    }
+
     /// The storage, for forward passes.
     pub fn kv_mut(&mut self) -> &mut KvCache {
         &mut self.kv
+    }
+
+    /// The storage.
+    pub fn kv(&self) -> &KvCache {
+        &self.kv
     }
 
     /// Tokens per slot.

@@ -52,6 +52,15 @@ pub struct ServeArgs {
     /// KV cache element type: f16 or f32.
     #[arg(long, default_value = "f16")]
     kv_type: String,
+    /// Token positions in the KV block pool shared by all sequences (0 = every sequence
+    /// full at once, capped at a quarter of the available memory, and at least one context).
+    /// When the pool runs dry, kept prefixes are evicted, then the newest sequences are
+    /// preempted and recomputed later.
+    #[arg(long, default_value_t = 0)]
+    cache_tokens: usize,
+    /// Token positions per KV block.
+    #[arg(long, default_value_t = kapitsa_models::DEFAULT_BLOCK_SIZE)]
+    kv_block_size: usize,
     /// Use this Jinja chat template instead of the model's own.
     #[arg(long, value_name = "FILE")]
     chat_template_file: Option<PathBuf>,
@@ -111,6 +120,22 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     } else {
         a.ctx
     };
+    if a.kv_block_size == 0 {
+        bail!("--kv-block-size must be >= 1");
+    }
+    let spec = loaded.model.spec();
+    let token_bytes = 2 * spec.n_attention_layers() * spec.n_head_kv * spec.head_dim * kv_type.size();
+    let full = a.max_running.saturating_mul(n_ctx);
+    let pool = if a.cache_tokens == 0 {
+        let fits = available_memory()
+            .map(|m| (m / 4) / token_bytes.max(1))
+            .unwrap_or(full);
+        full.min(fits.max(n_ctx))
+    } else if a.cache_tokens < n_ctx {
+        bail!("--cache-tokens ({}) must be >= the context ({n_ctx})", a.cache_tokens);
+    } else {
+        a.cache_tokens
+    };
     if served.template.is_none() {
         eprintln!(
             "note: the model has no chat template; the chat endpoints answer 400 (use --chat-template-file)"
@@ -125,6 +150,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             n_ctx,
             max_queue: a.max_queue,
             kv_type,
+            kv_pool_tokens: Some(pool),
+            kv_block_size: a.kv_block_size,
         },
     )
     .context("starting the engine")?;
@@ -145,8 +172,10 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             .with_context(|| format!("listening on {}:{}", a.host, a.port))?;
         let addr = listener.local_addr()?;
         eprintln!(
-            "kapitsa: serving '{name}' ({} arch, context {n_ctx}, {} slots) on http://{addr}",
-            loaded.arch, a.max_running
+            "kapitsa: serving '{name}' ({} arch, context {n_ctx}, {} slots, KV pool {pool} tokens = {:.0} MiB) on http://{addr}",
+            loaded.arch,
+            a.max_running,
+            (pool * token_bytes) as f64 / (1u64 << 20) as f64
         );
         Server::new(Arc::new(engine), served, cfg)
             .run(listener, async {
@@ -173,4 +202,12 @@ mod tests {
         assert!(parse_size("0").is_err());
         assert!(parse_size("3 parsecs").is_err());
     }
+}
+
+/// `MemAvailable` from /proc/meminfo, in bytes (None where that file does not exist).
+fn available_memory() -> Option<usize> {
+    let m = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }

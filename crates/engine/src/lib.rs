@@ -8,6 +8,7 @@ pub mod sampler;
 pub mod scheduler;
 pub mod service;
 pub mod stop;
+pub mod structured;
 
 pub use generate::{generate, FinishReason, GenerateOutput, GenerateRequest};
 pub use reply::{ParsedReply, ReplyEvent, ReplyFormat, ReplyParser, ToolCall, ToolCallFormat};
@@ -18,6 +19,7 @@ pub use service::{
     TokenLogprob, Usage,
 };
 pub use stop::StopChecker;
+pub use structured::{Constraint, ConstraintMatcher, StructuredEnv, StructuredError};
 
 /// Errors of a generation.
 #[derive(Debug, thiserror::Error)]

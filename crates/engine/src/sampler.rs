@@ -106,11 +106,12 @@ impl Sampler {
         if p.temperature <= 0.0 {
             return kapitsa_kernels_cpu::ops::argmax(&l) as u32;
         }
-        // candidates sorted by logit, descending
+        // candidates sorted by logit, descending; `-inf` (masked out by a constraint) never
+        // is one, so no fallback below can pick it
         let mut c: Vec<(u32, f32)> = l
             .iter()
             .enumerate()
-            .filter(|(_, v)| !v.is_nan())
+            .filter(|(_, v)| !v.is_nan() && **v != f32::NEG_INFINITY)
             .map(|(i, &v)| (i as u32, v))
             .collect();
         if c.is_empty() {
@@ -303,6 +304,31 @@ mod tests {
         let ones = (0..n).filter(|_| s.sample(&l, &[]) == 1).count();
         let f = ones as f64 / n as f64;
         assert!((f - 0.75).abs() < 0.015, "{f}");
+    }
+
+    #[test]
+    fn masked_tokens_are_never_drawn() {
+        // Only ids 2 and 5 are allowed; without truncation every draw must be one of them,
+        // also with penalties on the masked ones.
+        let ninf = f32::NEG_INFINITY;
+        let l = vec![ninf, ninf, -30.0, ninf, ninf, -31.0];
+        let p = SamplingParams {
+            temperature: 1.5,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.3,
+            presence_penalty: -2.0,
+            seed: 5,
+            ..Default::default()
+        };
+        let mut s = Sampler::new(p).unwrap();
+        for _ in 0..500 {
+            let t = s.sample(&l, &[0, 1, 3]);
+            assert!(t == 2 || t == 5, "{t}");
+        }
+        let mut g = Sampler::new(SamplingParams::greedy()).unwrap();
+        assert_eq!(g.sample(&l, &[]), 2);
     }
 
     #[test]

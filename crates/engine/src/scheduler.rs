@@ -31,9 +31,21 @@
 //! string). [`Scheduler::cancel`] removes a sequence at once; its slot is free for the next
 //! step.
 //!
-//! **Preemption.** With one contiguous slot per sequence the only exhausted resource is the
-//! slot count (a sequence reaching the end of its slot's context finishes with `ContextFull`:
-//! a bigger slot does not exist, so preemption would not help). Two ways to preempt:
+//! **Memory.** The scheduler asks the cache ([`CacheSpace`]) for room before it puts a chunk
+//! in the plan: `reserve(slot, start, end)` takes KV blocks for the chunk's positions. When
+//! the pool is short it frees memory in this order:
+//! 1. evict the contents kept by free slots (prefix-reuse candidates), least recently
+//!    released first;
+//! 2. preempt the running sequence admitted last (its slot's contents are evicted; it goes
+//!    back to the *head* of the queue and is recomputed, prompt and generated tokens, when it
+//!    gets a slot again) — possibly the requesting sequence itself when it is the newest.
+//!
+//! Admissions never preempt: a waiting sequence is admitted only when its first chunk fits
+//! after step 1, and no one is admitted in a step where memory ran short. A sequence that
+//! does not fit even alone (only possible with a pool smaller than one context) is removed
+//! and reported in [`StepPlan::out_of_memory`].
+//!
+//! **Other preemption.**
 //! - [`Scheduler::preempt`]: the caller asks (e.g. the engine after a failed forward pass left
 //!   a slot's recurrent state unusable). The sequence goes back to the *head* of the queue and
 //!   is recomputed (prompt and generated tokens) when it gets a slot again, reusing whatever
@@ -105,6 +117,52 @@ pub struct Admission {
     pub first: bool,
 }
 
+/// What the scheduler needs from the cache: prefix reuse and memory (the engine's
+/// [`kapitsa_cache::SlotCache`]; tests use fakes).
+pub trait CacheSpace {
+    /// Leading `tokens` the free `slot` can reuse without recomputation (the scheduler caps
+    /// the answer at `tokens.len() - 1`).
+    fn reusable(&self, slot: usize, tokens: &[u32]) -> usize;
+    /// Get `slot` ready to compute positions `start..end`: drop what it holds past `start`
+    /// and take memory for the new positions. `false` when memory is short.
+    fn reserve(&mut self, slot: usize, start: usize, end: usize) -> bool;
+    /// Drop everything `slot` holds, freeing its memory.
+    fn evict(&mut self, slot: usize);
+    /// Whether `slot` holds memory that [`CacheSpace::evict`] would free.
+    fn holds(&self, slot: usize) -> bool;
+}
+
+impl CacheSpace for kapitsa_cache::SlotCache {
+    fn reusable(&self, slot: usize, tokens: &[u32]) -> usize {
+        self.reusable_prefix(slot, tokens)
+    }
+    fn reserve(&mut self, slot: usize, start: usize, end: usize) -> bool {
+        kapitsa_cache::SlotCache::reserve(self, slot, start, end)
+    }
+    fn evict(&mut self, slot: usize) {
+        kapitsa_cache::SlotCache::evict(self, slot)
+    }
+    fn holds(&self, slot: usize) -> bool {
+        self.holds_blocks(slot)
+    }
+}
+
+/// A cache with unlimited memory whose prefix reuse is given by a function.
+struct Unlimited<F>(F);
+
+impl<F: FnMut(usize, &[u32]) -> usize> CacheSpace for Unlimited<std::cell::RefCell<F>> {
+    fn reusable(&self, slot: usize, tokens: &[u32]) -> usize {
+        (self.0.borrow_mut())(slot, tokens)
+    }
+    fn reserve(&mut self, _: usize, _: usize, _: usize) -> bool {
+        true
+    }
+    fn evict(&mut self, _: usize) {}
+    fn holds(&self, _: usize) -> bool {
+        false
+    }
+}
+
 /// What to run in one forward pass.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StepPlan {
@@ -112,8 +170,12 @@ pub struct StepPlan {
     pub seqs: Vec<ScheduledSeq>,
     /// Sequences admitted in this step (they also appear in `seqs`).
     pub admitted: Vec<Admission>,
-    /// Sequences preempted by the time-slicing policy in this step (back in the queue).
+    /// Sequences preempted in this step, by the time-slicing policy or for memory (back in
+    /// the queue).
     pub preempted: Vec<SeqId>,
+    /// Sequences removed because they do not fit the cache even alone, with whether they
+    /// were waiting (`true`) or running.
+    pub out_of_memory: Vec<(SeqId, bool)>,
 }
 
 impl StepPlan {
@@ -337,39 +399,59 @@ impl Scheduler {
         &self.running
     }
 
-    /// Plan the next step. `reuse(slot, tokens)` says how many leading `tokens` a free slot
-    /// can reuse (at most `tokens.len() - 1`). An earlier plan whose outcomes were not
-    /// reported is forgotten (its chunks count as not computed).
-    pub fn schedule(&mut self, mut reuse: impl FnMut(usize, &[u32]) -> usize) -> StepPlan {
+    /// Plan the next step with unlimited memory. `reuse(slot, tokens)` says how many leading
+    /// `tokens` a free slot can reuse (at most `tokens.len() - 1`). An earlier plan whose
+    /// outcomes were not reported is forgotten (its chunks count as not computed).
+    pub fn schedule(&mut self, reuse: impl FnMut(usize, &[u32]) -> usize) -> StepPlan {
+        self.schedule_with(&mut Unlimited(std::cell::RefCell::new(reuse)))
+    }
+
+    /// Plan the next step, taking memory from `space` (see the module docs). An earlier plan
+    /// whose outcomes were not reported is forgotten (its chunks count as not computed).
+    pub fn schedule_with(&mut self, space: &mut impl CacheSpace) -> StepPlan {
         self.step += 1;
         self.inflight.clear();
         let mut plan = StepPlan::default();
         self.time_slice(&mut plan);
         let mut budget = self.cfg.max_batch_tokens;
+        let mut short = false;
 
-        // 1. decodes
-        for &id in &self.running {
-            let s = &self.seqs[&id];
+        // 1. decodes, oldest first
+        let order = self.running.clone();
+        for &id in &order {
+            let Some(s) = self.seqs.get(&id).filter(|s| s.slot.is_some()) else {
+                continue; // preempted earlier in this step
+            };
             if s.tokens.len() - s.computed == 1 {
-                plan.seqs.push(chunk(id, s, 1));
+                if !self.make_room(space, id, 1, &mut plan) {
+                    short = true;
+                    continue;
+                }
+                plan.seqs.push(chunk(id, &self.seqs[&id], 1));
                 budget -= 1;
             }
         }
         // 2. running prefills, oldest first
-        for &id in &self.running {
+        for &id in &order {
             if budget == 0 {
                 break;
             }
-            let s = &self.seqs[&id];
+            let Some(s) = self.seqs.get(&id).filter(|s| s.slot.is_some()) else {
+                continue;
+            };
             let left = s.tokens.len() - s.computed;
             if left > 1 {
                 let n = left.min(budget);
-                plan.seqs.push(chunk(id, s, n));
+                if !self.make_room(space, id, n, &mut plan) {
+                    short = true;
+                    continue;
+                }
+                plan.seqs.push(chunk(id, &self.seqs[&id], n));
                 budget -= n;
             }
         }
-        // 3. admissions, FIFO
-        while budget > 0 {
+        // 3. admissions, FIFO, while memory lasts
+        while budget > 0 && !short {
             let Some(&id) = self.waiting.front() else {
                 break;
             };
@@ -381,7 +463,7 @@ impl Scheduler {
             let tokens = &self.seqs[&id].tokens;
             let best = free
                 .map(|(i, s)| {
-                    let r = reuse(i, tokens).min(tokens.len() - 1);
+                    let r = space.reusable(i, tokens).min(tokens.len() - 1);
                     (i, r, s.released)
                 })
                 // longest reuse, then released longest ago, then lowest index
@@ -389,6 +471,17 @@ impl Scheduler {
             let Some((slot, reused, _)) = best else {
                 break;
             };
+            let n = (tokens.len() - reused).min(budget);
+            if !self.room_for_admission(space, slot, reused, reused + n) {
+                if self.running.is_empty() {
+                    // Nothing else holds memory: this sequence can never fit.
+                    self.waiting.pop_front();
+                    self.seqs.remove(&id);
+                    plan.out_of_memory.push((id, true));
+                    continue;
+                }
+                break;
+            }
             self.waiting.pop_front();
             self.slots[slot].owner = Some(id);
             self.running.push(id);
@@ -406,7 +499,6 @@ impl Scheduler {
                 first: !s.admitted_once,
             });
             s.admitted_once = true;
-            let n = (s.tokens.len() - reused).min(budget);
             plan.seqs.push(chunk(id, s, n));
             budget -= n;
         }
@@ -414,6 +506,84 @@ impl Scheduler {
             self.inflight.insert(c.id, (c.tokens.len(), c.want_logits));
         }
         plan
+    }
+
+    /// The free slot holding evictable memory that was released longest ago, other than
+    /// `except`.
+    fn idle_victim(&self, space: &impl CacheSpace, except: Option<usize>) -> Option<usize> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|&(i, s)| s.owner.is_none() && Some(i) != except && space.holds(i))
+            .min_by_key(|&(i, s)| (s.released, i))
+            .map(|(i, _)| i)
+    }
+
+    /// Memory for the next `n` tokens of running `id`: evict idle slots, then preempt the
+    /// newest running sequences. `false` when `id` itself was preempted (it was the newest)
+    /// or removed (it does not fit even alone).
+    fn make_room(
+        &mut self,
+        space: &mut impl CacheSpace,
+        id: SeqId,
+        n: usize,
+        plan: &mut StepPlan,
+    ) -> bool {
+        let Some(s) = self.seqs.get(&id) else {
+            return false;
+        };
+        let Some(slot) = s.slot else {
+            return false;
+        };
+        let start = s.computed;
+        loop {
+            if space.reserve(slot, start, start + n) {
+                return true;
+            }
+            if let Some(idle) = self.idle_victim(space, None) {
+                space.evict(idle);
+                continue;
+            }
+            // `running` is in admission order; `id` is in it, so it is never empty here.
+            let newest = self.running.last().copied().unwrap_or(id);
+            if newest == id && self.running.len() == 1 {
+                space.evict(slot);
+                self.remove(id);
+                plan.out_of_memory.push((id, false));
+                return false;
+            }
+            let victim_slot = self.seqs.get(&newest).and_then(|v| v.slot);
+            self.release(newest);
+            if let Some(vs) = victim_slot {
+                space.evict(vs);
+            }
+            self.waiting.push_front(newest);
+            plan.seqs.retain(|c| c.id != newest);
+            plan.preempted.push(newest);
+            if newest == id {
+                return false;
+            }
+        }
+    }
+
+    /// Memory for a waiting sequence's first chunk in free `slot` (positions `start..end`):
+    /// only idle slots are evicted.
+    fn room_for_admission(
+        &mut self,
+        space: &mut impl CacheSpace,
+        slot: usize,
+        start: usize,
+        end: usize,
+    ) -> bool {
+        loop {
+            if space.reserve(slot, start, end) {
+                return true;
+            }
+            match self.idle_victim(space, Some(slot)) {
+                Some(idle) => space.evict(idle),
+                None => return false,
+            }
+        }
     }
 
     /// The time-slicing policy (module docs).

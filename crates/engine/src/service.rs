@@ -18,7 +18,15 @@
 //! to the scheduler; publish the metrics.
 //!
 //! - **Log-probabilities** are the log-softmax of the raw logits: the model's distribution at
-//!   temperature 1, before penalties and truncation (what OpenAI reports).
+//!   temperature 1, before penalties and truncation (what OpenAI reports). For a request with
+//!   a [`Request::constraint`] they are taken after the grammar mask, i.e. they are the
+//!   log-probabilities of the constrained distribution (disallowed tokens never appear).
+//! - **Constraints** ([`crate::structured`]): compiled in [`EngineHandle::submit`] (on the
+//!   caller's thread; the per-model token trie is built there on first use), so the engine
+//!   thread only computes masks. Before sampling, every token the grammar does not allow gets
+//!   `-inf`; the sampled token advances the grammar. An end-of-generation token ends a
+//!   constrained request even with `ignore_eos` (the grammar allows nothing after it). A
+//!   constraint failure while generating ends that request with [`Event::Error`].
 //! - **Failures.** When a forward pass fails (error or panic), each sequence of the batch is
 //!   rerun alone: those that fail alone get [`Event::Error`], the others go on. A sequence
 //!   whose recurrent state the failed pass already consumed cannot be rerun from where it
@@ -40,6 +48,7 @@ use kapitsa_models::{CausalLm, KvType};
 use kapitsa_text::Tokenizer;
 use tokio::sync::mpsc as tmpsc;
 
+use crate::structured::{Constraint, ConstraintMatcher, LazyStructuredEnv};
 use crate::{EngineError, FinishReason, Sampler, SamplingParams};
 
 /// Most alternatives [`Request::top_logprobs`] may ask for (OpenAI's limit).
@@ -59,6 +68,14 @@ pub struct EngineConfig {
     pub max_queue: usize,
     /// Element type of the KV cache.
     pub kv_type: KvType,
+    /// Positions in the shared KV block pool, over all sequences (rounded up to whole
+    /// blocks). `None` (default): `max_running * n_ctx`, every sequence can be full at once.
+    /// Smaller pools serve more sequences per byte: when the pool runs dry the scheduler
+    /// evicts kept prefixes, then preempts the newest sequences (they are recomputed later).
+    /// Must be `>= n_ctx`.
+    pub kv_pool_tokens: Option<usize>,
+    /// Positions per KV block; default [`kapitsa_models::DEFAULT_BLOCK_SIZE`].
+    pub kv_block_size: usize,
 }
 
 impl Default for EngineConfig {
@@ -69,6 +86,8 @@ impl Default for EngineConfig {
             n_ctx: 4096,
             max_queue: 64,
             kv_type: KvType::default(),
+            kv_pool_tokens: None,
+            kv_block_size: kapitsa_models::DEFAULT_BLOCK_SIZE,
         }
     }
 }
@@ -89,6 +108,9 @@ pub struct Request {
     /// `None`: no log-probabilities; `Some(n)`: the log-probability of each sampled token plus
     /// the `n` (<= [`MAX_TOP_LOGPROBS`]) most likely alternatives.
     pub top_logprobs: Option<usize>,
+    /// Constrained decoding: the output must match this (JSON schema, ...). Invalid ones are
+    /// refused by [`EngineHandle::submit`] with [`SubmitError::InvalidConstraint`].
+    pub constraint: Option<Constraint>,
 }
 
 impl Request {
@@ -101,6 +123,7 @@ impl Request {
             stop: Vec::new(),
             ignore_eos: false,
             top_logprobs: None,
+            constraint: None,
         }
     }
 }
@@ -174,6 +197,10 @@ pub enum SubmitError {
     /// Invalid parameters (sampling, tokens outside the vocabulary, empty prompt, ...).
     #[error("bad request: {0}")]
     BadRequest(String),
+    /// The [`Request::constraint`] does not compile (bad JSON schema or grammar), or the
+    /// model cannot be constrained.
+    #[error("{0}")]
+    InvalidConstraint(String),
     /// The engine is shutting down or has stopped.
     #[error("the engine is shutting down")]
     ShutDown,
@@ -226,6 +253,12 @@ pub struct EngineMetrics {
     pub requests_cancelled: u64,
     /// Sequences pushed back to the queue to be recomputed later.
     pub preemptions: u64,
+    /// KV blocks in the pool.
+    pub cache_blocks_total: usize,
+    /// KV blocks held by running sequences.
+    pub cache_blocks_used: usize,
+    /// KV blocks held by finished sequences' kept prefixes (freed when the pool runs dry).
+    pub cache_blocks_cached: usize,
     /// Forward passes run.
     pub steps: u64,
 }
@@ -242,6 +275,8 @@ struct Submitted {
     id: u64,
     req: Request,
     sampler: Sampler,
+    /// `req.constraint`, compiled.
+    constraint: Option<ConstraintMatcher>,
     tx: tmpsc::UnboundedSender<Event>,
 }
 
@@ -262,6 +297,8 @@ struct Inner {
     n_ctx: usize,
     n_vocab: usize,
     max_queue: usize,
+    /// Token trie and grammar compiler, built at the first constrained request.
+    structured: LazyStructuredEnv,
 }
 
 impl Inner {
@@ -330,6 +367,7 @@ impl EngineHandle {
             shutting_down: AtomicBool::new(false),
         });
         let (tx, rx) = mpsc::channel();
+        let tok_for_constraints = tok.clone();
         let engine = engine::Engine::new(model, tok, &cfg, rx, shared.clone())?;
         let thread = std::thread::Builder::new()
             .name("kapitsa-engine".into())
@@ -344,12 +382,15 @@ impl EngineHandle {
                 n_ctx: cfg.n_ctx,
                 n_vocab,
                 max_queue: cfg.max_queue,
+                structured: LazyStructuredEnv::new(tok_for_constraints, n_vocab),
             }),
         })
     }
 
     /// Validate `req` (prompt non-empty, in the vocabulary and shorter than the context,
-    /// `max_tokens >= 1`, sampling parameters, `top_logprobs`) and queue it.
+    /// `max_tokens >= 1`, sampling parameters, `top_logprobs`), compile its constraint (which
+    /// blocks this thread: a few ms, plus ~1 s to build the token trie at the first
+    /// constrained request of a 150k-token vocabulary) and queue it.
     pub fn submit(&self, req: Request) -> Result<RequestStream, SubmitError> {
         let inner = &self.inner;
         if inner.shared.shutting_down.load(Ordering::SeqCst) {
@@ -384,6 +425,15 @@ impl EngineHandle {
             EngineError::BadRequest(m) => SubmitError::BadRequest(m),
             e => SubmitError::BadRequest(e.to_string()),
         })?;
+        let constraint = match &req.constraint {
+            Some(c) => Some(
+                inner
+                    .structured
+                    .compile(c)
+                    .map_err(|e| SubmitError::InvalidConstraint(e.to_string()))?,
+            ),
+            None => None,
+        };
         // Reserve a place in the queue.
         let q = &inner.shared.queued;
         let mut cur = q.load(Ordering::SeqCst);
@@ -402,6 +452,7 @@ impl EngineHandle {
             id,
             req,
             sampler,
+            constraint,
             tx: etx,
         }));
         let sent = match &*inner.tx.lock().unwrap_or_else(|e| e.into_inner()) {
@@ -471,6 +522,8 @@ mod engine {
         stop: StopChecker,
         ignore_eos: bool,
         top_logprobs: Option<usize>,
+        /// The grammar the output must follow (its state advances with every token).
+        constraint: Option<ConstraintMatcher>,
         /// Prompt and generated tokens (for the sampler's penalties).
         history: Vec<u32>,
         n_prompt: usize,
@@ -517,7 +570,18 @@ mod engine {
             rx: mpsc::Receiver<Msg>,
             shared: Arc<Shared>,
         ) -> Result<Engine, EngineError> {
-            let mut cache = SlotCache::new(&*model, cfg.max_running, cfg.n_ctx, cfg.kv_type)?;
+            let bs = cfg.kv_block_size.max(1);
+            let pool = cfg
+                .kv_pool_tokens
+                .unwrap_or(cfg.max_running.saturating_mul(cfg.n_ctx));
+            let mut cache = SlotCache::paged(
+                &*model,
+                cfg.max_running,
+                cfg.n_ctx,
+                pool.div_ceil(bs),
+                bs,
+                cfg.kv_type,
+            )?;
             // The engine owns every slot for good; the scheduler decides who uses which, and
             // a slot keeps its tokens between sequences for prefix reuse.
             for _ in 0..cfg.max_running {
@@ -540,6 +604,7 @@ mod engine {
                 active: HashMap::new(),
                 metrics: EngineMetrics {
                     slots_total: cfg.max_running,
+                    cache_blocks_total: pool.div_ceil(bs),
                     ..Default::default()
                 },
             })
@@ -609,6 +674,7 @@ mod engine {
                         id,
                         req,
                         sampler,
+                        constraint,
                         tx,
                     } = *s;
                     if let Err(e) = self.sched.add(id, req.prompt.clone(), req.max_tokens) {
@@ -625,6 +691,7 @@ mod engine {
                             stop: StopChecker::new(&req.stop),
                             ignore_eos: req.ignore_eos,
                             top_logprobs: req.top_logprobs,
+                            constraint,
                             n_prompt: req.prompt.len(),
                             history: req.prompt,
                             n_cached: 0,
@@ -672,23 +739,42 @@ mod engine {
                 .metrics
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
+            let (blocks_used, blocks_total) = self.cache.blocks();
+            let active: usize = self
+                .sched
+                .running()
+                .iter()
+                .filter_map(|&id| self.sched.slot_of(id))
+                .map(|slot| self.cache.kv().slot_blocks(slot))
+                .sum();
             *m = EngineMetrics {
                 queued: self.shared.queued.load(Ordering::SeqCst),
                 running: self.sched.n_running(),
                 slots_used: self.sched.n_slots_used(),
+                cache_blocks_total: blocks_total,
+                cache_blocks_used: active.min(blocks_used),
+                cache_blocks_cached: blocks_used.saturating_sub(active),
                 ..self.metrics
             };
         }
 
         /// One scheduler step: one forward pass over every scheduled sequence.
         fn step(&mut self) {
-            let plan = {
-                let cache = &self.cache;
-                self.sched.schedule(|s, t| cache.reusable_prefix(s, t))
-            };
+            let plan = self.sched.schedule_with(&mut self.cache);
             for _ in &plan.preempted {
                 self.shared.queued.fetch_add(1, Ordering::SeqCst);
                 self.metrics.preemptions += 1;
+            }
+            for &(id, was_waiting) in &plan.out_of_memory {
+                if was_waiting {
+                    self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+                }
+                if let Some(a) = self.active.remove(&id) {
+                    let _ = a.tx.send(Event::Error(
+                        "the KV cache cannot hold this sequence (pool smaller than its context)"
+                            .into(),
+                    ));
+                }
             }
             for a in &plan.admitted {
                 self.shared.queued.fetch_sub(1, Ordering::SeqCst);
@@ -758,7 +844,7 @@ mod engine {
                         if let Some(a) = self.active.get_mut(&s.id) {
                             a.recomputes += 1;
                         }
-                        self.cache.set_tokens(s.slot, Vec::new());
+                        self.cache.evict(s.slot);
                         self.shared.queued.fetch_add(1, Ordering::SeqCst);
                         self.metrics.preemptions += 1;
                     } else {
@@ -780,7 +866,7 @@ mod engine {
 
         /// End a sequence with an error; its slot's contents are lost.
         fn fail(&mut self, s: &ScheduledSeq, msg: &str) -> Outcome {
-            self.cache.set_tokens(s.slot, Vec::new());
+            self.cache.evict(s.slot);
             if let Some(a) = self.active.remove(&s.id) {
                 let _ = a.tx.send(Event::Error(msg.to_string()));
             }
@@ -802,7 +888,8 @@ mod engine {
             };
             let r = catch_unwind(AssertUnwindSafe(|| sample(a, tok, row)));
             match r {
-                Ok(o) => {
+                Ok(Err(e)) => self.fail(s, &e.to_string()),
+                Ok(Ok(o)) => {
                     if matches!(
                         o,
                         Outcome::Token(_) | Outcome::Finish(FinishReason::StopString)
@@ -846,14 +933,31 @@ mod engine {
     }
 
     /// Sample the next token of `a` from `row` and run it through the detokeniser and stop
-    /// strings, as [`crate::generate()`] does.
-    fn sample(a: &mut Active, tok: &Tokenizer, row: &[f32]) -> Outcome {
+    /// strings, as [`crate::generate()`] does. With a constraint, `row` is masked first (the
+    /// sampler and the logprobs see the masked logits) and the token advances the grammar;
+    /// a constraint failure is returned as the error that ends the request.
+    fn sample(
+        a: &mut Active,
+        tok: &Tokenizer,
+        row: &[f32],
+    ) -> Result<Outcome, crate::StructuredError> {
+        let masked = crate::structured::masked_row(a.constraint.as_mut(), row)?;
+        let row = masked.as_deref().unwrap_or(row);
         let t = a.sampler.sample(row, &a.history);
+        if let Some(c) = &mut a.constraint {
+            c.consume(t)?;
+            if tok.eog_ids().contains(&t) {
+                return Ok(Outcome::Finish(FinishReason::EndOfGeneration));
+            }
+        }
         if !a.ignore_eos && tok.eog_ids().contains(&t) {
-            return Outcome::Finish(FinishReason::EndOfGeneration);
+            return Ok(Outcome::Finish(FinishReason::EndOfGeneration));
         }
         if let Some(n) = a.top_logprobs {
-            a.logprobs.push(token_logprob(row, t, n));
+            let mut lp = token_logprob(row, t, n);
+            // Under a constraint, fewer than `n` tokens may be allowed: leave out the rest.
+            lp.top.retain(|&(_, l)| l.is_finite());
+            a.logprobs.push(lp);
         }
         a.n_generated += 1;
         a.history.push(t);
@@ -861,11 +965,11 @@ mod engine {
         let piece = a.dec.push(tok, t);
         let (out, hit) = a.stop.push(&piece);
         a.text.push_str(&out);
-        if hit {
+        Ok(if hit {
             Outcome::Finish(FinishReason::StopString)
         } else {
             Outcome::Token(t)
-        }
+        })
     }
 
     fn panic_message(p: &(dyn std::any::Any + Send)) -> String {

@@ -4,7 +4,9 @@
 
 use std::collections::HashMap;
 
-use kapitsa_engine::scheduler::{Outcome, Scheduler, SchedulerConfig, SchedulerError, SeqId};
+use kapitsa_engine::scheduler::{
+    CacheSpace, Outcome, Scheduler, SchedulerConfig, SchedulerError, SeqId,
+};
 use kapitsa_engine::{FinishReason, StepPlan};
 
 fn sched(n_slots: usize, max_batch_tokens: usize, n_ctx: usize) -> Scheduler {
@@ -396,8 +398,68 @@ fn solo(prompt: &[u32], max_tokens: usize, n_ctx: usize) -> (Vec<u32>, FinishRea
     }
 }
 
-/// Returns (admissions that reused a prefix, re-admissions after a preemption).
-fn simulate(seed: u64, recurrent: bool, preempt_after_steps: Option<u64>) -> (usize, usize) {
+/// A mock paged cache: the tokens each slot holds and how many blocks of `bs` positions it
+/// has taken from a pool of `total`; recurrent slots can only be extended.
+struct MockCache {
+    slots: Vec<Vec<u32>>,
+    blocks: Vec<usize>,
+    free: usize,
+    total: usize,
+    bs: usize,
+    recurrent: bool,
+}
+
+impl MockCache {
+    fn check(&self) {
+        assert_eq!(self.blocks.iter().sum::<usize>() + self.free, self.total, "blocks leak");
+    }
+}
+
+impl CacheSpace for MockCache {
+    fn reusable(&self, slot: usize, t: &[u32]) -> usize {
+        let have = &self.slots[slot];
+        let n = have.iter().zip(t).take_while(|(a, b)| a == b).count();
+        let n = n.min(t.len() - 1);
+        if self.recurrent && n != have.len() {
+            0
+        } else {
+            n
+        }
+    }
+    fn reserve(&mut self, slot: usize, start: usize, end: usize) -> bool {
+        self.slots[slot].truncate(start);
+        let keep = start.div_ceil(self.bs);
+        if self.blocks[slot] > keep {
+            self.free += self.blocks[slot] - keep;
+            self.blocks[slot] = keep;
+        }
+        let need = end.div_ceil(self.bs).saturating_sub(self.blocks[slot]);
+        if need > self.free {
+            return false;
+        }
+        self.free -= need;
+        self.blocks[slot] += need;
+        true
+    }
+    fn evict(&mut self, slot: usize) {
+        self.slots[slot].clear();
+        self.free += self.blocks[slot];
+        self.blocks[slot] = 0;
+    }
+    fn holds(&self, slot: usize) -> bool {
+        self.blocks[slot] > 0
+    }
+}
+
+/// Returns (admissions that reused a prefix, re-admissions after a preemption, memory
+/// preemptions). `extra_blocks`: the pool holds one full context plus this many blocks of 4
+/// positions (`None`: unlimited).
+fn simulate(
+    seed: u64,
+    recurrent: bool,
+    preempt_after_steps: Option<u64>,
+    extra_blocks: Option<usize>,
+) -> (usize, usize, usize) {
     let mut rng = Lcg(seed);
     let n_slots = 1 + rng.next(4);
     let max_batch_tokens = n_slots + rng.next(24);
@@ -409,17 +471,15 @@ fn simulate(seed: u64, recurrent: bool, preempt_after_steps: Option<u64>) -> (us
         preempt_after_steps,
     })
     .unwrap();
-    // Mock cache: the tokens each slot holds; recurrent slots can only be extended.
-    let mut slots: Vec<Vec<u32>> = vec![Vec::new(); n_slots];
-    let reuse = |slots: &Vec<Vec<u32>>, slot: usize, t: &[u32]| {
-        let have = &slots[slot];
-        let n = have.iter().zip(t).take_while(|(a, b)| a == b).count();
-        let n = n.min(t.len() - 1);
-        if recurrent && n != have.len() {
-            0
-        } else {
-            n
-        }
+    let bs = 4;
+    let total = extra_blocks.map_or(usize::MAX / 2, |x| n_ctx.div_ceil(bs) + x);
+    let mut cache = MockCache {
+        slots: vec![Vec::new(); n_slots],
+        blocks: vec![0; n_slots],
+        free: total,
+        total,
+        bs,
+        recurrent,
     };
     let n_req = 12 + rng.next(12) as u64;
     let mut expect = HashMap::new();
@@ -428,7 +488,7 @@ fn simulate(seed: u64, recurrent: bool, preempt_after_steps: Option<u64>) -> (us
     let mut finished: HashMap<SeqId, FinishReason> = HashMap::new();
     let mut cancelled = Vec::new();
     let mut next_id: u64 = 0;
-    let (mut n_reused, mut n_readmitted) = (0, 0);
+    let (mut n_reused, mut n_readmitted, mut n_mem) = (0, 0, 0);
     let shared = prompt(12, 99);
     for step in 0..20000 {
         // New requests arrive over time; some share a prefix.
@@ -452,10 +512,18 @@ fn simulate(seed: u64, recurrent: bool, preempt_after_steps: Option<u64>) -> (us
                 s.cancel(id);
                 cancelled.push(id);
             } else {
+                // The slot keeps its contents (reusable when the sequence comes back).
                 s.preempt(id);
             }
         }
-        let plan = s.schedule(|sl, t| reuse(&slots, sl, t));
+        let plan = s.schedule_with(&mut cache);
+        cache.check();
+        assert!(plan.out_of_memory.is_empty(), "seed {seed}: a sequence did not fit alone");
+        n_mem += plan
+            .preempted
+            .iter()
+            .filter(|&&id| !plan.seqs.iter().any(|c| c.id == id))
+            .count();
         if plan.is_empty() {
             assert!(s.is_idle() || s.n_running() == 0 && s.n_waiting() == 0);
             if next_id == n_req {
@@ -490,7 +558,11 @@ fn simulate(seed: u64, recurrent: bool, preempt_after_steps: Option<u64>) -> (us
             }
             let h = &history[&c.id];
             // The slot holds exactly the sequence's first `start_pos` tokens.
-            let slot = &mut slots[c.slot];
+            assert!(
+                cache.blocks[c.slot] * bs >= c.start_pos + c.tokens.len(),
+                "step {step}: chunk without memory"
+            );
+            let slot = &mut cache.slots[c.slot];
             assert!(slot.len() >= c.start_pos);
             assert_eq!(slot[..c.start_pos], h[..c.start_pos], "step {step}");
             assert_eq!(c.tokens, h[c.start_pos..c.start_pos + c.tokens.len()]);
@@ -537,31 +609,93 @@ fn simulate(seed: u64, recurrent: bool, preempt_after_steps: Option<u64>) -> (us
         assert_eq!(&got, toks, "seed {seed} seq {id}");
         assert_eq!(&finished[&id], reason, "seed {seed} seq {id}");
     }
-    (n_reused, n_readmitted)
+    (n_reused, n_readmitted, n_mem)
 }
 
-fn simulate_many(recurrent: impl Fn(u64) -> bool, preempt: impl Fn(u64) -> Option<u64>) {
-    let (mut reused, mut readmitted) = (0, 0);
+fn simulate_many(
+    recurrent: impl Fn(u64) -> bool,
+    preempt: impl Fn(u64) -> Option<u64>,
+    extra_blocks: impl Fn(u64) -> Option<usize>,
+) -> usize {
+    let (mut reused, mut readmitted, mut mem) = (0, 0, 0);
     for seed in 0..300 {
-        let (r, a) = simulate(seed, recurrent(seed), preempt(seed));
+        let (r, a, m) = simulate(seed, recurrent(seed), preempt(seed), extra_blocks(seed));
         reused += r;
         readmitted += a;
+        mem += m;
     }
     assert!(reused > 50, "prefix reuse exercised: {reused}");
     assert!(readmitted > 50, "preemption exercised: {readmitted}");
+    mem
 }
 
 #[test]
 fn random_simulation_matches_solo_runs() {
-    simulate_many(|_| false, |_| None);
+    simulate_many(|_| false, |_| None, |_| None);
 }
 
 #[test]
 fn random_simulation_recurrent_slots() {
-    simulate_many(|_| true, |_| None);
+    simulate_many(|_| true, |_| None, |_| None);
 }
 
 #[test]
 fn random_simulation_with_time_slicing() {
-    simulate_many(|seed| seed % 2 == 0, |seed| Some(1 + seed % 4));
+    simulate_many(|seed| seed % 2 == 0, |seed| Some(1 + seed % 4), |_| None);
+}
+
+/// A pool from exactly one context up to a few blocks more: memory runs out all the time;
+/// kept prefixes are evicted, the newest sequences preempted and recomputed, and every
+/// sequence still produces what it produces alone, with no block leaked.
+#[test]
+fn random_simulation_with_a_small_block_pool() {
+    let mem = simulate_many(|seed| seed % 3 == 0, |_| None, |seed| Some((seed % 5) as usize));
+    assert!(mem > 100, "memory preemption exercised: {mem}");
+}
+
+/// The oldest sequence always progresses: with a pool of one context, a second sequence is
+/// not admitted until the first ends, and a running newer one is preempted for an older
+/// one's growth.
+#[test]
+fn memory_preempts_the_newest_and_admission_never_preempts() {
+    let mut s = sched(2, 64, 16);
+    let mut c = MockCache {
+        slots: vec![Vec::new(); 2],
+        blocks: vec![0; 2],
+        free: 4,
+        total: 4,
+        bs: 4,
+        recurrent: false,
+    };
+    s.add(1, prompt(6, 1), 10).unwrap();
+    s.add(2, prompt(5, 2), 10).unwrap();
+    let p = s.schedule_with(&mut c);
+    // 1 takes 2 blocks, 2 takes the other 2.
+    assert_eq!(shape(&p), [(1, 6, 0, true), (2, 5, 0, true)]);
+    s.update(&tokens_out(&p, 3));
+    // 1 decodes at position 6 (inside its second block); 2 at position 5 (inside its second).
+    let p = s.schedule_with(&mut c);
+    assert_eq!(shape(&p), [(1, 1, 6, true), (2, 1, 5, true)]);
+    s.update(&tokens_out(&p, 3));
+    let p = s.schedule_with(&mut c);
+    s.update(&tokens_out(&p, 3));
+    // 1 is at position 8: it needs a third block; 2 (newest) is preempted for it.
+    let p = s.schedule_with(&mut c);
+    assert_eq!(shape(&p), [(1, 1, 8, true)]);
+    assert_eq!(p.preempted, [2]);
+    assert!(p.admitted.is_empty(), "no admission in a short step");
+    assert_eq!(c.blocks, [3, 0]);
+    c.check();
+    s.update(&tokens_out(&p, 3));
+    // 2 waits at the head: re-admission needs 2 blocks for its 7 tokens, only 1 is free.
+    let p = s.schedule_with(&mut c);
+    assert_eq!(shape(&p), [(1, 1, 9, true)]);
+    assert_eq!(s.waiting().collect::<Vec<_>>(), [2]);
+    s.cancel(1);
+    // 1's blocks are kept for reuse, then evicted for 2.
+    let p = s.schedule_with(&mut c);
+    assert_eq!(shape(&p), [(2, 8, 0, true)]);
+    assert!(!p.admitted[0].first);
+    assert_eq!(c.blocks, [0, 2]);
+    c.check();
 }

@@ -104,7 +104,7 @@ fn wait_metrics(h: &EngineHandle, what: &str, f: impl Fn(&EngineMetrics) -> bool
 
 fn assert_idle(h: &EngineHandle) -> EngineMetrics {
     wait_metrics(h, "engine idle", |m| {
-        m.slots_used == 0 && m.queued == 0 && m.running == 0
+        m.slots_used == 0 && m.queued == 0 && m.running == 0 && m.cache_blocks_used == 0
     })
 }
 
@@ -173,8 +173,9 @@ fn requests() -> Vec<Request> {
     out
 }
 
-/// Run the 16 requests concurrently and compare with solo runs.
-fn check_equivalence(name: &str, solo_chunk: Option<usize>) {
+/// Run the 16 requests concurrently and compare with solo runs. `pool`: KV pool positions
+/// (`None`: every slot full at once).
+fn check_equivalence(name: &str, solo_chunk: Option<usize>, pool: Option<usize>) {
     let (model, tok) = load(name);
     let n_ctx = 256;
     let max_batch_tokens = 32;
@@ -213,6 +214,8 @@ fn check_equivalence(name: &str, solo_chunk: Option<usize>) {
             n_ctx,
             max_queue: 64,
             kv_type: KvType::F32,
+            kv_pool_tokens: pool,
+            ..EngineConfig::default()
         },
     )
     .unwrap();
@@ -257,23 +260,43 @@ fn check_equivalence(name: &str, solo_chunk: Option<usize>) {
     assert_eq!(m.cached_tokens_total, n_cached);
     assert_eq!(m.slots_total, 5);
     assert!(m.steps > 0);
+    if pool.is_some() {
+        assert!(m.preemptions > 0, "{name}: the small pool forced preemptions");
+    }
+    assert_eq!(
+        m.cache_blocks_total,
+        pool.unwrap_or(5 * n_ctx).div_ceil(kapitsa_models::DEFAULT_BLOCK_SIZE)
+    );
     eprintln!("{name}: {m:?}");
     h.shutdown();
 }
 
 #[test]
 fn concurrent_requests_match_solo_generate_qwen2() {
-    check_equivalence("qwen2-a", None);
+    check_equivalence("qwen2-a", None, None);
 }
 
 #[test]
 fn concurrent_requests_match_solo_generate_qwen35moe() {
-    check_equivalence("qwen35moe-a", None);
+    check_equivalence("qwen35moe-a", None, None);
 }
 
 #[test]
 fn concurrent_requests_match_solo_generate_nemotronh_moe() {
-    check_equivalence("nemotronh-moe-a", None);
+    check_equivalence("nemotronh-moe-a", None, None);
+}
+
+/// A KV pool of one context plus two blocks for five running sequences: memory runs out,
+/// kept prefixes are evicted and the newest sequences preempted and recomputed, and every
+/// output is still the solo one.
+#[test]
+fn small_kv_pool_preempts_and_still_matches_solo_qwen2() {
+    check_equivalence("qwen2-a", None, Some(256 + 32));
+}
+
+#[test]
+fn small_kv_pool_preempts_and_still_matches_solo_qwen35moe() {
+    check_equivalence("qwen35moe-a", None, Some(256 + 32));
 }
 
 #[test]
@@ -295,6 +318,7 @@ fn start(model: Arc<dyn CausalLm>, tok: Arc<Tokenizer>, max_running: usize) -> E
             n_ctx: 256,
             max_queue: 4,
             kv_type: KvType::F32,
+            ..EngineConfig::default()
         },
     )
     .unwrap()
@@ -576,6 +600,7 @@ fn check_faults(name: &str, fault: Fault) {
             n_ctx: 256,
             max_queue: 8,
             kv_type: KvType::F32,
+            ..EngineConfig::default()
         },
     )
     .unwrap();

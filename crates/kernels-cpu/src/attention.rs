@@ -3,14 +3,17 @@
 //! Layouts (row-major):
 //! - `q`: `[n_tok, n_head, head_dim]` f32, the new tokens of ONE sequence, token `i` at
 //!   position `pos[i]`;
-//! - `k`, `v`: `[n_ctx, n_head_kv, head_dim]` in f32 or f16, indexed by position; every
-//!   position `0..=max(pos)` must already hold the keys/values (the caller writes the new
-//!   tokens' K/V before calling);
+//! - `k`, `v`: [`KvView`]s: the cache rows of that sequence, one row `[n_head_kv, head_dim]`
+//!   (f32 or f16) per position, stored in fixed-size blocks located by a block table (paged
+//!   KV) or in one contiguous run ([`KvView::contiguous`]); every position `0..=max(pos)`
+//!   must already hold the keys/values (the caller writes the new tokens' K/V before
+//!   calling);
 //! - `out`: `[n_tok, n_head, head_dim]` f32.
 //!
 //! Query head `h` reads KV head `h / (n_head / n_head_kv)`; token `i` attends to positions
-//! `0..=pos[i]`. Work is split by KV head: each task converts its K/V columns to f32 once and
-//! serves every query head of its group and every query token.
+//! `0..=pos[i]`. Work is split by KV head: each task gathers its K/V columns into f32 once
+//! (following the block table) and serves every query head of its group and every query
+//! token.
 
 use half::f16;
 use kapitsa_base::ThreadPool;
@@ -18,7 +21,7 @@ use std::sync::Mutex;
 
 use crate::ops::{axpy, dot_f32};
 
-/// Borrowed K or V cache storage of one sequence and layer.
+/// Borrowed K or V cache storage (elements of one layer).
 #[derive(Debug, Clone, Copy)]
 pub enum KvSlice<'a> {
     /// f32 elements.
@@ -35,6 +38,65 @@ impl KvSlice<'_> {
         }
     }
 
+    /// Convert `dst.len()` elements starting at element `src` to f32.
+    fn read(&self, src: usize, dst: &mut [f32]) {
+        let n = dst.len();
+        match self {
+            KvSlice::F32(s) => dst.copy_from_slice(&s[src..src + n]),
+            KvSlice::F16(s) => {
+                for (o, h) in dst.iter_mut().zip(&s[src..src + n]) {
+                    *o = h.to_f32();
+                }
+            }
+        }
+    }
+}
+
+/// The block table of a contiguous view: one block, id 0.
+const ONE_BLOCK: [u32; 1] = [0];
+
+/// The K or V rows of one sequence in one layer.
+///
+/// `data` holds whole blocks: `[n_blocks, block_size, n_head_kv, head_dim]`. Position `p`
+/// of the sequence is row `p % block_size` of block `table[p / block_size]`.
+#[derive(Debug, Clone, Copy)]
+pub struct KvView<'a> {
+    /// Every block of the layer.
+    pub data: KvSlice<'a>,
+    /// Block ids of the sequence, in position order.
+    pub table: &'a [u32],
+    /// Positions per block (>= 1).
+    pub block_size: usize,
+}
+
+impl<'a> KvView<'a> {
+    /// Rows stored contiguously: position `p` is row `p` of `data`.
+    pub fn contiguous(data: KvSlice<'a>) -> KvView<'a> {
+        KvView {
+            data,
+            table: &ONE_BLOCK,
+            block_size: usize::MAX,
+        }
+    }
+
+    /// Whether positions `0..n` (rows of `stride` elements) are inside `data`.
+    fn holds(&self, n: usize, stride: usize) -> bool {
+        if n == 0 {
+            return true;
+        }
+        let bs = self.block_size.max(1);
+        let nb = (n - 1) / bs + 1;
+        nb <= self.table.len()
+            && self.table[..nb].iter().enumerate().all(|(i, &b)| {
+                let rows = (n - i * bs).min(bs);
+                (b as usize)
+                    .checked_mul(bs)
+                    .and_then(|r| r.checked_add(rows))
+                    .and_then(|r| r.checked_mul(stride))
+                    .is_some_and(|end| end <= self.data.len())
+            })
+    }
+
     /// Copy column block `[0..n, kvh, :]` to `dst` (`[n, head_dim]`) as f32.
     fn gather_head(
         &self,
@@ -45,17 +107,20 @@ impl KvSlice<'_> {
         dst: &mut [f32],
     ) {
         let stride = n_head_kv * head_dim;
-        for j in 0..n {
-            let src = j * stride + kvh * head_dim;
-            let d = &mut dst[j * head_dim..(j + 1) * head_dim];
-            match self {
-                KvSlice::F32(s) => d.copy_from_slice(&s[src..src + head_dim]),
-                KvSlice::F16(s) => {
-                    for (o, h) in d.iter_mut().zip(&s[src..src + head_dim]) {
-                        *o = h.to_f32();
-                    }
-                }
+        let bs = self.block_size.max(1);
+        let mut j = 0;
+        for &b in self.table {
+            if j >= n {
+                break;
             }
+            let rows = (n - j).min(bs);
+            let base = b as usize * bs;
+            for r in 0..rows {
+                let src = (base + r) * stride + kvh * head_dim;
+                self.data
+                    .read(src, &mut dst[(j + r) * head_dim..(j + r + 1) * head_dim]);
+            }
+            j += rows;
         }
     }
 }
@@ -83,8 +148,8 @@ pub fn attention(
     shape: AttnShape,
     q: &[f32],
     pos: &[u32],
-    k: KvSlice<'_>,
-    v: KvSlice<'_>,
+    k: KvView<'_>,
+    v: KvView<'_>,
     out: &mut [f32],
 ) {
     let AttnShape {
@@ -98,7 +163,7 @@ pub fn attention(
     assert_eq!(q.len(), n_tok * n_head * head_dim);
     assert_eq!(out.len(), q.len());
     let n_ctx = pos.iter().map(|&p| p as usize + 1).max().unwrap_or(0);
-    assert!(k.len() >= n_ctx * n_head_kv * head_dim && v.len() >= n_ctx * n_head_kv * head_dim);
+    assert!(k.holds(n_ctx, n_head_kv * head_dim) && v.holds(n_ctx, n_head_kv * head_dim));
     let group = n_head / n_head_kv;
 
     let results: Vec<Mutex<Vec<f32>>> = (0..n_head_kv).map(|_| Mutex::new(Vec::new())).collect();
@@ -337,8 +402,8 @@ mod tests {
                 shape,
                 &q,
                 &pos,
-                KvSlice::F32(&k),
-                KvSlice::F32(&v),
+                KvView::contiguous(KvSlice::F32(&k)),
+                KvView::contiguous(KvSlice::F32(&v)),
                 &mut got,
             );
             let mut got1 = vec![0f32; q.len()];
@@ -347,8 +412,8 @@ mod tests {
                 shape,
                 &q,
                 &pos,
-                KvSlice::F32(&k),
-                KvSlice::F32(&v),
+                KvView::contiguous(KvSlice::F32(&k)),
+                KvView::contiguous(KvSlice::F32(&v)),
                 &mut got1,
             );
             assert_eq!(got, got1, "thread count changed the result");
@@ -363,13 +428,107 @@ mod tests {
                 shape,
                 &q,
                 &pos,
-                KvSlice::F16(&kh),
-                KvSlice::F16(&vh),
+                KvView::contiguous(KvSlice::F16(&kh)),
+                KvView::contiguous(KvSlice::F16(&vh)),
                 &mut got,
             );
             for (a, b) in got.iter().zip(&want) {
                 assert!((a - b).abs() < 5e-3, "{a} vs {b}");
             }
         }
+    }
+
+    /// Rows scattered over shuffled blocks of a bigger pool give bit-identical results to the
+    /// same rows stored contiguously, for f32 and f16 and block sizes that do and do not
+    /// divide the context.
+    #[test]
+    fn paged_equals_contiguous() {
+        let pool = RayonPool::new(2).unwrap();
+        let (n_head, n_head_kv, head_dim, n_ctx, n_tok) = (4usize, 2usize, 32usize, 37usize, 4);
+        let stride = n_head_kv * head_dim;
+        let shape = AttnShape {
+            n_head,
+            n_head_kv,
+            head_dim,
+            scale: 0.3,
+        };
+        let k = rnd(n_ctx * stride, 11);
+        let v = rnd(n_ctx * stride, 12);
+        let q = rnd(n_tok * n_head * head_dim, 13);
+        let pos: Vec<u32> = ((n_ctx - n_tok) as u32..n_ctx as u32).collect();
+        let mut want = vec![0f32; q.len()];
+        attention(
+            &pool,
+            shape,
+            &q,
+            &pos,
+            KvView::contiguous(KvSlice::F32(&k)),
+            KvView::contiguous(KvSlice::F32(&v)),
+            &mut want,
+        );
+        for bs in [1usize, 5, 16, 37, 64] {
+            let nb = n_ctx.div_ceil(bs);
+            let n_pool = nb + 3;
+            // Block i of the sequence goes to pool block (7 i + 2) mod n_pool (a permutation:
+            // 7 and n_pool are coprime for these sizes or fall back to reversal).
+            let mut table: Vec<u32> = (0..nb).map(|i| ((7 * i + 2) % n_pool) as u32).collect();
+            let mut seen = table.clone();
+            seen.sort_unstable();
+            seen.dedup();
+            if seen.len() != nb {
+                table = (0..nb).rev().map(|i| i as u32).collect();
+            }
+            let mut kp = vec![f32::NAN; n_pool * bs * stride];
+            let mut vp = vec![f32::NAN; n_pool * bs * stride];
+            for p in 0..n_ctx {
+                let row = table[p / bs] as usize * bs + p % bs;
+                kp[row * stride..(row + 1) * stride].copy_from_slice(&k[p * stride..(p + 1) * stride]);
+                vp[row * stride..(row + 1) * stride].copy_from_slice(&v[p * stride..(p + 1) * stride]);
+            }
+            let view = |d| KvView {
+                data: KvSlice::F32(d),
+                table: &table,
+                block_size: bs,
+            };
+            let mut got = vec![0f32; q.len()];
+            attention(&pool, shape, &q, &pos, view(&kp), view(&vp), &mut got);
+            assert!(
+                got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "block size {bs}"
+            );
+            let kh: Vec<f16> = kp.iter().map(|&x| f16::from_f32(x)).collect();
+            let vh: Vec<f16> = vp.iter().map(|&x| f16::from_f32(x)).collect();
+            let hview = |d| KvView {
+                data: KvSlice::F16(d),
+                table: &table,
+                block_size: bs,
+            };
+            attention(&pool, shape, &q, &pos, hview(&kh), hview(&vh), &mut got);
+            for (a, b) in got.iter().zip(&want) {
+                assert!((a - b).abs() < 5e-3, "f16, block size {bs}: {a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic]
+    fn table_too_short_is_caught() {
+        let k = vec![0f32; 64];
+        let table = [0u32];
+        let view = KvView {
+            data: KvSlice::F32(&k),
+            table: &table,
+            block_size: 2,
+        };
+        let q = vec![0f32; 8];
+        let mut out = vec![0f32; 8];
+        let shape = AttnShape {
+            n_head: 1,
+            n_head_kv: 1,
+            head_dim: 8,
+            scale: 1.0,
+        };
+        // Position 2 needs a second block.
+        attention(&SerialPool, shape, &q, &[2], view, view, &mut out);
     }
 }

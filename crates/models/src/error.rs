@@ -45,6 +45,15 @@ pub enum ModelError {
         /// Context size of the cache.
         n_ctx: usize,
     },
+    /// The KV block pool has too few free blocks for a chunk ([`crate::KvCache::prepare`]);
+    /// the caller frees some (evicts or preempts a sequence) and retries.
+    #[error("KV cache full: {needed} free blocks needed, {free} free")]
+    OutOfBlocks {
+        /// Blocks the chunk needs.
+        needed: usize,
+        /// Blocks free.
+        free: usize,
+    },
 }
 
 /// Result of model operations.

@@ -1,10 +1,16 @@
 //! The per-sequence cache of a model, owned by the caller and borrowed by `forward`, laid out
 //! from the model's layer kinds ([`crate::ModelSpec::layers`]).
 //!
-//! - Attention layers: K and V buffers of `[n_slots, n_ctx, n_head_kv * head_dim]` (slot-major,
-//!   then position, then head, then dim). A sequence owns one slot; position `p` of its tokens
-//!   is row `p` of its slot. (Paged blocks replace the contiguous slot in the serving issue; the
-//!   forward pass only sees [`KvCache::layer`].)
+//! - Attention layers: **paged** K and V. Each layer has a pool of `n_blocks` blocks of
+//!   `block_size` positions, `[n_blocks, block_size, n_head_kv * head_dim]` per buffer (block,
+//!   then position in block, then head, then dim). A block id means the same block in every
+//!   attention layer. Each sequence slot has a block table; position `p` of its tokens is row
+//!   `p % block_size` of block `table[p / block_size]`. Blocks are taken from a free list when
+//!   a chunk is about to be written ([`KvCache::prepare`], called by `forward`; an engine calls
+//!   it earlier to know whether memory suffices) and go back when a slot is truncated or
+//!   released. Blocks are reference-counted: [`KvCache::share_prefix`] lets a slot use another
+//!   slot's prefix blocks without copying, and a shared block is copied before it is written
+//!   (copy on write), so a slot never sees another slot's writes.
 //! - Recurrent layers: per slot, an f32 conv window `[conv_kernel - 1, conv_channels]` (oldest
 //!   row first) and an f32 recurrent state of `state_len` values. A recurrent state summarises
 //!   every token before it, so it can only be extended, never rewound: the cache records how
@@ -13,9 +19,12 @@
 //!   ([`KvCache::save_recurrent`]) let a caller go back to an earlier point.
 
 use half::f16;
-use kapitsa_kernels_cpu::attention::KvSlice;
+use kapitsa_kernels_cpu::attention::{KvSlice, KvView};
 
-use crate::{CausalLm, LayerKind, ModelError, RecurrentShape, Result};
+use crate::{CausalLm, LayerKind, ModelError, ModelSpec, RecurrentShape, Result};
+
+/// Positions per KV block unless the caller chooses ([`KvCache::for_model`]).
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
 
 /// Element type of the cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -25,6 +34,16 @@ pub enum KvType {
     F16,
     /// f32, exact; used by reference tests.
     F32,
+}
+
+impl KvType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            KvType::F32 => 4,
+            KvType::F16 => 2,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -52,10 +71,17 @@ impl Buf {
         }
     }
 
-    fn slice(&self, range: std::ops::Range<usize>) -> KvSlice<'_> {
+    fn copy_within(&mut self, src: std::ops::Range<usize>, dst: usize) {
         match self {
-            Buf::F32(b) => KvSlice::F32(&b[range]),
-            Buf::F16(b) => KvSlice::F16(&b[range]),
+            Buf::F32(b) => b.copy_within(src, dst),
+            Buf::F16(b) => b.copy_within(src, dst),
+        }
+    }
+
+    fn all(&self) -> KvSlice<'_> {
+        match self {
+            Buf::F32(b) => KvSlice::F32(b),
+            Buf::F16(b) => KvSlice::F16(b),
         }
     }
 }
@@ -104,35 +130,85 @@ impl RecurrentSnapshot {
     }
 }
 
-/// Cache storage for every layer of one model: KV for attention layers, states for recurrent
-/// layers.
+/// Cache storage for every layer of one model: paged KV for attention layers, states for
+/// recurrent layers (see the module docs).
 #[derive(Debug)]
 pub struct KvCache {
     n_slots: usize,
     n_ctx: usize,
     kv_dim: usize,
     kv_type: KvType,
+    block_size: usize,
+    n_blocks: usize,
     /// Indexed by model layer.
     layers: Vec<LayerCache>,
+    /// Per slot: block ids, in position order.
+    tables: Vec<Vec<u32>>,
+    /// Per block: how many slot tables hold it (0 = free).
+    refs: Vec<u32>,
+    /// Free block ids; popped from the end (so the lowest ids go first).
+    free: Vec<u32>,
     /// Per slot: tokens the recurrent states hold (`REC_INVALID` after a failed pass).
     rec_pos: Vec<usize>,
 }
 
 impl KvCache {
-    /// A cache for `model` with `n_slots` sequences of up to `n_ctx` tokens each.
+    /// A cache for `model` with `n_slots` sequences of up to `n_ctx` tokens each, with blocks
+    /// of [`DEFAULT_BLOCK_SIZE`] positions and enough of them for every slot to be full at
+    /// once (memory use as a contiguous cache; blocks are still handed out on demand).
     pub fn for_model(
         model: &dyn CausalLm,
         n_slots: usize,
         n_ctx: usize,
         kv_type: KvType,
     ) -> Result<KvCache> {
-        let spec = model.spec();
-        let kv_dim = spec.n_head_kv * spec.head_dim;
-        let per = n_slots
-            .checked_mul(n_ctx)
-            .and_then(|x| x.checked_mul(kv_dim))
+        let n_blocks = n_slots
+            .checked_mul(n_ctx.div_ceil(DEFAULT_BLOCK_SIZE))
             .ok_or_else(|| {
                 ModelError::Config(format!("cache of {n_slots} x {n_ctx} tokens is too large"))
+            })?;
+        KvCache::paged(model, n_slots, n_ctx, n_blocks, DEFAULT_BLOCK_SIZE, kv_type)
+    }
+
+    /// A cache for `model`: `n_slots` sequences of up to `n_ctx` tokens each, sharing a pool
+    /// of `n_blocks` KV blocks of `block_size` positions (`n_blocks * block_size` may be less
+    /// than `n_slots * n_ctx`: [`KvCache::prepare`] then reports
+    /// [`ModelError::OutOfBlocks`] when the pool runs dry, and the caller frees some).
+    /// Recurrent states are allocated for every slot up front.
+    pub fn paged(
+        model: &dyn CausalLm,
+        n_slots: usize,
+        n_ctx: usize,
+        n_blocks: usize,
+        block_size: usize,
+        kv_type: KvType,
+    ) -> Result<KvCache> {
+        KvCache::with_spec(model.spec(), n_slots, n_ctx, n_blocks, block_size, kv_type)
+    }
+
+    /// [`KvCache::paged`] from the model's spec alone.
+    pub fn with_spec(
+        spec: &ModelSpec,
+        n_slots: usize,
+        n_ctx: usize,
+        n_blocks: usize,
+        block_size: usize,
+        kv_type: KvType,
+    ) -> Result<KvCache> {
+        let kv_dim = spec.n_head_kv * spec.head_dim;
+        if block_size == 0 {
+            return Err(ModelError::Config("KV block size must be >= 1".into()));
+        }
+        if n_blocks > u32::MAX as usize {
+            return Err(ModelError::Config(format!("{n_blocks} KV blocks is too many")));
+        }
+        let per = n_blocks
+            .checked_mul(block_size)
+            .and_then(|x| x.checked_mul(kv_dim))
+            .ok_or_else(|| {
+                ModelError::Config(format!(
+                    "KV pool of {n_blocks} blocks x {block_size} tokens is too large"
+                ))
             })?;
         let too_large =
             || ModelError::Config(format!("recurrent state for {n_slots} slots is too large"));
@@ -162,7 +238,12 @@ impl KvCache {
             n_ctx,
             kv_dim,
             kv_type,
+            block_size,
+            n_blocks,
             layers,
+            tables: vec![Vec::new(); n_slots],
+            refs: vec![0; n_blocks],
+            free: (0..n_blocks as u32).rev().collect(),
             rec_pos: vec![0; n_slots],
         })
     }
@@ -172,7 +253,7 @@ impl KvCache {
         self.n_slots
     }
 
-    /// Tokens per slot.
+    /// Most tokens one slot can hold.
     pub fn n_ctx(&self) -> usize {
         self.n_ctx
     }
@@ -182,32 +263,213 @@ impl KvCache {
         self.kv_type
     }
 
-    /// Bytes held by the cache.
-    pub fn size_bytes(&self) -> usize {
-        let el = match self.kv_type {
-            KvType::F32 => 4,
-            KvType::F16 => 2,
-        };
+    /// Positions per KV block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// KV blocks in the pool.
+    pub fn n_blocks(&self) -> usize {
+        self.n_blocks
+    }
+
+    /// KV blocks not held by any slot.
+    pub fn n_free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Whether the model has attention layers (only then do blocks matter).
+    pub fn has_kv(&self) -> bool {
+        self.layers.iter().any(|l| matches!(l, LayerCache::Kv(_)))
+    }
+
+    /// Bytes of one KV block over all attention layers (K and V).
+    pub fn block_bytes(&self) -> usize {
+        let n_kv = self
+            .layers
+            .iter()
+            .filter(|l| matches!(l, LayerCache::Kv(_)))
+            .count();
+        2 * n_kv * self.block_size * self.kv_dim * self.kv_type.size()
+    }
+
+    /// Bytes of the recurrent states of one slot.
+    pub fn slot_state_bytes(&self) -> usize {
         self.layers
             .iter()
             .map(|l| match l {
-                LayerCache::None => 0,
-                LayerCache::Kv(_) => 2 * self.n_slots * self.n_ctx * self.kv_dim * el,
-                LayerCache::Rec(r) => 4 * (r.conv.len() + r.state.len()),
+                LayerCache::Rec(r) => 4 * (r.shape.conv_len() + r.shape.state_len),
+                _ => 0,
             })
             .sum()
+    }
+
+    /// Bytes held by the cache.
+    pub fn size_bytes(&self) -> usize {
+        self.n_blocks * self.block_bytes() + self.n_slots * self.slot_state_bytes()
+    }
+
+    /// Blocks in `slot`'s table.
+    pub fn slot_blocks(&self, slot: usize) -> usize {
+        self.tables.get(slot).map_or(0, Vec::len)
+    }
+
+    /// Free blocks [`KvCache::prepare`]`(slot, pos0, n)` would take: blocks for positions
+    /// past the table's end, plus copies of shared blocks in `pos0..pos0 + n`.
+    pub fn blocks_needed(&self, slot: usize, pos0: usize, n: usize) -> usize {
+        if !self.has_kv() || n == 0 {
+            return 0;
+        }
+        let Some(t) = self.tables.get(slot) else {
+            return 0;
+        };
+        let bs = self.block_size;
+        let want = (pos0 + n).div_ceil(bs);
+        let grow = want.saturating_sub(t.len());
+        let cow = (pos0 / bs..want.min(t.len()))
+            .filter(|&b| self.refs[t[b] as usize] > 1)
+            .count();
+        grow + cow
+    }
+
+    /// Make `slot` ready for writing positions `pos0..pos0 + n`: its table covers positions
+    /// `0..pos0 + n` (new blocks from the free list) and every block in the written range is
+    /// its own (shared ones are copied first). Nothing changes on error:
+    /// [`ModelError::ContextFull`] past `n_ctx`, [`ModelError::OutOfBlocks`] when the free
+    /// list is too short.
+    pub fn prepare(&mut self, slot: usize, pos0: usize, n: usize) -> Result<()> {
+        if slot >= self.n_slots {
+            return Err(ModelError::Batch(format!("slot {slot} out of range")));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        if pos0 + n > self.n_ctx {
+            return Err(ModelError::ContextFull {
+                pos: pos0 + n - 1,
+                n_ctx: self.n_ctx,
+            });
+        }
+        if !self.has_kv() {
+            return Ok(());
+        }
+        let needed = self.blocks_needed(slot, pos0, n);
+        if needed > self.free.len() {
+            return Err(ModelError::OutOfBlocks {
+                needed,
+                free: self.free.len(),
+            });
+        }
+        let bs = self.block_size;
+        let want = (pos0 + n).div_ceil(bs);
+        for b in pos0 / bs..want.min(self.tables[slot].len()) {
+            let old = self.tables[slot][b];
+            if self.refs[old as usize] > 1 {
+                let new = self.take_block();
+                self.copy_block(old, new);
+                self.refs[old as usize] -= 1;
+                self.tables[slot][b] = new;
+            }
+        }
+        while self.tables[slot].len() < want {
+            let new = self.take_block();
+            self.tables[slot].push(new);
+        }
+        Ok(())
+    }
+
+    /// Pop a free block (the caller checked there is one) with reference count 1.
+    fn take_block(&mut self) -> u32 {
+        // Callers check `blocks_needed <= free.len()` first; an empty list here would be a
+        // bookkeeping bug, and block 0 keeps the cache usable in release builds.
+        debug_assert!(!self.free.is_empty());
+        let b = self.free.pop().unwrap_or(0);
+        self.refs[b as usize] += 1;
+        b
+    }
+
+    fn copy_block(&mut self, from: u32, to: u32) {
+        let len = self.block_size * self.kv_dim;
+        let (src, dst) = (from as usize * len, to as usize * len);
+        for l in &mut self.layers {
+            if let LayerCache::Kv(kv) = l {
+                kv.k.copy_within(src..src + len, dst);
+                kv.v.copy_within(src..src + len, dst);
+            }
+        }
+    }
+
+    fn drop_block(&mut self, b: u32) {
+        let r = &mut self.refs[b as usize];
+        debug_assert!(*r > 0);
+        *r = r.saturating_sub(1);
+        if *r == 0 {
+            self.free.push(b);
+        }
+    }
+
+    /// Keep only the blocks of `slot` that hold positions `0..n`; the others go back to the
+    /// pool (when no other slot shares them). Recurrent states are not touched.
+    pub fn truncate(&mut self, slot: usize, n: usize) {
+        let Some(t) = self.tables.get_mut(slot) else {
+            return;
+        };
+        let keep = n.div_ceil(self.block_size);
+        if t.len() <= keep {
+            return;
+        }
+        let gone: Vec<u32> = t.drain(keep..).collect();
+        for b in gone {
+            self.drop_block(b);
+        }
+    }
+
+    /// Give back every block of `slot` and mark its recurrent states unusable: the slot
+    /// holds nothing.
+    pub fn release(&mut self, slot: usize) {
+        self.truncate(slot, 0);
+        if let Some(p) = self.rec_pos.get_mut(slot) {
+            *p = if self.layers.iter().any(|l| matches!(l, LayerCache::Rec(_))) {
+                REC_INVALID
+            } else {
+                0
+            };
+        }
+    }
+
+    /// Make `to` hold positions `0..n` of `from` (prefix sharing): `to` gives back its blocks
+    /// and takes `from`'s first blocks by reference, no copy (the first write into a shared
+    /// block copies it). Recurrent states are copied when `from`'s hold exactly `n` tokens;
+    /// otherwise `to`'s are marked unusable.
+    pub fn share_prefix(&mut self, from: usize, to: usize, n: usize) -> Result<()> {
+        if from >= self.n_slots || to >= self.n_slots {
+            return Err(ModelError::Batch(format!(
+                "slot {} out of range",
+                from.max(to)
+            )));
+        }
+        if from == to {
+            return Ok(());
+        }
+        if self.has_recurrent() {
+            match self.save_recurrent(from).filter(|s| s.pos == n) {
+                Some(snap) => self.restore_recurrent(to, &snap)?,
+                None => self.rec_pos[to] = REC_INVALID,
+            }
+        }
+        self.truncate(to, 0);
+        let nb = n.div_ceil(self.block_size).min(self.tables[from].len());
+        let shared: Vec<u32> = self.tables[from][..nb].to_vec();
+        for &b in &shared {
+            self.refs[b as usize] += 1;
+        }
+        self.tables[to] = shared;
+        Ok(())
     }
 
     /// Whether any layer keeps recurrent state (such a cache cannot be rewound).
     pub fn has_recurrent(&self) -> bool {
         self.layers.iter().any(|l| matches!(l, LayerCache::Rec(_)))
-    }
-
-    fn layer_mut(&mut self, layer: usize) -> Result<&mut LayerKv> {
-        match self.layers.get_mut(layer) {
-            Some(LayerCache::Kv(l)) => Ok(l),
-            _ => Err(ModelError::Batch(format!("layer {layer} has no KV cache"))),
-        }
     }
 
     /// Tokens the recurrent states of `slot` summarise, or `None` when they are unusable
@@ -328,7 +590,8 @@ impl KvCache {
         Ok(())
     }
 
-    /// Store K and V rows (`[n, kv_dim]` each) for positions `pos0..pos0+n` of `slot`.
+    /// Store K and V rows (`[n, kv_dim]` each) for positions `pos0..pos0+n` of `slot`; the
+    /// range must have been made ready with [`KvCache::prepare`].
     pub fn write(
         &mut self,
         layer: usize,
@@ -337,23 +600,43 @@ impl KvCache {
         k: &[f32],
         v: &[f32],
     ) -> Result<()> {
-        let (n_ctx, kv_dim) = (self.n_ctx, self.kv_dim);
+        let (bs, kv_dim) = (self.block_size, self.kv_dim);
         let n = k.len() / kv_dim;
-        if pos0 + n > n_ctx {
+        if pos0 + n > self.n_ctx {
             return Err(ModelError::ContextFull {
                 pos: pos0 + n - 1,
-                n_ctx,
+                n_ctx: self.n_ctx,
             });
         }
-        let at = (slot * n_ctx + pos0) * kv_dim;
-        let l = self.layer_mut(layer)?;
-        l.k.write(at, k);
-        l.v.write(at, v);
+        let table = self
+            .tables
+            .get(slot)
+            .ok_or_else(|| ModelError::Batch(format!("slot {slot} out of range")))?;
+        if table.len() * bs < pos0 + n {
+            return Err(ModelError::Batch(format!(
+                "slot {slot}: positions {pos0}..{} were not prepared",
+                pos0 + n
+            )));
+        }
+        let Some(LayerCache::Kv(l)) = self.layers.get_mut(layer) else {
+            return Err(ModelError::Batch(format!("layer {layer} has no KV cache")));
+        };
+        let mut i = 0;
+        while i < n {
+            let p = pos0 + i;
+            let b = table[p / bs] as usize;
+            debug_assert!(self.refs[b] == 1, "write into a shared block");
+            let rows = (bs - p % bs).min(n - i);
+            let at = (b * bs + p % bs) * kv_dim;
+            l.k.write(at, &k[i * kv_dim..(i + rows) * kv_dim]);
+            l.v.write(at, &v[i * kv_dim..(i + rows) * kv_dim]);
+            i += rows;
+        }
         Ok(())
     }
 
-    /// K and V of `slot` for positions `0..n` (`[n, kv_dim]` each).
-    pub fn layer(&self, layer: usize, slot: usize, n: usize) -> Result<(KvSlice<'_>, KvSlice<'_>)> {
+    /// K and V of `slot` for positions `0..n`.
+    pub fn layer(&self, layer: usize, slot: usize, n: usize) -> Result<(KvView<'_>, KvView<'_>)> {
         if n > self.n_ctx {
             return Err(ModelError::ContextFull {
                 pos: n - 1,
@@ -363,43 +646,154 @@ impl KvCache {
         let Some(LayerCache::Kv(l)) = self.layers.get(layer) else {
             return Err(ModelError::Batch(format!("layer {layer} has no KV cache")));
         };
-        let at = slot * self.n_ctx * self.kv_dim;
-        let r = at..at + n * self.kv_dim;
-        Ok((l.k.slice(r.clone()), l.v.slice(r)))
+        let table = self
+            .tables
+            .get(slot)
+            .ok_or_else(|| ModelError::Batch(format!("slot {slot} out of range")))?;
+        let nb = n.div_ceil(self.block_size);
+        if table.len() < nb {
+            return Err(ModelError::Batch(format!(
+                "slot {slot} holds {} positions, {n} requested",
+                table.len() * self.block_size
+            )));
+        }
+        let (table, block_size) = (&table[..nb], self.block_size);
+        Ok((
+            KvView {
+                data: l.k.all(),
+                table,
+                block_size,
+            },
+            KvView {
+                data: l.v.all(),
+                table,
+                block_size,
+            },
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(recurrent: bool) -> ModelSpec {
+        let mut layers = vec![LayerKind::Attention, LayerKind::Stateless, LayerKind::Attention];
+        if recurrent {
+            layers.push(LayerKind::Recurrent(RecurrentShape {
+                conv_channels: 3,
+                conv_kernel: 4,
+                state_len: 5,
+            }));
+        }
+        ModelSpec {
+            arch: "test".into(),
+            n_vocab: 10,
+            n_ctx_train: 1000,
+            layers,
+            n_head_kv: 1,
+            head_dim: 2,
+            n_mtp_layers: 0,
+        }
     }
 
-    /// Copy positions `0..n` of slot `from` into slot `to` (prefix sharing in tests and the
-    /// engine's fork). Recurrent states are copied too when they hold exactly `n` tokens;
-    /// otherwise `to`'s states are marked unusable.
-    pub fn copy_slot(&mut self, from: usize, to: usize, n: usize) {
-        let (n_ctx, kv_dim) = (self.n_ctx, self.kv_dim);
-        let len = n.min(n_ctx) * kv_dim;
-        if self.has_recurrent() {
-            match self.save_recurrent(from).filter(|s| s.pos == n) {
-                Some(snap) if self.restore_recurrent(to, &snap).is_ok() => {}
-                _ => {
-                    if let Some(p) = self.rec_pos.get_mut(to) {
-                        *p = REC_INVALID;
-                    }
-                }
-            }
+    /// Rows `0..n` of layer 0 of `slot`, K only, as f32 values.
+    fn read_k(c: &KvCache, slot: usize, n: usize) -> Vec<f32> {
+        let (k, _) = c.layer(0, slot, n).unwrap();
+        let KvSlice::F32(d) = k.data else {
+            panic!("f32 cache")
+        };
+        (0..n)
+            .flat_map(|p| {
+                let row = k.table[p / k.block_size] as usize * k.block_size + p % k.block_size;
+                d[row * 2..row * 2 + 2].to_vec()
+            })
+            .collect()
+    }
+
+    fn write_rows(c: &mut KvCache, slot: usize, pos0: usize, vals: &[f32]) {
+        let n = vals.len() / 2;
+        c.prepare(slot, pos0, n).unwrap();
+        for layer in [0, 2] {
+            c.write(layer, slot, pos0, vals, vals).unwrap();
         }
-        for l in self.layers.iter_mut().filter_map(|l| match l {
-            LayerCache::Kv(kv) => Some(kv),
-            _ => None,
-        }) {
-            for b in [&mut l.k, &mut l.v] {
-                match b {
-                    Buf::F32(x) => x.copy_within(
-                        from * n_ctx * kv_dim..from * n_ctx * kv_dim + len,
-                        to * n_ctx * kv_dim,
-                    ),
-                    Buf::F16(x) => x.copy_within(
-                        from * n_ctx * kv_dim..from * n_ctx * kv_dim + len,
-                        to * n_ctx * kv_dim,
-                    ),
-                }
-            }
-        }
+    }
+
+    fn total_refs(c: &KvCache) -> usize {
+        c.refs.iter().map(|&r| r as usize).sum()
+    }
+
+    #[test]
+    fn blocks_are_taken_on_demand_and_returned() {
+        let mut c = KvCache::with_spec(&spec(false), 3, 20, 6, 4, KvType::F32).unwrap();
+        assert_eq!((c.n_blocks(), c.n_free_blocks()), (6, 6));
+        assert_eq!(c.block_bytes(), 2 * 2 * 4 * 2 * 4);
+        let v: Vec<f32> = (0..2 * 9).map(|x| x as f32).collect();
+        write_rows(&mut c, 0, 0, &v);
+        assert_eq!((c.slot_blocks(0), c.n_free_blocks()), (3, 3));
+        assert_eq!(read_k(&c, 0, 9), v);
+        // Growing by one row inside the last block takes nothing.
+        assert_eq!(c.blocks_needed(0, 9, 3), 0);
+        write_rows(&mut c, 0, 9, &[100.0, 101.0, 102.0, 103.0, 104.0, 105.0]);
+        assert_eq!(c.n_free_blocks(), 3);
+        // Out of blocks: nothing changes.
+        let err = c.prepare(1, 0, 16).unwrap_err();
+        assert!(matches!(err, ModelError::OutOfBlocks { needed: 4, free: 3 }), "{err}");
+        assert_eq!((c.slot_blocks(1), c.n_free_blocks()), (0, 3));
+        // Past n_ctx.
+        assert!(matches!(c.prepare(1, 18, 3), Err(ModelError::ContextFull { .. })));
+        c.truncate(0, 5);
+        assert_eq!((c.slot_blocks(0), c.n_free_blocks()), (2, 4));
+        assert_eq!(read_k(&c, 0, 5), v[..10]);
+        c.release(0);
+        assert_eq!(c.n_free_blocks(), 6);
+        assert_eq!(total_refs(&c), 0);
+        // Writing unprepared positions is an error, not a panic.
+        assert!(c.write(0, 2, 0, &[1.0, 2.0], &[1.0, 2.0]).is_err());
+        assert!(c.layer(0, 2, 1).is_err());
+    }
+
+    #[test]
+    fn shared_prefix_is_copied_on_write() {
+        let mut c = KvCache::with_spec(&spec(false), 2, 32, 8, 4, KvType::F32).unwrap();
+        let v: Vec<f32> = (0..2 * 6).map(|x| x as f32).collect();
+        write_rows(&mut c, 0, 0, &v);
+        c.share_prefix(0, 1, 6).unwrap();
+        // Two blocks, held by both slots.
+        assert_eq!((c.slot_blocks(1), c.n_free_blocks()), (2, 6));
+        assert_eq!(read_k(&c, 1, 6), v);
+        // Slot 1 diverges inside the second block: that block is copied, the first stays
+        // shared.
+        assert_eq!(c.blocks_needed(1, 5, 2), 1);
+        write_rows(&mut c, 1, 5, &[-1.0, -2.0, -3.0, -4.0]);
+        assert_eq!(c.n_free_blocks(), 5);
+        assert_eq!(read_k(&c, 0, 6), v, "the owner's rows are untouched");
+        let mut want1 = v[..10].to_vec();
+        want1.extend([-1.0, -2.0, -3.0, -4.0]);
+        assert_eq!(read_k(&c, 1, 7), want1);
+        // The owner writes into its (now private) second block without a copy.
+        assert_eq!(c.blocks_needed(0, 6, 1), 0);
+        // The first block is shared: writing there copies it.
+        assert_eq!(c.blocks_needed(0, 0, 1), 1);
+        c.release(0);
+        assert_eq!(read_k(&c, 1, 7), want1, "releasing the owner keeps shared blocks");
+        c.release(1);
+        assert_eq!((c.n_free_blocks(), total_refs(&c)), (8, 0));
+    }
+
+    #[test]
+    fn share_prefix_copies_recurrent_state_only_at_its_end() {
+        let mut c = KvCache::with_spec(&spec(true), 2, 32, 8, 4, KvType::F32).unwrap();
+        c.begin_recurrent(0, 0).unwrap();
+        c.recurrent_mut(3, 0).unwrap().1.fill(7.0);
+        c.end_recurrent(0, 6);
+        c.share_prefix(0, 1, 6).unwrap();
+        assert_eq!(c.recurrent_pos(1), Some(6));
+        assert_eq!(c.recurrent_mut(3, 1).unwrap().1, &[7.0; 5]);
+        c.share_prefix(0, 1, 5).unwrap();
+        assert_eq!(c.recurrent_pos(1), None);
+        c.release(0);
+        assert_eq!(c.recurrent_pos(0), None);
+        assert_eq!(c.slot_state_bytes(), 4 * (9 + 5));
     }
 }

@@ -109,7 +109,7 @@ fn recurrent_state_save_restore_and_misuse() {
         let b = run(&mut cache, 0, &ids[150..], 150).unwrap();
         assert_eq!(a.data, b.data, "{}: resume from snapshot", dir.display());
         // The same continuation on a copied slot.
-        cache.copy_slot(0, 1, 200);
+        cache.share_prefix(0, 1, 200).unwrap();
         let c = run(&mut cache, 1, &[ids[0]], 200).unwrap();
         let d = run(&mut cache, 0, &[ids[0]], 200).unwrap();
         assert_eq!(c.data, d.data, "{}: copied slot", dir.display());

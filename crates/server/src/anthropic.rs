@@ -369,6 +369,7 @@ async fn messages_inner(
         stop: stops.clone(),
         ignore_eos: false,
         top_logprobs: None,
+        constraint: None,
     };
     let merged = submit_all(&st, vec![req])?;
     let fmt = st.model.reply_format;

@@ -5,7 +5,9 @@
 //! | bad request (JSON, types, values, prompt too long, unsupported feature) | 400 | `invalid_request_error` | `invalid_request_error` |
 //! | missing or wrong API key | 401 | `invalid_request_error` (`invalid_api_key`) | `authentication_error` |
 //! | unknown model or route | 404 | `invalid_request_error` (`model_not_found` / `not_found`) | `not_found_error` |
+//! | method not allowed on the route (with an `Allow` header) | 405 | `invalid_request_error` (`method_not_allowed`) | `invalid_request_error` |
 //! | body larger than `--max-body-bytes` | 413 | `invalid_request_error` (`request_too_large`) | `request_too_large` |
+//! | `Content-Type` present but not JSON | 415 | `invalid_request_error` (`unsupported_media_type`) | `invalid_request_error` |
 //! | request queue full | 429 | `rate_limit_error` (`rate_limit_exceeded`) | `rate_limit_error` |
 //! | engine failure | 500 | `server_error` | `api_error` |
 //! | shutting down | 503 | `server_error` (`service_unavailable`) | `overloaded_error` |
@@ -32,8 +34,12 @@ pub enum ErrorKind {
     Authentication,
     /// 404.
     NotFound,
+    /// 405.
+    MethodNotAllowed,
     /// 413.
     TooLarge,
+    /// 415.
+    UnsupportedMediaType,
     /// 429.
     RateLimit,
     /// 500.
@@ -49,7 +55,9 @@ impl ErrorKind {
             ErrorKind::InvalidRequest => StatusCode::BAD_REQUEST,
             ErrorKind::Authentication => StatusCode::UNAUTHORIZED,
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
+            ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ErrorKind::RateLimit => StatusCode::TOO_MANY_REQUESTS,
             ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
             ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
@@ -61,7 +69,9 @@ impl ErrorKind {
             ErrorKind::InvalidRequest
             | ErrorKind::Authentication
             | ErrorKind::NotFound
-            | ErrorKind::TooLarge => "invalid_request_error",
+            | ErrorKind::MethodNotAllowed
+            | ErrorKind::TooLarge
+            | ErrorKind::UnsupportedMediaType => "invalid_request_error",
             ErrorKind::RateLimit => "rate_limit_error",
             ErrorKind::Internal | ErrorKind::Unavailable => "server_error",
         }
@@ -70,7 +80,9 @@ impl ErrorKind {
     fn openai_code(self) -> Option<&'static str> {
         match self {
             ErrorKind::Authentication => Some("invalid_api_key"),
+            ErrorKind::MethodNotAllowed => Some("method_not_allowed"),
             ErrorKind::TooLarge => Some("request_too_large"),
+            ErrorKind::UnsupportedMediaType => Some("unsupported_media_type"),
             ErrorKind::RateLimit => Some("rate_limit_exceeded"),
             ErrorKind::Unavailable => Some("service_unavailable"),
             _ => None,
@@ -79,7 +91,9 @@ impl ErrorKind {
 
     fn anthropic_type(self) -> &'static str {
         match self {
-            ErrorKind::InvalidRequest => "invalid_request_error",
+            ErrorKind::InvalidRequest
+            | ErrorKind::MethodNotAllowed
+            | ErrorKind::UnsupportedMediaType => "invalid_request_error",
             ErrorKind::Authentication => "authentication_error",
             ErrorKind::NotFound => "not_found_error",
             ErrorKind::TooLarge => "request_too_large",

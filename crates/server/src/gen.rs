@@ -58,6 +58,7 @@ pub fn submit_error(e: SubmitError) -> ApiError {
         ))
         .with_code("context_length_exceeded"),
         SubmitError::BadRequest(m) => ApiError::bad(m),
+        SubmitError::InvalidConstraint(m) => ApiError::bad_param(crate::response_format::PARAM, m),
         SubmitError::ShutDown => {
             ApiError::new(ErrorKind::Unavailable, "the server is shutting down")
         }

@@ -28,6 +28,7 @@ pub mod gen;
 pub mod metrics;
 pub mod openai;
 pub mod params;
+pub mod response_format;
 
 use std::future::Future;
 use std::path::Path;
@@ -39,7 +40,7 @@ use anyhow::Context;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Request as HttpRequest, State};
-use axum::http::StatusCode;
+use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -357,12 +358,63 @@ async fn not_found(req: HttpRequest) -> Response {
     .into_response_for(api_for_path(&path))
 }
 
+/// The POST endpoints, whose bodies are JSON.
+const JSON_POST_PATHS: [&str; 4] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+];
+
+/// The methods a known path accepts (the `Allow` header of a 405).
+fn allowed_methods(path: &str) -> &'static str {
+    if JSON_POST_PATHS.contains(&path) {
+        "POST"
+    } else {
+        "GET,HEAD"
+    }
+}
+
 async fn method_not_allowed(req: HttpRequest) -> Response {
     let path = req.uri().path().to_string();
-    let mut r = ApiError::bad(format!("method {} is not allowed on {path}", req.method()))
-        .into_response_for(api_for_path(&path));
-    *r.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
+    let allow = allowed_methods(&path);
+    let mut r = ApiError::new(
+        ErrorKind::MethodNotAllowed,
+        format!(
+            "method {} is not allowed on {path} (allowed: {allow})",
+            req.method()
+        ),
+    )
+    .into_response_for(api_for_path(&path));
+    let _ = HeaderValue::from_static(allow);
     r
+}
+
+/// Whether a `Content-Type` value names JSON: `application/json` or `application/*+json`,
+/// parameters (`charset`) allowed.
+fn is_json_content_type(v: &str) -> bool {
+    let mime = v.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json"))
+}
+
+/// 415 for a POST to a JSON endpoint whose `Content-Type` is present but not JSON (a form or
+/// text body: a client mistake, or a browser's cross-site form post). Without the header the
+/// body is read as JSON, for raw clients that send none.
+async fn require_json(req: HttpRequest, next: Next) -> Response {
+    let path = req.uri().path();
+    if req.method() == Method::POST && JSON_POST_PATHS.contains(&path) {
+        if let Some(ct) = req.headers().get(header::CONTENT_TYPE) {
+            if !ct.to_str().is_ok_and(is_json_content_type) {
+                let shown = String::from_utf8_lossy(ct.as_bytes()).into_owned();
+                return ApiError::new(
+                    ErrorKind::UnsupportedMediaType,
+                    format!("Content-Type '{shown}' is not supported: send the body as JSON with 'Content-Type: application/json'"),
+                )
+                .into_response_for(api_for_path(path));
+            }
+        }
+    }
+    next.run(req).await
 }
 
 async fn health(State(st): State<Arc<AppState>>) -> Response {
@@ -407,6 +459,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.cfg.max_body_bytes))
+        // .layer(middleware::from_fn(require_json))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .layer(middleware::from_fn_with_state(
             state.clone(),

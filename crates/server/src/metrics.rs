@@ -182,6 +182,24 @@ impl Metrics {
             e.slots_total as u64,
         );
         one(
+            "kapitsa_cache_blocks_total",
+            "gauge",
+            "KV cache blocks in the pool.",
+            e.cache_blocks_total as u64,
+        );
+        one(
+            "kapitsa_cache_blocks_used",
+            "gauge",
+            "KV cache blocks held by running sequences.",
+            e.cache_blocks_used as u64,
+        );
+        one(
+            "kapitsa_cache_blocks_cached",
+            "gauge",
+            "KV cache blocks holding finished sequences' prefixes for reuse (freed on demand).",
+            e.cache_blocks_cached as u64,
+        );
+        one(
             "kapitsa_prompt_tokens_total",
             "counter",
             "Prompt tokens of admitted requests.",

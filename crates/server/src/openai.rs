@@ -9,7 +9,7 @@ use axum::extract::{Path, State};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use kapitsa_engine::{ReplyEvent, ReplyFormat, SamplingParams};
+use kapitsa_engine::{Constraint, ReplyEvent, ReplyFormat, SamplingParams};
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -21,7 +21,7 @@ use crate::gen::{
     unix_now, Choice, Merged,
 };
 use crate::params::{parse_body, type_name, Fields};
-use crate::{body_bytes, AppState};
+use crate::{body_bytes, response_format, AppState};
 
 /// Most choices (`n`) one request may ask for.
 pub const MAX_N: i64 = 16;
@@ -51,6 +51,8 @@ pub struct GenOpts {
     pub stream: bool,
     /// Send a usage chunk at the end of a stream.
     pub include_usage: bool,
+    /// Structured output (chat `response_format`); `None` here, set by the chat endpoint.
+    pub constraint: Option<Constraint>,
 }
 
 /// Read the sampling and generation fields common to OpenAI requests. `chat`: logprobs is a
@@ -137,6 +139,7 @@ pub fn gen_opts(f: &Fields, chat: bool) -> ApiResult<GenOpts> {
         ignore_eos,
         stream,
         include_usage,
+        constraint: None,
     })
 }
 
@@ -154,6 +157,7 @@ fn requests(o: &GenOpts, prompt: &[u32], room: usize, default_max: usize) -> Vec
                 stop: o.stop.clone(),
                 ignore_eos: o.ignore_eos,
                 top_logprobs: o.top_logprobs,
+                constraint: o.constraint.clone(),
             }
         })
         .collect()
@@ -392,29 +396,6 @@ fn chat_tools(f: &Fields) -> ApiResult<Option<Value>> {
     Ok((!tools.is_empty()).then(|| Value::Array(tools.clone())))
 }
 
-/// Reject `response_format` types that need constrained decoding.
-fn check_response_format(f: &Fields) -> ApiResult<()> {
-    if let Some(rf) = f.object("response_format")? {
-        let ty = rf.get("type").and_then(Value::as_str).unwrap_or("");
-        match ty {
-            "text" => {}
-            "json_object" | "json_schema" => {
-                return Err(f.error(
-                    "response_format",
-                    format!("response_format '{ty}' is not supported yet: it needs constrained decoding, which this server does not have; use 'text'"),
-                ))
-            }
-            other => {
-                return Err(f.error(
-                    "response_format",
-                    format!("unknown response_format type '{other}'"),
-                ))
-            }
-        }
-    }
-    Ok(())
-}
-
 fn usage_json(prompt: usize, completion: usize, cached: usize) -> Value {
     json!({
         "prompt_tokens": prompt,
@@ -489,18 +470,36 @@ async fn chat_inner(st: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> A
         .ok_or_else(|| ApiError::bad_param("messages", "'messages' is a required property"))?;
     let messages = chat_messages(list)?;
     let tools = chat_tools(&f)?;
-    check_response_format(&f)?;
-    let extra = f
+    let constraint = response_format::parse(&f)?;
+    let mut extra = f
         .object("chat_template_kwargs")?
         .map(|o| Value::Object(o.clone()));
-    let o = gen_opts(&f, true)?;
+    if constraint.is_some() {
+        response_format::no_thinking(&mut extra);
+    }
+    let mut o = gen_opts(&f, true)?;
+    o.constraint = constraint;
     st.check_open()?;
     let text = st.render(messages, tools.as_ref(), extra.as_ref())?;
     let prompt = st.encode(&text)?;
     let room = st.room(prompt.len(), "messages")?;
-    let fmt = st.model.reply_format;
+    // A constrained reply is all content: no reasoning, no tool-call markup to find in it.
+    let fmt = if o.constraint.is_some() {
+        ReplyFormat::plain()
+    } else {
+        st.model.reply_format
+    };
     let sir = fmt.starts_in_reasoning(&text);
-    let merged = submit_all(&st, requests(&o, &prompt, room, room))?;
+    let reqs = requests(&o, &prompt, room, room);
+    let merged = if o.constraint.is_some() {
+        // Compiling the constraint (and, the first time, building the token trie) blocks.
+        let st2 = st.clone();
+        tokio::task::spawn_blocking(move || submit_all(&st2, reqs))
+            .await
+            .map_err(|e| ApiError::internal(format!("submitting the request failed: {e}")))??
+    } else {
+        submit_all(&st, reqs)?
+    };
     let choices: Vec<Choice> = (0..o.n)
         .map(|_| Choice::new(fmt, sir, tools.as_ref()))
         .collect();

@@ -22,6 +22,7 @@ fn engine_cfg() -> EngineConfig {
         n_ctx: 512,
         max_queue: 16,
         kv_type: KvType::F32,
+        ..EngineConfig::default()
     }
 }
 

@@ -405,12 +405,8 @@ async fn unsupported_features_are_400() {
         b[k] = v;
         b
     };
+    // (`response_format` json_object / json_schema are supported: tests/structured.rs.)
     for (k, v) in [
-        ("response_format", json!({"type": "json_object"})),
-        (
-            "response_format",
-            json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-        ),
         ("tool_choice", json!("required")),
         (
             "tool_choice",

@@ -209,6 +209,9 @@ impl Decoder {
                 "token id {bad} out of range (vocab {n_vocab})"
             )));
         }
+        for c in &batch.seqs {
+            cache.prepare(c.slot, batch.positions[c.start] as usize, c.len)?;
+        }
         if cache.has_recurrent() {
             // Check every chunk first so a bad one leaves the others' states untouched.
             for c in &batch.seqs {

@@ -1,0 +1,145 @@
+//! Prefill GEMM microbenchmark: GFLOP/s of `matmul` on the Qwen2.5-Coder-1.5B shapes.
+//!
+//! `cargo run --release -p kapitsa-kernels-cpu --example gemm_bench -- [THREADS] [N_TOK] [REPS]`
+//! (defaults 2, 512, 5). Random weights (valid blocks with small f16 scales); best of `REPS`
+//! timed runs after one warm-up, since the machine is shared and the minimum is the least
+//! disturbed run. Not a test: nothing is asserted.
+
+use kapitsa_base::pool::{RayonPool, SerialPool};
+use kapitsa_base::{GgmlType, ThreadPool};
+use kapitsa_kernels_cpu::{matmul_with, QMatrix, SimdLevel};
+
+/// xorshift64*.
+struct Rng(u64);
+impl Rng {
+    fn u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn normal(&mut self) -> f32 {
+        (0..4)
+            .map(|_| (self.u64() >> 40) as f32 / (1u64 << 24) as f32)
+            .sum::<f32>()
+            * 1.732
+            - 3.464
+    }
+}
+
+/// Random blocks of `ty` with sane f16 scale fields.
+fn random_weights(ty: GgmlType, n_out: usize, n_in: usize, rng: &mut Rng) -> Vec<u8> {
+    let rb = ty.row_bytes(n_in).expect("block multiple");
+    let mut out: Vec<u8> = (0..rb * n_out).map(|_| rng.u64() as u8).collect();
+    let f16_fields: &[usize] = match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::IQ4_NL | GgmlType::IQ4_XS => {
+            &[0]
+        }
+        GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q6_K => &[208],
+        _ => &[],
+    };
+    if ty.block_size() > 1 {
+        for b in out.chunks_exact_mut(ty.type_size()) {
+            for &o in f16_fields {
+                let h = half::f16::from_f32(rng.normal() * 0.002).to_bits();
+                b[o..o + 2].copy_from_slice(&h.to_le_bytes());
+            }
+            if ty == GgmlType::MXFP4 {
+                b[0] = 118 + (rng.u64() % 6) as u8;
+            }
+        }
+    } else {
+        match ty {
+            GgmlType::F32 => {
+                for c in out.chunks_exact_mut(4) {
+                    c.copy_from_slice(&(rng.normal() * 0.05).to_le_bytes());
+                }
+            }
+            _ => {
+                for c in out.chunks_exact_mut(2) {
+                    let h = half::f16::from_f32(rng.normal() * 0.05).to_bits();
+                    c.copy_from_slice(&h.to_le_bytes());
+                }
+            }
+        }
+    }
+    out
+}
+
+/// CPU time of every thread of this process so far, in ns (`/proc/self/task/*/schedstat`), or
+/// 0 where unavailable. With other jobs on the machine, flops per CPU-second measure the kernel
+/// better than flops per wall-second (the time slices lost to others are not counted).
+fn cpu_ns() -> u64 {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    dir.filter_map(|e| e.ok())
+        .filter_map(|e| std::fs::read_to_string(e.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+fn main() {
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().expect("numeric argument"))
+        .collect();
+    let threads = args.first().copied().unwrap_or(2);
+    let n_tok = args.get(1).copied().unwrap_or(512);
+    let reps = args.get(2).copied().unwrap_or(5);
+    let types: Vec<GgmlType> = match std::env::var("GEMM_TYPES") {
+        Ok(s) => s
+            .split(',')
+            .map(|n| {
+                *GgmlType::ALL
+                    .iter()
+                    .find(|t| t.name().eq_ignore_ascii_case(n))
+                    .expect("type name")
+            })
+            .collect(),
+        Err(_) => vec![GgmlType::Q4_K, GgmlType::Q6_K],
+    };
+    let pool: Box<dyn ThreadPool> = if threads == 1 {
+        Box::new(SerialPool)
+    } else {
+        Box::new(RayonPool::new(threads).expect("pool"))
+    };
+    let level = SimdLevel::detect();
+    let shapes = [(1536usize, 1536usize), (256, 1536), (8960, 1536), (1536, 8960)];
+    let mut rng = Rng(1);
+    let mut total_flop = 0.0;
+    let mut total_t = 0.0;
+    for ty in types {
+        for &(n_out, n_in) in &shapes {
+            let data = random_weights(ty, n_out, n_in, &mut rng);
+            let w = QMatrix::new(ty, n_out, n_in, &data).expect("matrix");
+            let x: Vec<f32> = (0..n_tok * n_in).map(|_| rng.normal()).collect();
+            let mut y = vec![0f32; n_tok * n_out];
+            matmul_with(level, &*pool, &w, &x, n_tok, &mut y).expect("matmul");
+            let mut best = f64::INFINITY;
+            let mut best_cpu = f64::INFINITY;
+            for _ in 0..reps {
+                let c0 = cpu_ns();
+                let t = std::time::Instant::now();
+                matmul_with(level, &*pool, &w, &x, n_tok, &mut y).expect("matmul");
+                best = best.min(t.elapsed().as_secs_f64());
+                best_cpu = best_cpu.min((cpu_ns() - c0) as f64 * 1e-9);
+            }
+            let flop = 2.0 * (n_out * n_in * n_tok) as f64;
+            total_flop += flop;
+            total_t += best;
+            println!(
+                "{:>5} {n_out:>5}x{n_in:<5} n_tok={n_tok} threads={threads} {level:?}: {:8.3} ms {:7.1} GFLOP/s wall, {:6.1} GFLOP/s per CPU-second",
+                ty.name(),
+                best * 1e3,
+                flop / best / 1e9,
+                flop / best_cpu / 1e9
+            );
+        }
+    }
+    println!(
+        "all shapes: {:.1} GFLOP/s (sum of flops / sum of best times)",
+        total_flop / total_t / 1e9
+    );
+}
