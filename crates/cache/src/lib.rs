@@ -2,14 +2,27 @@
 //! when its KV blocks go back to the pool. The storage itself ([`kapitsa_models::KvCache`],
 //! paged KV blocks plus per-slot recurrent states) is laid out from the model's layer kinds;
 //! this crate decides who uses it.
+//!
+//! Two reuse modes:
+//! - without a prefix cache, a slot keeps the tokens of its last sequence and a new sequence
+//!   placed in that slot reuses their common prefix ([`SlotCache::reusable_prefix`]);
+//! - with a [`prefix::PrefixCache`] ([`SlotCache::enable_prefix_cache`]), a slot's blocks
+//!   (and recurrent checkpoints) go into a shared tree when its sequence ends
+//!   ([`SlotCache::retire`]) or reaches a checkpoint ([`SlotCache::checkpoint`]), and any new
+//!   sequence in any slot resumes from the longest cached prefix ([`SlotCache::admit`]).
+
+mod disk;
+pub mod prefix;
 
 use kapitsa_models::{CausalLm, KvCache, KvType, ModelError, Result};
+use prefix::{PrefixCache, PrefixConfig, PrefixStats};
 
 /// A KV cache plus slot bookkeeping: free list and the tokens each slot holds.
 pub struct SlotCache {
     kv: KvCache,
     /// Tokens whose K/V are stored in each slot (positions `0..len`); `None` when free.
     slots: Vec<Option<Vec<u32>>>,
+    prefix: Option<PrefixCache>,
 }
 
 impl SlotCache {
@@ -52,6 +65,96 @@ impl SlotCache {
         SlotCache {
             kv,
             slots: vec![None; n],
+            prefix: None,
+        }
+    }
+
+    /// Share KV blocks and checkpoints between sequences through a prefix tree (see the
+    /// crate docs); with `cfg.disk` set, reopen the files of an earlier run.
+    pub fn enable_prefix_cache(&mut self, cfg: &PrefixConfig) -> std::io::Result<()> {
+        self.prefix = Some(PrefixCache::new(&self.kv, cfg)?);
+        Ok(())
+    }
+
+    /// Counters of the prefix cache (zero without one).
+    pub fn prefix_stats(&self) -> PrefixStats {
+        self.prefix
+            .as_ref()
+            .map(PrefixCache::stats)
+            .unwrap_or_default()
+    }
+
+    /// Put `slot` to work on `tokens`: resume from the longest reusable prefix (the prefix
+    /// cache's, or the slot's own kept tokens without one) and take memory for the next
+    /// `min(tokens.len() - reused, max_new)` positions. Returns the tokens reused, or `None`
+    /// (the slot then holds nothing) when the pool is short.
+    pub fn admit(&mut self, slot: usize, tokens: &[u32], max_new: usize) -> Option<usize> {
+        let reused = match &mut self.prefix {
+            Some(p) => {
+                self.kv.release(slot);
+                p.attach(&mut self.kv, slot, tokens)
+            }
+            None => self.reusable_prefix(slot, tokens),
+        };
+        self.set_tokens(slot, tokens[..reused].to_vec());
+        let end = reused + (tokens.len() - reused).min(max_new);
+        if self.reserve(slot, reused, end) {
+            Some(reused)
+        } else {
+            self.discard(slot);
+            None
+        }
+    }
+
+    /// Record what `slot` holds now in the prefix cache (with its recurrent states, when
+    /// they hold exactly its tokens), without letting go of it. No-op without a prefix cache.
+    pub fn checkpoint(&mut self, slot: usize) {
+        let Some(p) = &mut self.prefix else { return };
+        let tokens = match self.slots.get(slot) {
+            Some(Some(t)) if !t.is_empty() => t.clone(),
+            _ => return,
+        };
+        let state = self
+            .kv
+            .has_recurrent()
+            .then(|| self.kv.save_recurrent(slot))
+            .flatten()
+            .filter(|s| s.pos == tokens.len());
+        p.insert(&mut self.kv, slot, &tokens, state);
+    }
+
+    /// The sequence in `slot` is over: with a prefix cache its contents move into it and the
+    /// slot is emptied; without one the slot keeps them for reuse.
+    pub fn retire(&mut self, slot: usize) {
+        if self.prefix.is_some() {
+            self.checkpoint(slot);
+            self.discard(slot);
+        }
+    }
+
+    /// Drop what `slot` holds without caching it (its contents are not trustworthy).
+    pub fn discard(&mut self, slot: usize) {
+        if let Some(Some(t)) = self.slots.get_mut(slot) {
+            t.clear();
+        }
+        self.kv.release(slot);
+    }
+
+    /// Write the prefix cache's memory contents to its disk tier (see
+    /// [`PrefixCache::persist`]); returns the entries written.
+    pub fn persist(&mut self) -> usize {
+        match &mut self.prefix {
+            Some(p) => p.persist(&self.kv),
+            None => 0,
+        }
+    }
+
+    /// Give one block held only by the prefix cache back to the pool (least recently used;
+    /// spilled to disk with a disk tier). `false` when there is none.
+    pub fn evict_cached(&mut self) -> bool {
+        match &mut self.prefix {
+            Some(p) => p.evict_one(&mut self.kv, &[]),
+            None => false,
         }
     }
 
@@ -98,6 +201,9 @@ impl SlotCache {
     /// only when everything it holds is a prefix of `prompt` (and the state is intact);
     /// otherwise the answer is 0 and the prompt is recomputed from the start.
     pub fn reusable_prefix(&self, slot: usize, prompt: &[u32]) -> usize {
+        if let Some(p) = &self.prefix {
+            return p.reusable(prompt);
+        }
         let have = self.tokens(slot);
         let n = have.iter().zip(prompt).take_while(|(a, b)| a == b).count();
         let n = n.min(prompt.len().saturating_sub(1));
@@ -120,13 +226,14 @@ impl SlotCache {
         self.kv.prepare(slot, start, end.saturating_sub(start)).is_ok()
     }
 
-    /// Drop everything `slot` holds (tokens, KV blocks, recurrent state); the slot stays
-    /// claimed.
+    /// Free the memory `slot` holds: into the prefix cache when there is one
+    /// ([`SlotCache::retire`]), dropped otherwise. The slot stays claimed.
     pub fn evict(&mut self, slot: usize) {
-        if let Some(Some(t)) = self.slots.get_mut(slot) {
-            t.clear();
+        if self.prefix.is_some() {
+            self.retire(slot);
+        } else {
+            self.discard(slot);
         }
-        self.kv.release(slot);
     }
 
     /// Whether `slot` holds KV blocks.

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use kapitsa_engine::{EngineConfig, EngineHandle};
+use kapitsa_engine::{EngineConfig, EngineHandle, PrefixCacheConfig};
 use kapitsa_models::KvType;
 use kapitsa_server::{Server, ServerConfig};
 
@@ -49,7 +49,8 @@ pub struct ServeArgs {
     /// Largest request body (bytes; KiB/MiB/GiB or K/M/G suffixes accepted).
     #[arg(long, default_value = "4MiB", value_parser = parse_size)]
     max_body_bytes: usize,
-    /// KV cache element type: f16 or f32.
+    /// KV cache element type: f16, f32 or q8_0 (8-bit blocks, about half of f16's memory;
+    /// needs a head size that is a multiple of 32).
     #[arg(long, default_value = "f16")]
     kv_type: String,
     /// Token positions in the KV block pool shared by all sequences (0 = every sequence
@@ -61,6 +62,22 @@ pub struct ServeArgs {
     /// Token positions per KV block.
     #[arg(long, default_value_t = kapitsa_models::DEFAULT_BLOCK_SIZE)]
     kv_block_size: usize,
+    /// Turn off prefix caching (every prompt is computed from scratch).
+    #[arg(long)]
+    no_prefix_cache: bool,
+    /// Memory for recurrent-state checkpoints of hybrid models (Qwen3.5/3.6, Nemotron-H).
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    cache_state_mem: usize,
+    /// Hybrid models: also checkpoint every this many prompt tokens.
+    #[arg(long, default_value_t = 1024)]
+    cache_checkpoint_every: usize,
+    /// Disk tier of the prefix cache: evicted blocks and checkpoints go here and are found
+    /// again after a restart (files of other models or layouts are ignored).
+    #[arg(long, value_name = "DIR")]
+    cache_dir: Option<PathBuf>,
+    /// Size budget of --cache-dir.
+    #[arg(long, default_value = "8GiB", value_parser = parse_size)]
+    cache_disk_size: usize,
     /// Use this Jinja chat template instead of the model's own.
     #[arg(long, value_name = "FILE")]
     chat_template_file: Option<PathBuf>,
@@ -91,10 +108,8 @@ fn parse_size(s: &str) -> std::result::Result<usize, String> {
 
 /// `kapitsa serve`.
 pub fn serve(a: ServeArgs) -> Result<()> {
-    let kv_type = match a.kv_type.as_str() {
-        "f16" => KvType::F16,
-        "f32" => KvType::F32,
-        other => bail!("unknown --kv-type '{other}' (use f16 or f32)"),
+    let Ok(kv_type) = a.kv_type.parse::<KvType>() else {
+        bail!("unknown --kv-type '{}' (use f16, f32 or q8_0)", a.kv_type);
     };
     if a.max_running == 0 {
         bail!("--max-running must be >= 1");
@@ -124,7 +139,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         bail!("--kv-block-size must be >= 1");
     }
     let spec = loaded.model.spec();
-    let token_bytes = 2 * spec.n_attention_layers() * spec.n_head_kv * spec.head_dim * kv_type.size();
+    let token_bytes =
+        2 * spec.n_attention_layers() * kv_type.row_bytes(spec.n_head_kv * spec.head_dim);
     let full = a.max_running.saturating_mul(n_ctx);
     let pool = if a.cache_tokens == 0 {
         let fits = available_memory()
@@ -135,6 +151,23 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         bail!("--cache-tokens ({}) must be >= the context ({n_ctx})", a.cache_tokens);
     } else {
         a.cache_tokens
+    };
+    let prefix = if a.no_prefix_cache {
+        if a.cache_dir.is_some() {
+            bail!("--cache-dir needs the prefix cache (drop --no-prefix-cache)");
+        }
+        None
+    } else {
+        Some(PrefixCacheConfig {
+            model_id: kapitsa_engine::loader::model_identity(&a.model)
+                .with_context(|| format!("reading {}", a.model.display()))?,
+            state_bytes: a.cache_state_mem,
+            checkpoint_every: a.cache_checkpoint_every.max(1),
+            disk: a
+                .cache_dir
+                .clone()
+                .map(|d| (d, a.cache_disk_size as u64)),
+        })
     };
     if served.template.is_none() {
         eprintln!(
@@ -152,6 +185,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             kv_type,
             kv_pool_tokens: Some(pool),
             kv_block_size: a.kv_block_size,
+            prefix_cache: prefix,
         },
     )
     .context("starting the engine")?;

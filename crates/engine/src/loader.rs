@@ -93,3 +93,48 @@ pub fn chat_template_for(src: &ModelSource, tok: &Tokenizer) -> Result<Option<Ch
     let eos = name(tok.eos_id());
     Ok(Some(ChatTemplate::new(&source, bos, eos)?))
 }
+
+/// A short identity of the model at `path` for cache fingerprints: for a file, its size and
+/// a hash of its first and last MiB; for a directory, the same over `config.json` and every
+/// `*.safetensors` file (sorted by name). Copies of the same file give the same identity;
+/// another file, practically never.
+pub fn model_identity(path: &std::path::Path) -> std::io::Result<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    fn file_part(p: &std::path::Path, h: &mut u64) -> std::io::Result<()> {
+        const MIB: u64 = 1 << 20;
+        let mut f = std::fs::File::open(p)?;
+        let len = f.metadata()?.len();
+        let mut eat = |bytes: &[u8]| {
+            for &b in bytes {
+                *h = (*h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        };
+        eat(&len.to_le_bytes());
+        let mut buf = vec![0u8; len.min(MIB) as usize];
+        f.read_exact(&mut buf)?;
+        eat(&buf);
+        if len > MIB {
+            f.seek(SeekFrom::Start(len - len.min(MIB)))?;
+            f.read_exact(&mut buf)?;
+            eat(&buf);
+        }
+        Ok(())
+    }
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    if path.is_dir() {
+        let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(path)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.file_name().is_some_and(|n| n == "config.json")
+                    || p.extension().is_some_and(|e| e == "safetensors")
+            })
+            .collect();
+        files.sort();
+        for f in files {
+            file_part(&f, &mut h)?;
+        }
+    } else {
+        file_part(path, &mut h)?;
+    }
+    Ok(format!("{h:016x}"))
+}

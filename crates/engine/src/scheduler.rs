@@ -121,8 +121,16 @@ pub struct Admission {
 /// [`kapitsa_cache::SlotCache`]; tests use fakes).
 pub trait CacheSpace {
     /// Leading `tokens` the free `slot` can reuse without recomputation (the scheduler caps
-    /// the answer at `tokens.len() - 1`).
+    /// the answer at `tokens.len() - 1`); used to choose a slot.
     fn reusable(&self, slot: usize, tokens: &[u32]) -> usize;
+    /// Put free `slot` to work on `tokens`: set it up with the prefix it can reuse and take
+    /// memory for the next `min(tokens.len() - reused, max_new)` positions. Returns the
+    /// tokens reused (`< tokens.len()`), or `None` when memory is short.
+    fn admit(&mut self, slot: usize, tokens: &[u32], max_new: usize) -> Option<usize> {
+        let r = self.reusable(slot, tokens).min(tokens.len() - 1);
+        let n = (tokens.len() - r).min(max_new);
+        self.reserve(slot, r, r + n).then_some(r)
+    }
     /// Get `slot` ready to compute positions `start..end`: drop what it holds past `start`
     /// and take memory for the new positions. `false` when memory is short.
     fn reserve(&mut self, slot: usize, start: usize, end: usize) -> bool;
@@ -130,14 +138,25 @@ pub trait CacheSpace {
     fn evict(&mut self, slot: usize);
     /// Whether `slot` holds memory that [`CacheSpace::evict`] would free.
     fn holds(&self, slot: usize) -> bool;
+    /// Free some memory no slot uses (a shared prefix cache's least recently used entry).
+    /// `false` when there is none.
+    fn evict_cached(&mut self) -> bool {
+        false
+    }
 }
 
 impl CacheSpace for kapitsa_cache::SlotCache {
     fn reusable(&self, slot: usize, tokens: &[u32]) -> usize {
         self.reusable_prefix(slot, tokens)
     }
+    fn admit(&mut self, slot: usize, tokens: &[u32], max_new: usize) -> Option<usize> {
+        kapitsa_cache::SlotCache::admit(self, slot, tokens, max_new)
+    }
     fn reserve(&mut self, slot: usize, start: usize, end: usize) -> bool {
         kapitsa_cache::SlotCache::reserve(self, slot, start, end)
+    }
+    fn evict_cached(&mut self) -> bool {
+        kapitsa_cache::SlotCache::evict_cached(self)
     }
     fn evict(&mut self, slot: usize) {
         kapitsa_cache::SlotCache::evict(self, slot)
@@ -389,6 +408,11 @@ impl Scheduler {
         self.seqs.get(&id).and_then(|s| s.slot)
     }
 
+    /// Whether no running sequence owns `slot`.
+    pub fn slot_is_free(&self, slot: usize) -> bool {
+        self.slots.get(slot).is_some_and(|s| s.owner.is_none())
+    }
+
     /// Ids of the waiting sequences, head first.
     pub fn waiting(&self) -> impl Iterator<Item = SeqId> + '_ {
         self.waiting.iter().copied()
@@ -468,11 +492,11 @@ impl Scheduler {
                 })
                 // longest reuse, then released longest ago, then lowest index
                 .min_by(|a, b| b.1.cmp(&a.1).then(a.2.cmp(&b.2)).then(a.0.cmp(&b.0)));
-            let Some((slot, reused, _)) = best else {
+            let Some((slot, _, _)) = best else {
                 break;
             };
-            let n = (tokens.len() - reused).min(budget);
-            if !self.room_for_admission(space, slot, reused, reused + n) {
+            let tokens = tokens.clone();
+            let Some(reused) = self.room_for_admission(space, slot, &tokens, budget) else {
                 if self.running.is_empty() {
                     // Nothing else holds memory: this sequence can never fit.
                     self.waiting.pop_front();
@@ -481,7 +505,7 @@ impl Scheduler {
                     continue;
                 }
                 break;
-            }
+            };
             self.waiting.pop_front();
             self.slots[slot].owner = Some(id);
             self.running.push(id);
@@ -499,6 +523,7 @@ impl Scheduler {
                 first: !s.admitted_once,
             });
             s.admitted_once = true;
+            let n = (s.tokens.len() - reused).min(budget);
             plan.seqs.push(chunk(id, s, n));
             budget -= n;
         }
@@ -544,6 +569,9 @@ impl Scheduler {
                 space.evict(idle);
                 continue;
             }
+            if space.evict_cached() {
+                continue;
+            }
             // `running` is in admission order; `id` is in it, so it is never empty here.
             let newest = self.running.last().copied().unwrap_or(id);
             if newest == id && self.running.len() == 1 {
@@ -566,22 +594,23 @@ impl Scheduler {
         }
     }
 
-    /// Memory for a waiting sequence's first chunk in free `slot` (positions `start..end`):
-    /// only idle slots are evicted.
+    /// Admit `tokens` into free `slot` with memory for a first chunk of up to `max_new`
+    /// tokens: only idle slots and cached memory are evicted. Returns the tokens reused.
     fn room_for_admission(
         &mut self,
         space: &mut impl CacheSpace,
         slot: usize,
-        start: usize,
-        end: usize,
-    ) -> bool {
+        tokens: &[u32],
+        max_new: usize,
+    ) -> Option<usize> {
         loop {
-            if space.reserve(slot, start, end) {
-                return true;
+            if let Some(r) = space.admit(slot, tokens, max_new) {
+                return Some(r.min(tokens.len() - 1));
             }
-            match self.idle_victim(space, Some(slot)) {
-                Some(idle) => space.evict(idle),
-                None => return false,
+            if let Some(idle) = self.idle_victim(space, Some(slot)) {
+                space.evict(idle);
+            } else if !space.evict_cached() {
+                return None;
             }
         }
     }

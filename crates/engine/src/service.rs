@@ -76,6 +76,34 @@ pub struct EngineConfig {
     pub kv_pool_tokens: Option<usize>,
     /// Positions per KV block; default [`kapitsa_models::DEFAULT_BLOCK_SIZE`].
     pub kv_block_size: usize,
+    /// Prefix caching across requests (see [`kapitsa_cache::prefix`]); default on.
+    pub prefix_cache: Option<PrefixCacheConfig>,
+}
+
+/// Settings of the prefix cache.
+#[derive(Debug, Clone)]
+pub struct PrefixCacheConfig {
+    /// Identifies the model file (cache files of another model are ignored); see
+    /// [`crate::loader::model_identity`].
+    pub model_id: String,
+    /// Most bytes of recurrent-state checkpoints kept in memory; default 1 GiB.
+    pub state_bytes: usize,
+    /// For recurrent models, also checkpoint every this many prompt tokens (at the end of
+    /// the prefill chunk that crosses the mark); default 1024.
+    pub checkpoint_every: usize,
+    /// Disk tier: folder and size budget in bytes.
+    pub disk: Option<(std::path::PathBuf, u64)>,
+}
+
+impl Default for PrefixCacheConfig {
+    fn default() -> Self {
+        PrefixCacheConfig {
+            model_id: String::new(),
+            state_bytes: 1 << 30,
+            checkpoint_every: 1024,
+            disk: None,
+        }
+    }
 }
 
 impl Default for EngineConfig {
@@ -88,6 +116,7 @@ impl Default for EngineConfig {
             kv_type: KvType::default(),
             kv_pool_tokens: None,
             kv_block_size: kapitsa_models::DEFAULT_BLOCK_SIZE,
+            prefix_cache: Some(PrefixCacheConfig::default()),
         }
     }
 }
@@ -259,6 +288,8 @@ pub struct EngineMetrics {
     pub cache_blocks_used: usize,
     /// KV blocks held by finished sequences' kept prefixes (freed when the pool runs dry).
     pub cache_blocks_cached: usize,
+    /// Prefix cache counters.
+    pub prefix: kapitsa_cache::prefix::PrefixStats,
     /// Forward passes run.
     pub steps: u64,
 }
@@ -560,6 +591,8 @@ mod engine {
         shared: Arc<Shared>,
         active: HashMap<SeqId, Active>,
         metrics: EngineMetrics,
+        /// Checkpoint interval of recurrent prompts (`None`: no prefix cache).
+        checkpoint_every: Option<usize>,
     }
 
     impl Engine {
@@ -582,10 +615,22 @@ mod engine {
                 bs,
                 cfg.kv_type,
             )?;
-            // The engine owns every slot for good; the scheduler decides who uses which, and
-            // a slot keeps its tokens between sequences for prefix reuse.
+            // The engine owns every slot for good; the scheduler decides who uses which.
             for _ in 0..cfg.max_running {
                 cache.alloc();
+            }
+            if let Some(p) = &cfg.prefix_cache {
+                let kvt = format!("{:?}", cfg.kv_type);
+                let fp = kapitsa_cache::prefix::fingerprint(&p.model_id, model.spec(), &kvt, bs);
+                cache
+                    .enable_prefix_cache(&kapitsa_cache::prefix::PrefixConfig {
+                        fingerprint: fp,
+                        state_budget: p.state_bytes,
+                        disk: p.disk.clone(),
+                    })
+                    .map_err(|e| {
+                        EngineError::BadRequest(format!("opening the prefix cache: {e}"))
+                    })?;
             }
             let sched = Scheduler::new(SchedulerConfig {
                 n_slots: cfg.max_running,
@@ -602,6 +647,7 @@ mod engine {
                 rx,
                 shared,
                 active: HashMap::new(),
+                checkpoint_every: cfg.prefix_cache.as_ref().map(|p| p.checkpoint_every.max(1)),
                 metrics: EngineMetrics {
                     slots_total: cfg.max_running,
                     cache_blocks_total: pool.div_ceil(bs),
@@ -612,6 +658,17 @@ mod engine {
 
         pub(super) fn run(mut self) {
             let r = catch_unwind(AssertUnwindSafe(|| self.run_loop()));
+            if r.is_ok() {
+                // Running sequences' contents are cached too, then everything goes to disk
+                // (a no-op without a disk tier).
+                let ids: Vec<SeqId> = self.sched.running().to_vec();
+                for id in ids {
+                    if let Some(slot) = self.sched.slot_of(id) {
+                        self.cache.checkpoint(slot);
+                    }
+                }
+                self.cache.persist();
+            }
             let msg = match &r {
                 Ok(()) => SHUTTING_DOWN.to_string(),
                 Err(p) => format!("engine failed: {}", panic_message(&**p)),
@@ -659,6 +716,7 @@ mod engine {
                 for id in closed {
                     self.cancel(id);
                 }
+                self.retire_free_slots();
                 if !self.sched.is_idle() {
                     self.step();
                     self.publish();
@@ -754,6 +812,7 @@ mod engine {
                 cache_blocks_total: blocks_total,
                 cache_blocks_used: active.min(blocks_used),
                 cache_blocks_cached: blocks_used.saturating_sub(active),
+                prefix: self.cache.prefix_stats(),
                 ..self.metrics
             };
         }
@@ -811,6 +870,17 @@ mod engine {
             }
             for (id, reason) in self.sched.update(&outcomes) {
                 self.finish(id, reason);
+            }
+            self.retire_free_slots();
+        }
+
+        /// Move what finished, cancelled or preempted sequences left in their slots into the
+        /// prefix cache (no-op without one: slots then keep their tokens for reuse).
+        fn retire_free_slots(&mut self) {
+            for slot in 0..self.sched.config().n_slots {
+                if self.sched.slot_is_free(slot) && self.cache.holds_blocks(slot) {
+                    self.cache.retire(slot);
+                }
             }
         }
 
@@ -879,6 +949,18 @@ mod engine {
             stored.truncate(s.start_pos);
             stored.extend_from_slice(&s.tokens);
             self.cache.set_tokens(s.slot, stored);
+            if let Some(every) = self.checkpoint_every {
+                // Checkpoints where reuse is likely: the end of the prompt, and for recurrent
+                // models every `every` tokens of a long prompt.
+                let end = s.start_pos + s.tokens.len();
+                let prompt_end = self.active.get(&s.id).is_some_and(|a| a.n_prompt == end);
+                let crossed = self.cache.kv().has_recurrent()
+                    && s.tokens.len() > 1
+                    && s.start_pos / every != end / every;
+                if prompt_end || crossed {
+                    self.cache.checkpoint(s.slot);
+                }
+            }
             let Some(row) = row else {
                 return Outcome::Computed;
             };

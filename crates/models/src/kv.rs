@@ -19,7 +19,9 @@
 //!   ([`KvCache::save_recurrent`]) let a caller go back to an earlier point.
 
 use half::f16;
-use kapitsa_kernels_cpu::attention::{KvSlice, KvView};
+use kapitsa_base::GgmlType;
+use kapitsa_kernels_cpu::attention::{KvSlice, KvView, Q8_0_BLOCK, Q8_0_BYTES};
+use kapitsa_kernels_cpu::quantize_row;
 
 use crate::{CausalLm, LayerKind, ModelError, ModelSpec, RecurrentShape, Result};
 
@@ -34,22 +36,63 @@ pub enum KvType {
     F16,
     /// f32, exact; used by reference tests.
     F32,
+    /// ggml Q8_0 blocks (as llama.cpp's `-ctk q8_0 -ctv q8_0`): every 32 values of a head
+    /// are an f16 scale `d = amax / 127` and 32 `i8` quants rounded to nearest, 34 bytes
+    /// (8.5 bits per value, 53% of f16). Needs `head_dim % 32 == 0`.
+    Q8_0,
 }
 
 impl KvType {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
+    /// Bytes of `n` consecutive elements starting at an element index that is a multiple of
+    /// 32 (exact for Q8_0 when `n` is a multiple of 32, as whole cache rows are).
+    pub fn row_bytes(self, n: usize) -> usize {
         match self {
-            KvType::F32 => 4,
-            KvType::F16 => 2,
+            KvType::F32 => 4 * n,
+            KvType::F16 => 2 * n,
+            KvType::Q8_0 => n.div_ceil(Q8_0_BLOCK) * Q8_0_BYTES,
+        }
+    }
+
+    /// The name the CLI uses (`f16`, `f32`, `q8_0`).
+    pub fn name(self) -> &'static str {
+        match self {
+            KvType::F16 => "f16",
+            KvType::F32 => "f32",
+            KvType::Q8_0 => "q8_0",
         }
     }
 }
 
+impl std::str::FromStr for KvType {
+    type Err = String;
+
+    /// Parses [`KvType::name`].
+    fn from_str(s: &str) -> std::result::Result<KvType, String> {
+        match s {
+            "f16" => Ok(KvType::F16),
+            "f32" => Ok(KvType::F32),
+            "q8_0" => Ok(KvType::Q8_0),
+            other => Err(format!(
+                "unknown KV cache type '{other}' (use f16, f32 or q8_0)"
+            )),
+        }
+    }
+}
+
+/// Byte offset of element `i` (a multiple of 32) in Q8_0 storage.
+fn q8_off(i: usize) -> usize {
+    i / Q8_0_BLOCK * Q8_0_BYTES
+}
+
+/// Element storage of one layer's K or V pool, `[n_blocks, block_size, kv_dim]`, addressed
+/// by element index in every variant. `Q8_0` holds bytes: element `i` (a multiple of 32)
+/// starts block `i / 32` at byte `(i / 32) * 34` (layout in [`KvSlice::Q8_0`]); every range
+/// the cache touches is whole rows, so it starts and ends on block boundaries.
 #[derive(Debug)]
 enum Buf {
     F32(Vec<f32>),
     F16(Vec<f16>),
+    Q8_0(Vec<u8>),
 }
 
 impl Buf {
@@ -57,6 +100,8 @@ impl Buf {
         match t {
             KvType::F32 => Buf::F32(vec![0.0; n]),
             KvType::F16 => Buf::F16(vec![f16::ZERO; n]),
+            // All-zero bytes: scale 0, quants 0, i.e. zeros.
+            KvType::Q8_0 => Buf::Q8_0(vec![0; t.row_bytes(n)]),
         }
     }
 
@@ -68,6 +113,14 @@ impl Buf {
                     *d = f16::from_f32(*s);
                 }
             }
+            Buf::Q8_0(b) => {
+                debug_assert!(at % Q8_0_BLOCK == 0 && x.len() % Q8_0_BLOCK == 0);
+                let dst = &mut b[q8_off(at)..q8_off(at + x.len())];
+                // Cannot fail: Q8_0 is a type `quantize_row` supports, and `dst` holds exactly
+                // the bytes of `x.len()` elements (`x` is whole rows of `kv_dim` values, a
+                // multiple of 32 as checked when the cache was made).
+                quantize_row(GgmlType::Q8_0, x, dst).expect("Q8_0 rows of whole blocks");
+            }
         }
     }
 
@@ -75,6 +128,42 @@ impl Buf {
         match self {
             Buf::F32(b) => b.copy_within(src, dst),
             Buf::F16(b) => b.copy_within(src, dst),
+            Buf::Q8_0(b) => b.copy_within(q8_off(src.start)..q8_off(src.end), q8_off(dst)),
+        }
+    }
+
+    /// Bytes that elements `r` occupy.
+    fn byte_len(&self, r: std::ops::Range<usize>) -> usize {
+        match self {
+            Buf::F32(_) => 4 * r.len(),
+            Buf::F16(_) => 2 * r.len(),
+            Buf::Q8_0(_) => q8_off(r.end) - q8_off(r.start),
+        }
+    }
+
+    /// Append elements `r` as little-endian bytes.
+    fn append_bytes(&self, r: std::ops::Range<usize>, out: &mut Vec<u8>) {
+        match self {
+            Buf::F32(b) => b[r].iter().for_each(|x| out.extend(x.to_le_bytes())),
+            Buf::F16(b) => b[r].iter().for_each(|x| out.extend(x.to_bits().to_le_bytes())),
+            Buf::Q8_0(b) => out.extend_from_slice(&b[q8_off(r.start)..q8_off(r.end)]),
+        }
+    }
+
+    /// Set elements `r` from [`Buf::append_bytes`] bytes (`bytes.len() == byte_len(r)`).
+    fn set_bytes(&mut self, r: std::ops::Range<usize>, bytes: &[u8]) {
+        match self {
+            Buf::F32(b) => {
+                for (d, c) in b[r].iter_mut().zip(bytes.chunks_exact(4)) {
+                    *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+            Buf::F16(b) => {
+                for (d, c) in b[r].iter_mut().zip(bytes.chunks_exact(2)) {
+                    *d = f16::from_bits(u16::from_le_bytes([c[0], c[1]]));
+                }
+            }
+            Buf::Q8_0(b) => b[q8_off(r.start)..q8_off(r.end)].copy_from_slice(bytes),
         }
     }
 
@@ -82,6 +171,7 @@ impl Buf {
         match self {
             Buf::F32(b) => KvSlice::F32(b),
             Buf::F16(b) => KvSlice::F16(b),
+            Buf::Q8_0(b) => KvSlice::Q8_0(b),
         }
     }
 }
@@ -199,6 +289,12 @@ impl KvCache {
         if block_size == 0 {
             return Err(ModelError::Config("KV block size must be >= 1".into()));
         }
+        if kv_type == KvType::Q8_0 && spec.n_attention_layers() > 0 && spec.head_dim % 32 != 0 {
+            return Err(ModelError::Config(format!(
+                "a q8_0 KV cache needs a head size that is a multiple of 32 (this model's is {})",
+                spec.head_dim
+            )));
+        }
         if n_blocks > u32::MAX as usize {
             return Err(ModelError::Config(format!("{n_blocks} KV blocks is too many")));
         }
@@ -290,7 +386,7 @@ impl KvCache {
             .iter()
             .filter(|l| matches!(l, LayerCache::Kv(_)))
             .count();
-        2 * n_kv * self.block_size * self.kv_dim * self.kv_type.size()
+        2 * n_kv * self.block_size * self.kv_type.row_bytes(self.kv_dim)
     }
 
     /// Bytes of the recurrent states of one slot.
@@ -435,6 +531,110 @@ impl KvCache {
                 0
             };
         }
+    }
+
+    /// Block ids of `slot`, in position order.
+    pub fn table(&self, slot: usize) -> &[u32] {
+        self.tables.get(slot).map_or(&[], Vec::as_slice)
+    }
+
+    /// How many holders a block has (slot tables plus [`KvCache::retain_block`] calls).
+    pub fn block_refs(&self, block: u32) -> u32 {
+        self.refs.get(block as usize).copied().unwrap_or(0)
+    }
+
+    /// Add a holder to a block in use (a prefix cache keeping it after its slot lets go).
+    pub fn retain_block(&mut self, block: u32) {
+        if let Some(r) = self.refs.get_mut(block as usize).filter(|r| **r > 0) {
+            *r += 1;
+        }
+    }
+
+    /// Remove a holder from a block; the block is free when none is left.
+    pub fn release_block(&mut self, block: u32) {
+        if self.refs.get(block as usize).is_some_and(|&r| r > 0) {
+            self.drop_block(block);
+        }
+    }
+
+    /// Take a free block for the caller (one holder: the caller), or `None` when none is free.
+    pub fn alloc_block(&mut self) -> Option<u32> {
+        if self.free.is_empty() {
+            return None;
+        }
+        Some(self.take_block())
+    }
+
+    /// Make `slot` hold `blocks` (in position order) by reference: its own blocks go back
+    /// first. The recurrent states are not touched.
+    pub fn adopt(&mut self, slot: usize, blocks: &[u32]) -> Result<()> {
+        if slot >= self.n_slots {
+            return Err(ModelError::Batch(format!("slot {slot} out of range")));
+        }
+        if let Some(&b) = blocks.iter().find(|&&b| self.block_refs(b) == 0) {
+            return Err(ModelError::Batch(format!("block {b} is not in use")));
+        }
+        self.truncate(slot, 0);
+        for &b in blocks {
+            self.refs[b as usize] += 1;
+        }
+        self.tables[slot] = blocks.to_vec();
+        Ok(())
+    }
+
+    /// Bytes of the first `rows` positions of a block over every attention layer (K then V
+    /// per layer, each `[rows, kv_dim]` in the cache's element format): what
+    /// [`KvCache::import_block`] takes back.
+    pub fn export_block(&self, block: u32, rows: usize) -> Vec<u8> {
+        let (bs, kv_dim) = (self.block_size, self.kv_dim);
+        let rows = rows.min(bs);
+        let at = block as usize * bs * kv_dim;
+        let mut out = Vec::new();
+        for l in &self.layers {
+            if let LayerCache::Kv(kv) = l {
+                for b in [&kv.k, &kv.v] {
+                    b.append_bytes(at..at + rows * kv_dim, &mut out);
+                }
+            }
+        }
+        out
+    }
+
+    /// Fill the first `rows` positions of a block from [`KvCache::export_block`] bytes of a
+    /// cache with the same layout.
+    pub fn import_block(&mut self, block: u32, rows: usize, bytes: &[u8]) -> Result<()> {
+        let (bs, kv_dim) = (self.block_size, self.kv_dim);
+        if block as usize >= self.n_blocks || rows > bs {
+            return Err(ModelError::Batch(format!("block {block} / {rows} rows out of range")));
+        }
+        let at = block as usize * bs * kv_dim;
+        let want: usize = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerCache::Kv(kv) => {
+                    kv.k.byte_len(at..at + rows * kv_dim) + kv.v.byte_len(at..at + rows * kv_dim)
+                }
+                _ => 0,
+            })
+            .sum();
+        if bytes.len() != want {
+            return Err(ModelError::Batch(format!(
+                "block data has {} bytes, this cache layout needs {want}",
+                bytes.len()
+            )));
+        }
+        let mut rest = bytes;
+        for l in &mut self.layers {
+            if let LayerCache::Kv(kv) = l {
+                for b in [&mut kv.k, &mut kv.v] {
+                    let n = b.byte_len(at..at + rows * kv_dim);
+                    b.set_bytes(at..at + rows * kv_dim, &rest[..n]);
+                    rest = &rest[n..];
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Make `to` hold positions `0..n` of `from` (prefix sharing): `to` gives back its blocks
@@ -795,5 +995,125 @@ mod tests {
         c.release(0);
         assert_eq!(c.recurrent_pos(0), None);
         assert_eq!(c.slot_state_bytes(), 4 * (9 + 5));
+    }
+
+    /// Two attention layers of 2 KV heads x 32 dims (one Q8_0 block per head).
+    fn spec_q8() -> ModelSpec {
+        ModelSpec {
+            n_head_kv: 2,
+            head_dim: 32,
+            ..spec(false)
+        }
+    }
+
+    /// Rows `0..n` of K and V of layer `layer` of `slot`, `[n, kv_dim]` f32 each, whatever the
+    /// element type.
+    fn read_rows(c: &KvCache, layer: usize, slot: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+        let kv_dim = c.kv_dim;
+        let (k, v) = c.layer(layer, slot, n).unwrap();
+        let get = |view: KvView<'_>| {
+            let mut out = vec![0f32; n * kv_dim];
+            for p in 0..n {
+                let row = view.table[p / view.block_size] as usize * view.block_size
+                    + p % view.block_size;
+                view.data
+                    .read(row * kv_dim, &mut out[p * kv_dim..(p + 1) * kv_dim]);
+            }
+            out
+        };
+        (get(k), get(v))
+    }
+
+    /// `n` rows of 64 values; head 1 is 100 times smaller than head 0, so a scale shared
+    /// across heads would cost it ~100x the error bound checked here. (Much smaller values
+    /// would make the f16 scale subnormal, which costs precision: a limit of the format.)
+    fn q8_rows(n: usize, seed: f32) -> Vec<f32> {
+        (0..n * 64)
+            .map(|i| {
+                let x = ((i as f32 + seed) * 0.618).sin() * 3.0;
+                if i % 64 < 32 {
+                    x
+                } else {
+                    x * 1e-2
+                }
+            })
+            .collect()
+    }
+
+    /// Every value within 0.6 quantisation steps of its Q8_0 block's scale `amax / 127`
+    /// (half a step from rounding, plus the f16 rounding of the scale).
+    fn assert_q8_close(got: &[f32], want: &[f32]) {
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.chunks(32).zip(want.chunks(32)) {
+            let d = w.iter().fold(0f32, |m, x| m.max(x.abs())) / 127.0;
+            for (a, b) in g.iter().zip(w) {
+                assert!((a - b).abs() <= 0.6 * d, "{a} vs {b} (step {d})");
+            }
+        }
+    }
+
+    #[test]
+    fn q8_0_rows_round_trip_per_head() {
+        let mut c = KvCache::with_spec(&spec_q8(), 2, 40, 8, 4, KvType::Q8_0).unwrap();
+        // 2 layers x (K + V) x 4 rows x (2 blocks of 34 bytes).
+        assert_eq!(c.block_bytes(), 2 * 2 * 4 * 68);
+        assert_eq!(KvType::Q8_0.row_bytes(64), 68);
+        let (k, v) = (q8_rows(9, 0.0), q8_rows(9, 100.0));
+        c.prepare(0, 0, 9).unwrap();
+        for layer in [0, 2] {
+            // Two chunks, the second starting inside a block.
+            c.write(layer, 0, 0, &k[..5 * 64], &v[..5 * 64]).unwrap();
+            c.write(layer, 0, 5, &k[5 * 64..], &v[5 * 64..]).unwrap();
+        }
+        for layer in [0, 2] {
+            let (gk, gv) = read_rows(&c, layer, 0, 9);
+            assert_q8_close(&gk, &k);
+            assert_q8_close(&gv, &v);
+        }
+        // Not all-zero: the small head kept its own scale.
+        let (gk, _) = read_rows(&c, 0, 0, 1);
+        assert!(gk[32..].iter().any(|&x| x != 0.0));
+    }
+
+    #[test]
+    fn q8_0_shared_prefix_is_copied_on_write() {
+        let mut c = KvCache::with_spec(&spec_q8(), 2, 32, 8, 4, KvType::Q8_0).unwrap();
+        let (k, v) = (q8_rows(6, 1.0), q8_rows(6, 2.0));
+        c.prepare(0, 0, 6).unwrap();
+        for layer in [0, 2] {
+            c.write(layer, 0, 0, &k, &v).unwrap();
+        }
+        let before = read_rows(&c, 2, 0, 6);
+        c.share_prefix(0, 1, 6).unwrap();
+        // Slot 1 rewrites positions 5 and 6: its second block is copied first.
+        let (k2, v2) = (q8_rows(2, 50.0), q8_rows(2, 60.0));
+        assert_eq!(c.blocks_needed(1, 5, 2), 1);
+        c.prepare(1, 5, 2).unwrap();
+        for layer in [0, 2] {
+            c.write(layer, 1, 5, &k2, &v2).unwrap();
+        }
+        assert_eq!(read_rows(&c, 2, 0, 6), before, "the owner's rows are untouched");
+        let (gk, gv) = read_rows(&c, 2, 1, 7);
+        // Rows 0..5 are byte copies of the owner's, rows 5..7 the new ones.
+        assert_eq!(gk[..5 * 64], before.0[..5 * 64]);
+        assert_eq!(gv[..5 * 64], before.1[..5 * 64]);
+        assert_q8_close(&gk[5 * 64..], &k2);
+        assert_q8_close(&gv[5 * 64..], &v2);
+        c.release(0);
+        c.release(1);
+        assert_eq!((c.n_free_blocks(), total_refs(&c)), (8, 0));
+    }
+
+    #[test]
+    fn q8_0_needs_head_dim_multiple_of_32() {
+        let err = KvCache::with_spec(&spec(false), 1, 8, 2, 4, KvType::Q8_0).unwrap_err();
+        assert!(
+            matches!(&err, ModelError::Config(m) if m.contains("multiple of 32")),
+            "{err}"
+        );
+        for t in [KvType::F16, KvType::F32, KvType::Q8_0] {
+            assert_eq!(t.name().parse::<KvType>(), Ok(t));
+        }
+        assert!("q8".parse::<KvType>().is_err());
     }
 }

@@ -1,0 +1,302 @@
+//! The prefix cache on the tiny fixtures (an attention-only Qwen2, the hybrid Qwen3.5 MoE with
+//! Gated DeltaNet layers, the hybrid Nemotron-H with Mamba2 layers): greedy output with a cache
+//! hit equals output computed from scratch, for hits inside a block, exactly at a checkpoint,
+//! between checkpoints, after eviction to disk, after a restart, and with damaged or foreign
+//! cache files; and the cache gives every block back.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kapitsa_backend::{Backend, CpuBackend};
+use kapitsa_base::pool::RayonPool;
+use kapitsa_cache::SlotCache;
+use kapitsa_engine::loader::tokenizer_for;
+use kapitsa_engine::{
+    generate, EngineConfig, EngineHandle, EngineMetrics, Event, GenerateRequest,
+    PrefixCacheConfig, Request,
+};
+use kapitsa_models::{load_model, CausalLm, KvType, LoadOptions};
+use kapitsa_text::Tokenizer;
+
+const N_CTX: usize = 512;
+const N_GEN: usize = 12;
+
+fn load(name: &str) -> (Arc<dyn CausalLm>, Arc<Tokenizer>) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
+    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(Box::new(
+        RayonPool::new(2).expect("thread pool"),
+    )));
+    let m = load_model(&dir.join(name), backend, &LoadOptions::default())
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let tok = tokenizer_for(&m.source).unwrap();
+    (m.model, Arc::new(tok))
+}
+
+/// Deterministic prompt tokens outside the fixtures' special ids.
+fn prompt(len: usize, seed: u32) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(2654435761).wrapping_add(777);
+    (0..len)
+        .map(|_| {
+            x = x.wrapping_mul(1103515245).wrapping_add(12345);
+            (x >> 16) % 397
+        })
+        .collect()
+}
+
+fn request(p: &[u32]) -> Request {
+    let mut r = Request::greedy(p.to_vec(), N_GEN);
+    r.ignore_eos = true;
+    r
+}
+
+/// Greedy tokens of `p` computed from scratch (fresh one-slot cache, no prefix cache).
+fn scratch(model: &dyn CausalLm, tok: &Tokenizer, p: &[u32]) -> Vec<u32> {
+    let mut cache = SlotCache::new(model, 1, N_CTX, KvType::F32).unwrap();
+    let slot = cache.alloc().unwrap();
+    let r = request(p);
+    let g = GenerateRequest {
+        prompt: r.prompt.clone(),
+        max_tokens: r.max_tokens,
+        sampling: r.sampling.clone(),
+        stop: Vec::new(),
+        ignore_eos: true,
+        prefill_chunk: 32,
+    };
+    generate(model, tok, &mut cache, slot, &g, &mut |_| {})
+        .unwrap()
+        .tokens
+}
+
+/// Run `p` on the engine: (generated tokens, cached prompt tokens).
+fn run(h: &EngineHandle, p: &[u32]) -> (Vec<u32>, usize) {
+    let mut s = h.submit(request(p)).unwrap();
+    let mut toks = Vec::new();
+    while let Some(ev) = s.blocking_recv() {
+        match ev {
+            Event::Text { tokens, .. } => toks.extend(tokens),
+            Event::Done { usage, .. } => return (toks, usage.cached_tokens),
+            Event::Error(e) => panic!("request failed: {e}"),
+        }
+    }
+    panic!("stream closed without an end")
+}
+
+fn engine(
+    model: &Arc<dyn CausalLm>,
+    tok: &Arc<Tokenizer>,
+    pool: Option<usize>,
+    prefix: PrefixCacheConfig,
+) -> EngineHandle {
+    EngineHandle::start(
+        model.clone(),
+        tok.clone(),
+        EngineConfig {
+            max_running: 2,
+            max_batch_tokens: 32,
+            n_ctx: N_CTX,
+            kv_type: KvType::F32,
+            kv_pool_tokens: pool,
+            prefix_cache: Some(prefix),
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap()
+}
+
+fn idle(h: &EngineHandle) -> EngineMetrics {
+    let t0 = Instant::now();
+    loop {
+        let m = h.metrics();
+        if m.running == 0 && m.queued == 0 && m.cache_blocks_used == 0 {
+            return m;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "not idle: {m:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn prefix_cfg(model_id: &str, disk: Option<PathBuf>) -> PrefixCacheConfig {
+    PrefixCacheConfig {
+        model_id: model_id.into(),
+        checkpoint_every: 24,
+        disk: disk.map(|d| (d, 64 << 20)),
+        ..PrefixCacheConfig::default()
+    }
+}
+
+/// The multi-turn scenarios in memory.
+fn check_hits(name: &str) {
+    let (model, tok) = load(name);
+    let recurrent = model.spec().n_recurrent_layers() > 0;
+    let h = engine(&model, &tok, None, prefix_cfg(name, None));
+    let p1 = prompt(70, 1);
+    let (out1, c1) = run(&h, &p1);
+    assert_eq!(c1, 0);
+    assert_eq!(out1, scratch(&*model, &tok, &p1), "{name}: first turn");
+
+    // Next turn: the whole previous exchange plus new tokens. Everything computed before is
+    // reused (the last generated token was never run through the model): a hit exactly at
+    // the end-of-generation checkpoint, inside a block (81 = 5 * 16 + 1).
+    let mut p2 = p1.clone();
+    p2.extend(&out1);
+    p2.extend(prompt(20, 2));
+    let (out2, c2) = run(&h, &p2);
+    assert_eq!(c2, p1.len() + N_GEN - 1, "{name}: turn 2 cached");
+    assert_eq!(out2, scratch(&*model, &tok, &p2), "{name}: turn 2");
+
+    // The previous prompt plus other tokens: exactly at the prompt-end checkpoint (70,
+    // inside a block), which a template that drops the previous answer also hits.
+    let mut p3 = p1.clone();
+    p3.extend(prompt(10, 3));
+    let (out3, c3) = run(&h, &p3);
+    assert_eq!(c3, p1.len(), "{name}: turn 3 cached");
+    assert_eq!(out3, scratch(&*model, &tok, &p3), "{name}: turn 3");
+
+    // A prompt that diverges at 50, inside the fourth block. Attention-only: the 50 matching
+    // tokens are reused (the block is shared, then copied before the write at 50). Hybrid:
+    // the deepest checkpoint below 50 is at 32 (every 24 tokens, at the end of the chunk
+    // crossing the mark), between the checkpoints at 32 and 64.
+    let mut p4 = p1[..50].to_vec();
+    p4.extend(prompt(30, 4));
+    let (out4, c4) = run(&h, &p4);
+    assert_eq!(c4, if recurrent { 32 } else { 50 }, "{name}: turn 4 cached");
+    assert_eq!(out4, scratch(&*model, &tok, &p4), "{name}: turn 4");
+
+    let m = idle(&h);
+    assert_eq!(m.prefix.lookups, 4);
+    assert_eq!(m.prefix.hits, 3);
+    assert_eq!(m.prefix.tokens_reused as usize, c2 + c3 + c4);
+    assert!(m.cache_blocks_cached > 0);
+    if recurrent {
+        assert!(m.prefix.state_bytes > 0);
+    }
+    h.shutdown();
+}
+
+#[test]
+fn hits_equal_scratch_qwen2() {
+    check_hits("qwen2-a");
+}
+
+#[test]
+fn hits_equal_scratch_qwen35moe() {
+    check_hits("qwen35moe-a");
+}
+
+#[test]
+fn hits_equal_scratch_nemotronh() {
+    check_hits("nemotronh-moe-a");
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "kapitsa-prefix-test-{name}-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// Files under `dir` (recursively) with the given extension.
+fn files(dir: &Path, ext: &str) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == ext) {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+/// Eviction to disk under a small pool, a restart, a foreign fingerprint, damaged files.
+fn check_disk(name: &str) {
+    let (model, tok) = load(name);
+    let dir = temp_dir(name);
+    let pool = Some(N_CTX); // 32 blocks of 16
+    let p1 = prompt(70, 1);
+    let out1 = scratch(&*model, &tok, &p1);
+    let mut p2 = p1.clone();
+    p2.extend(&out1);
+    p2.extend(prompt(20, 2));
+    let want2 = scratch(&*model, &tok, &p2);
+    let mut p3 = p1.clone();
+    p3.extend(prompt(10, 3));
+    let want3 = scratch(&*model, &tok, &p3);
+    {
+        let h = engine(&model, &tok, pool, prefix_cfg(name, Some(dir.clone())));
+        assert_eq!(run(&h, &p1), (out1.clone(), 0));
+        // Unrelated work fills the pool: the first exchange's blocks go to disk.
+        for seed in 10..14 {
+            let f = prompt(150, seed);
+            let (got, _) = run(&h, &f);
+            assert_eq!(got, scratch(&*model, &tok, &f), "{name}: filler {seed}");
+        }
+        let m = idle(&h);
+        assert!(m.prefix.disk_files > 0, "{name}: nothing spilled: {m:?}");
+        let (got2, c2) = run(&h, &p2);
+        assert_eq!(c2, p1.len() + N_GEN - 1, "{name}: hit after eviction to disk");
+        assert_eq!(got2, want2, "{name}: turn 2 after eviction");
+        let m = idle(&h);
+        assert!(m.prefix.disk_loads > 0, "{name}: {m:?}");
+        h.shutdown();
+    }
+    {
+        // A restart finds the files.
+        let h = engine(&model, &tok, pool, prefix_cfg(name, Some(dir.clone())));
+        let (got3, c3) = run(&h, &p3);
+        assert_eq!(c3, p1.len(), "{name}: hit after a restart");
+        assert_eq!(got3, want3, "{name}: turn 3 after a restart");
+        assert!(idle(&h).prefix.disk_loads > 0);
+        h.shutdown();
+    }
+    {
+        // Another model (or layout) never sees these files.
+        let h = engine(&model, &tok, pool, prefix_cfg("another-model", Some(dir.clone())));
+        assert_eq!(run(&h, &p3), (want3.clone(), 0));
+        h.shutdown();
+    }
+    // Damage every file: flip a byte in the middle, truncate some.
+    let all: Vec<PathBuf> = files(&dir, "kv").into_iter().chain(files(&dir, "st")).collect();
+    assert!(!all.is_empty());
+    for (i, f) in all.iter().enumerate() {
+        let mut b = std::fs::read(f).unwrap();
+        if i % 3 == 0 {
+            b.truncate(b.len() / 2);
+        } else {
+            let mid = b.len() / 2;
+            b[mid] ^= 0x5a;
+        }
+        std::fs::write(f, b).unwrap();
+    }
+    {
+        let h = engine(&model, &tok, pool, prefix_cfg(name, Some(dir.clone())));
+        let (got2, _) = run(&h, &p2);
+        assert_eq!(got2, want2, "{name}: damaged files never change the output");
+        let m = idle(&h);
+        assert!(m.prefix.disk_rejected > 0, "{name}: damage detected: {m:?}");
+        h.shutdown();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn disk_tier_and_restart_qwen2() {
+    check_disk("qwen2-a");
+}
+
+#[test]
+fn disk_tier_and_restart_qwen35moe() {
+    check_disk("qwen35moe-a");
+}
+
+#[test]
+fn disk_tier_and_restart_nemotronh() {
+    check_disk("nemotronh-moe-a");
+}
