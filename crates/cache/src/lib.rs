@@ -99,6 +99,9 @@ impl SlotCache {
         self.set_tokens(slot, tokens[..reused].to_vec());
         let end = reused + (tokens.len() - reused).min(max_new);
         if self.reserve(slot, reused, end) {
+            if let Some(p) = &mut self.prefix {
+                p.record_admission(reused);
+            }
             Some(reused)
         } else {
             self.discard(slot);

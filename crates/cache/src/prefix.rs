@@ -374,7 +374,6 @@ impl PrefixCache {
     /// models, its states the checkpoint's. Returns the tokens reused (0: start from
     /// scratch; the slot then holds nothing).
     pub fn attach(&mut self, kv: &mut KvCache, slot: usize, tokens: &[u32]) -> usize {
-        self.stats.lookups += 1;
         let plan = self.plan(tokens);
         if plan.len == 0 {
             return 0;
@@ -420,9 +419,17 @@ impl PrefixCache {
             kv.release(slot);
             return 0;
         }
-        self.stats.hits += 1;
-        self.stats.tokens_reused += len as u64;
         len
+    }
+
+    /// Count an admission that went ahead after [`PrefixCache::attach`] reused `reused`
+    /// tokens (attempts that found no memory are not counted).
+    pub fn record_admission(&mut self, reused: usize) {
+        self.stats.lookups += 1;
+        if reused > 0 {
+            self.stats.hits += 1;
+            self.stats.tokens_reused += reused as u64;
+        }
     }
 
     /// Mark a node and its ancestors used now.

@@ -875,11 +875,15 @@ mod engine {
         }
 
         /// Move what finished, cancelled or preempted sequences left in their slots into the
-        /// prefix cache (no-op without one: slots then keep their tokens for reuse).
+        /// prefix cache; without one, drop it (no reuse at all: every prompt is computed).
         fn retire_free_slots(&mut self) {
             for slot in 0..self.sched.config().n_slots {
                 if self.sched.slot_is_free(slot) && self.cache.holds_blocks(slot) {
-                    self.cache.retire(slot);
+                    if self.checkpoint_every.is_some() {
+                        self.cache.retire(slot);
+                    } else {
+                        self.cache.discard(slot);
+                    }
                 }
             }
         }

@@ -300,3 +300,123 @@ fn disk_tier_and_restart_qwen35moe() {
 fn disk_tier_and_restart_nemotronh() {
     check_disk("nemotronh-moe-a");
 }
+
+/// Many concurrent requests sharing prefixes, some cancelled, through a small pool, small
+/// snapshot memory and a small disk budget: every output equals scratch, and afterwards no
+/// block is held by anyone but the cache, the memory and disk budgets hold, and the files on
+/// disk are exactly the ones the cache knows.
+fn check_stress(name: &str) {
+    let (model, tok) = load(name);
+    let dir = temp_dir(&format!("stress-{name}"));
+    let disk_budget: u64 = 2 << 20;
+    let state_budget = 256 << 10;
+    let h = EngineHandle::start(
+        model.clone(),
+        tok.clone(),
+        EngineConfig {
+            max_running: 4,
+            max_batch_tokens: 48,
+            n_ctx: N_CTX,
+            kv_type: KvType::F32,
+            kv_pool_tokens: Some(N_CTX + 64),
+            prefix_cache: Some(PrefixCacheConfig {
+                model_id: name.into(),
+                state_bytes: state_budget,
+                checkpoint_every: 40,
+                disk: Some((dir.clone(), disk_budget)),
+            }),
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    let bases: Vec<Vec<u32>> = (0..4).map(|s| prompt(60 + 25 * s as usize, 100 + s)).collect();
+    let mut reqs = Vec::new();
+    for i in 0..40u32 {
+        let base = &bases[(i % 4) as usize];
+        let keep = (i as usize * 37) % base.len();
+        let mut p = base[..keep].to_vec();
+        p.extend(prompt(5 + (i as usize * 13) % 60, 500 + i));
+        reqs.push(p);
+    }
+    let mut handles = Vec::new();
+    for (i, p) in reqs.iter().enumerate() {
+        let s = h.submit(request(p)).unwrap();
+        handles.push((i, s));
+        if i % 8 == 7 {
+            // Wait for this wave, cancelling one of it mid-way.
+            for (j, mut s) in handles.drain(..) {
+                if j % 8 == 3 {
+                    h.cancel(s.id());
+                    while s.blocking_recv().is_some() {}
+                    continue;
+                }
+                let mut toks = Vec::new();
+                while let Some(ev) = s.blocking_recv() {
+                    match ev {
+                        Event::Text { tokens, .. } => toks.extend(tokens),
+                        Event::Done { .. } => break,
+                        Event::Error(e) => panic!("{name} request {j}: {e}"),
+                    }
+                }
+                assert_eq!(
+                    toks,
+                    scratch(&*model, &tok, &reqs[j]),
+                    "{name}: request {j}"
+                );
+            }
+        }
+    }
+    let m = idle(&h);
+    eprintln!("{name}: {m:?}");
+    assert_eq!(m.prefix.lookups, m.requests_finished + m.requests_cancelled + m.preemptions);
+    assert_eq!(m.prefix.tokens_reused, m.cached_tokens_total);
+    assert!(m.prefix.hits > 10, "{name}: {m:?}");
+    assert_eq!(m.cache_blocks_used, 0);
+    assert_eq!(
+        m.cache_blocks_cached, m.prefix.blocks_in_memory,
+        "{name}: every block in use belongs to the cache"
+    );
+    assert!(m.prefix.state_bytes <= state_budget, "{name}: {m:?}");
+    assert!(m.prefix.disk_bytes <= disk_budget, "{name}: {m:?}");
+    let on_disk = files(&dir, "kv").len() + files(&dir, "st").len();
+    assert_eq!(on_disk, m.prefix.disk_files, "{name}: files match the index");
+    assert_eq!(files(&dir, "tmp").len(), 0);
+    h.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn stress_budgets_hold_and_nothing_leaks_qwen35moe() {
+    check_stress("qwen35moe-a");
+}
+
+#[test]
+fn stress_budgets_hold_and_nothing_leaks_qwen2() {
+    check_stress("qwen2-a");
+}
+
+/// Without a prefix cache nothing is reused and every block goes back to the pool.
+#[test]
+fn without_prefix_cache_nothing_is_reused() {
+    let (model, tok) = load("qwen2-a");
+    let h = EngineHandle::start(
+        model.clone(),
+        tok.clone(),
+        EngineConfig {
+            max_running: 2,
+            max_batch_tokens: 32,
+            n_ctx: N_CTX,
+            kv_type: KvType::F32,
+            prefix_cache: None,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    let p = prompt(70, 1);
+    let want = scratch(&*model, &tok, &p);
+    assert_eq!(run(&h, &p), (want.clone(), 0));
+    assert_eq!(run(&h, &p), (want, 0));
+    let m = idle(&h);
+    assert_eq!((m.cache_blocks_cached, m.prefix.lookups), (0, 0));
+    h.shutdown();
+}
