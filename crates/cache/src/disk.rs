@@ -294,7 +294,11 @@ impl Disk {
             return Err(bad("header checksum"));
         }
         let header_len = (FIXED + 4 * n + 16) as u64;
-        if header_len.checked_add(payload_len).and_then(|x| x.checked_add(8)) != Some(size) {
+        if header_len
+            .checked_add(payload_len)
+            .and_then(|x| x.checked_add(8))
+            != Some(size)
+        {
             return Err(bad("truncated"));
         }
         let start = usize::try_from(start).map_err(|_| bad("bad start"))?;

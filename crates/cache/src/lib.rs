@@ -226,7 +226,9 @@ impl SlotCache {
             t.truncate(start);
         }
         self.kv.truncate(slot, start);
-        self.kv.prepare(slot, start, end.saturating_sub(start)).is_ok()
+        self.kv
+            .prepare(slot, start, end.saturating_sub(start))
+            .is_ok()
     }
 
     /// Free the memory `slot` holds: into the prefix cache when there is one

@@ -64,7 +64,7 @@ pub fn fingerprint(model_id: &str, spec: &ModelSpec, kv_type: &str, block_size: 
         spec.arch, spec.n_vocab, spec.layers, spec.n_head_kv, spec.head_dim
     );
     let words: Vec<u32> = desc.bytes().map(u32::from).collect();
-    chain(0x6b61_7069_7473_61, &words)
+    chain(0x006b_6170_6974_7361, &words)
 }
 
 #[derive(Debug)]
@@ -330,7 +330,12 @@ impl PrefixCache {
                 if !n.has_kv() {
                     continue;
                 }
-                let m = n.tokens.iter().zip(want).take_while(|(a, b)| a == b).count();
+                let m = n
+                    .tokens
+                    .iter()
+                    .zip(want)
+                    .take_while(|(a, b)| a == b)
+                    .count();
                 if m == n.tokens.len() && n.has_state() && n.end() <= cap {
                     best_state = Some((path.len() + 1, c));
                 }
@@ -719,7 +724,12 @@ impl PrefixCache {
     pub fn stats(&self) -> PrefixStats {
         let mut s = self.stats;
         s.nodes = self.nodes.iter().flatten().count() - 1;
-        s.blocks_in_memory = self.nodes.iter().flatten().filter(|n| n.block.is_some()).count();
+        s.blocks_in_memory = self
+            .nodes
+            .iter()
+            .flatten()
+            .filter(|n| n.block.is_some())
+            .count();
         s.state_bytes = self.state_bytes();
         if let Some(d) = &self.disk {
             s.disk_bytes = d.used();

@@ -148,7 +148,10 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             .unwrap_or(full);
         full.min(fits.max(n_ctx))
     } else if a.cache_tokens < n_ctx {
-        bail!("--cache-tokens ({}) must be >= the context ({n_ctx})", a.cache_tokens);
+        bail!(
+            "--cache-tokens ({}) must be >= the context ({n_ctx})",
+            a.cache_tokens
+        );
     } else {
         a.cache_tokens
     };
@@ -163,10 +166,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                 .with_context(|| format!("reading {}", a.model.display()))?,
             state_bytes: a.cache_state_mem,
             checkpoint_every: a.cache_checkpoint_every.max(1),
-            disk: a
-                .cache_dir
-                .clone()
-                .map(|d| (d, a.cache_disk_size as u64)),
+            disk: a.cache_dir.clone().map(|d| (d, a.cache_disk_size as u64)),
         })
     };
     if served.template.is_none() {

@@ -16,13 +16,15 @@
 //! sampled one); it is in prefill when more are missing: a new prompt, or a sequence
 //! recomputing its prompt and generated tokens after a preemption.
 //!
-//! **Slots and prefix reuse.** A slot keeps the tokens of its last sequence after that one
-//! ends. On admission the scheduler asks the caller (`reuse(slot, tokens)`, which is
-//! [`kapitsa_cache::SlotCache::reusable_prefix`] in the engine) how many leading tokens each
-//! free slot can reuse, and picks the slot with the longest reusable prefix (ties: the slot
-//! idle the longest, to keep recently used contents around). Those tokens are not recomputed
-//! ([`Admission::reused`]). Models with recurrent layers reuse a slot only when everything it
-//! holds is a prefix of the new sequence; `reusable_prefix` encodes that rule.
+//! **Slots and prefix reuse.** On admission the scheduler asks the cache
+//! ([`CacheSpace::reusable`]) how many leading tokens each free slot can reuse, picks the slot
+//! with the longest reusable prefix (ties: the slot idle the longest, to keep recently used
+//! contents around), and lets the cache set it up ([`CacheSpace::admit`]), which reports the
+//! tokens actually reused ([`Admission::reused`]; they are not recomputed). In the engine the
+//! answer comes from the prefix cache and is the same for every slot; a cache where slots
+//! keep their last sequence's tokens (the tests' mock, or `SlotCache` without a prefix cache)
+//! makes the choice matter. Models with recurrent layers reuse only what their caches can
+//! resume from (a checkpoint, or a slot whose whole contents are a prefix).
 //!
 //! **Finishing.** The engine samples and reports [`Outcome::Token`] (the scheduler then ends
 //! the sequence at `max_tokens` ([`FinishReason::Length`]) or when its tokens fill the context

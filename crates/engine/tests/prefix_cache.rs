@@ -13,8 +13,8 @@ use kapitsa_base::pool::RayonPool;
 use kapitsa_cache::SlotCache;
 use kapitsa_engine::loader::tokenizer_for;
 use kapitsa_engine::{
-    generate, EngineConfig, EngineHandle, EngineMetrics, Event, GenerateRequest,
-    PrefixCacheConfig, Request,
+    generate, EngineConfig, EngineHandle, EngineMetrics, Event, GenerateRequest, PrefixCacheConfig,
+    Request,
 };
 use kapitsa_models::{load_model, CausalLm, KvType, LoadOptions};
 use kapitsa_text::Tokenizer;
@@ -190,10 +190,7 @@ fn hits_equal_scratch_nemotronh() {
 }
 
 fn temp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "kapitsa-prefix-test-{name}-{}",
-        std::process::id()
-    ));
+    let d = std::env::temp_dir().join(format!("kapitsa-prefix-test-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     d
 }
@@ -241,7 +238,11 @@ fn check_disk(name: &str) {
         let m = idle(&h);
         assert!(m.prefix.disk_files > 0, "{name}: nothing spilled: {m:?}");
         let (got2, c2) = run(&h, &p2);
-        assert_eq!(c2, p1.len() + N_GEN - 1, "{name}: hit after eviction to disk");
+        assert_eq!(
+            c2,
+            p1.len() + N_GEN - 1,
+            "{name}: hit after eviction to disk"
+        );
         assert_eq!(got2, want2, "{name}: turn 2 after eviction");
         let m = idle(&h);
         assert!(m.prefix.disk_loads > 0, "{name}: {m:?}");
@@ -258,12 +259,20 @@ fn check_disk(name: &str) {
     }
     {
         // Another model (or layout) never sees these files.
-        let h = engine(&model, &tok, pool, prefix_cfg("another-model", Some(dir.clone())));
+        let h = engine(
+            &model,
+            &tok,
+            pool,
+            prefix_cfg("another-model", Some(dir.clone())),
+        );
         assert_eq!(run(&h, &p3), (want3.clone(), 0));
         h.shutdown();
     }
     // Damage every file: flip a byte in the middle, truncate some.
-    let all: Vec<PathBuf> = files(&dir, "kv").into_iter().chain(files(&dir, "st")).collect();
+    let all: Vec<PathBuf> = files(&dir, "kv")
+        .into_iter()
+        .chain(files(&dir, "st"))
+        .collect();
     assert!(!all.is_empty());
     for (i, f) in all.iter().enumerate() {
         let mut b = std::fs::read(f).unwrap();
@@ -329,7 +338,9 @@ fn check_stress(name: &str) {
         },
     )
     .unwrap();
-    let bases: Vec<Vec<u32>> = (0..4).map(|s| prompt(60 + 25 * s as usize, 100 + s)).collect();
+    let bases: Vec<Vec<u32>> = (0..4)
+        .map(|s| prompt(60 + 25 * s as usize, 100 + s))
+        .collect();
     let mut reqs = Vec::new();
     for i in 0..40u32 {
         let base = &bases[(i % 4) as usize];
@@ -368,7 +379,10 @@ fn check_stress(name: &str) {
     }
     let m = idle(&h);
     eprintln!("{name}: {m:?}");
-    assert_eq!(m.prefix.lookups, m.requests_finished + m.requests_cancelled + m.preemptions);
+    assert_eq!(
+        m.prefix.lookups,
+        m.requests_finished + m.requests_cancelled + m.preemptions
+    );
     assert_eq!(m.prefix.tokens_reused, m.cached_tokens_total);
     assert!(m.prefix.hits > 10, "{name}: {m:?}");
     assert_eq!(m.cache_blocks_used, 0);
@@ -379,7 +393,10 @@ fn check_stress(name: &str) {
     assert!(m.prefix.state_bytes <= state_budget, "{name}: {m:?}");
     assert!(m.prefix.disk_bytes <= disk_budget, "{name}: {m:?}");
     let on_disk = files(&dir, "kv").len() + files(&dir, "st").len();
-    assert_eq!(on_disk, m.prefix.disk_files, "{name}: files match the index");
+    assert_eq!(
+        on_disk, m.prefix.disk_files,
+        "{name}: files match the index"
+    );
     assert_eq!(files(&dir, "tmp").len(), 0);
     h.shutdown();
     let _ = std::fs::remove_dir_all(&dir);

@@ -99,10 +99,8 @@ fn check(name: &str, file: &str) {
     let m = load_model(&path, backend, &LoadOptions::default()).unwrap();
     let tok = Arc::new(tokenizer_for(&m.source).unwrap());
     let model = m.model;
-    let dir = std::env::temp_dir().join(format!(
-        "kapitsa-real-prefix-{name}-{}",
-        std::process::id()
-    ));
+    let dir =
+        std::env::temp_dir().join(format!("kapitsa-real-prefix-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let start = |pool: Option<usize>| {
         EngineHandle::start(
@@ -136,12 +134,21 @@ fn check(name: &str, file: &str) {
         assert_eq!(got, want, "{name}: turn {t}");
         if t > 0 {
             let prev = turns[t - 1].len() + N_GEN - 1;
-            assert_eq!(cached, prev, "{name}: turn {t} reuses the previous exchange");
+            assert_eq!(
+                cached, prev,
+                "{name}: turn {t} reuses the previous exchange"
+            );
         }
-        println!("{name}: turn {t}: {} prompt tokens, {cached} cached", p.len());
+        println!(
+            "{name}: turn {t}: {} prompt tokens, {cached} cached",
+            p.len()
+        );
         let mut next = p.clone();
         next.extend(&got);
-        next.extend(fixture_ids(name, ["chat_sql", "chat_bugfix", "code_rust"][t]));
+        next.extend(fixture_ids(
+            name,
+            ["chat_sql", "chat_bugfix", "code_rust"][t],
+        ));
         turns.push(next);
         answers.push(got);
     }
@@ -150,15 +157,27 @@ fn check(name: &str, file: &str) {
     p.extend(fixture_ids(name, "code_c"));
     let (got, cached) = run(&h, &p);
     assert_eq!(cached, 37, "{name}: hit inside a block");
-    assert_eq!(got, scratch(&*model, &tok, &p), "{name}: divergence inside a block");
+    assert_eq!(
+        got,
+        scratch(&*model, &tok, &p),
+        "{name}: divergence inside a block"
+    );
     h.shutdown();
 
     // After a restart (the shutdown wrote the cache to disk), with a pool of one context so
     // blocks also cycle between disk and memory.
     let h = start(Some(N_CTX));
     let (got, cached) = run(&h, &turns[3]);
-    assert_eq!(cached, turns[2].len() + N_GEN - 1, "{name}: hit after a restart");
-    assert_eq!(got, scratch(&*model, &tok, &turns[3]), "{name}: after a restart");
+    assert_eq!(
+        cached,
+        turns[2].len() + N_GEN - 1,
+        "{name}: hit after a restart"
+    );
+    assert_eq!(
+        got,
+        scratch(&*model, &tok, &turns[3]),
+        "{name}: after a restart"
+    );
     let m = h.metrics();
     assert!(m.prefix.disk_loads > 0, "{name}: {m:?}");
     h.shutdown();
@@ -167,10 +186,16 @@ fn check(name: &str, file: &str) {
 
 #[test]
 fn qwen2_5_coder_0_5b_prefix_cache_hits_equal_scratch() {
-    check("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    check(
+        "qwen2.5-coder-0.5b",
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    );
 }
 
 #[test]
 fn qwen2_5_coder_1_5b_prefix_cache_hits_equal_scratch() {
-    check("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
+    check(
+        "qwen2.5-coder-1.5b",
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    );
 }

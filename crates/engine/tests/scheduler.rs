@@ -411,7 +411,11 @@ struct MockCache {
 
 impl MockCache {
     fn check(&self) {
-        assert_eq!(self.blocks.iter().sum::<usize>() + self.free, self.total, "blocks leak");
+        assert_eq!(
+            self.blocks.iter().sum::<usize>() + self.free,
+            self.total,
+            "blocks leak"
+        );
     }
 }
 
@@ -518,7 +522,10 @@ fn simulate(
         }
         let plan = s.schedule_with(&mut cache);
         cache.check();
-        assert!(plan.out_of_memory.is_empty(), "seed {seed}: a sequence did not fit alone");
+        assert!(
+            plan.out_of_memory.is_empty(),
+            "seed {seed}: a sequence did not fit alone"
+        );
         n_mem += plan
             .preempted
             .iter()
@@ -649,7 +656,11 @@ fn random_simulation_with_time_slicing() {
 /// sequence still produces what it produces alone, with no block leaked.
 #[test]
 fn random_simulation_with_a_small_block_pool() {
-    let mem = simulate_many(|seed| seed % 3 == 0, |_| None, |seed| Some((seed % 5) as usize));
+    let mem = simulate_many(
+        |seed| seed % 3 == 0,
+        |_| None,
+        |seed| Some((seed % 5) as usize),
+    );
     assert!(mem > 100, "memory preemption exercised: {mem}");
 }
 

@@ -201,16 +201,66 @@ impl Metrics {
         );
         let px = &e.prefix;
         for (name, kind, help, v) in [
-            ("kapitsa_prefix_cache_lookups_total", "counter", "Admissions that looked up the prefix cache.", px.lookups),
-            ("kapitsa_prefix_cache_hits_total", "counter", "Admissions that reused a cached prefix.", px.hits),
-            ("kapitsa_prefix_cache_tokens_reused_total", "counter", "Prompt tokens not recomputed thanks to the prefix cache.", px.tokens_reused),
-            ("kapitsa_prefix_cache_nodes", "gauge", "Blocks' worth of tokens in the prefix tree (memory or disk).", px.nodes as u64),
-            ("kapitsa_prefix_cache_memory_blocks", "gauge", "KV blocks the prefix cache holds in memory.", px.blocks_in_memory as u64),
-            ("kapitsa_prefix_cache_state_bytes", "gauge", "Bytes of recurrent-state checkpoints in memory.", px.state_bytes as u64),
-            ("kapitsa_prefix_cache_disk_bytes", "gauge", "Bytes of prefix-cache files on disk.", px.disk_bytes),
-            ("kapitsa_prefix_cache_disk_files", "gauge", "Prefix-cache files on disk.", px.disk_files as u64),
-            ("kapitsa_prefix_cache_disk_loads_total", "counter", "Blocks and checkpoints read back from disk.", px.disk_loads),
-            ("kapitsa_prefix_cache_disk_rejected_total", "counter", "Cache files ignored as damaged or foreign.", px.disk_rejected),
+            (
+                "kapitsa_prefix_cache_lookups_total",
+                "counter",
+                "Admissions that looked up the prefix cache.",
+                px.lookups,
+            ),
+            (
+                "kapitsa_prefix_cache_hits_total",
+                "counter",
+                "Admissions that reused a cached prefix.",
+                px.hits,
+            ),
+            (
+                "kapitsa_prefix_cache_tokens_reused_total",
+                "counter",
+                "Prompt tokens not recomputed thanks to the prefix cache.",
+                px.tokens_reused,
+            ),
+            (
+                "kapitsa_prefix_cache_nodes",
+                "gauge",
+                "Blocks' worth of tokens in the prefix tree (memory or disk).",
+                px.nodes as u64,
+            ),
+            (
+                "kapitsa_prefix_cache_memory_blocks",
+                "gauge",
+                "KV blocks the prefix cache holds in memory.",
+                px.blocks_in_memory as u64,
+            ),
+            (
+                "kapitsa_prefix_cache_state_bytes",
+                "gauge",
+                "Bytes of recurrent-state checkpoints in memory.",
+                px.state_bytes as u64,
+            ),
+            (
+                "kapitsa_prefix_cache_disk_bytes",
+                "gauge",
+                "Bytes of prefix-cache files on disk.",
+                px.disk_bytes,
+            ),
+            (
+                "kapitsa_prefix_cache_disk_files",
+                "gauge",
+                "Prefix-cache files on disk.",
+                px.disk_files as u64,
+            ),
+            (
+                "kapitsa_prefix_cache_disk_loads_total",
+                "counter",
+                "Blocks and checkpoints read back from disk.",
+                px.disk_loads,
+            ),
+            (
+                "kapitsa_prefix_cache_disk_rejected_total",
+                "counter",
+                "Cache files ignored as damaged or foreign.",
+                px.disk_rejected,
+            ),
         ] {
             one(name, kind, help, v);
         }
