@@ -420,7 +420,7 @@ impl EngineHandle {
 
     /// Validate `req` (prompt non-empty, in the vocabulary and shorter than the context,
     /// `max_tokens >= 1`, sampling parameters, `top_logprobs`), compile its constraint (which
-    /// blocks this thread: a few ms, plus ~1 s to build the token trie at the first
+    /// blocks this thread: ~1 ms, plus 1-2 s to build the token trie at the first
     /// constrained request of a 150k-token vocabulary) and queue it.
     pub fn submit(&self, req: Request) -> Result<RequestStream, SubmitError> {
         let inner = &self.inner;

@@ -146,27 +146,51 @@ fn validate(schema: &Value, v: &Value, path: &str) -> Result<(), String> {
     }
     if let Some(s) = v.as_str() {
         let n = s.chars().count() as u64;
-        if schema.get("minLength").and_then(Value::as_u64).is_some_and(|m| n < m) {
+        if schema
+            .get("minLength")
+            .and_then(Value::as_u64)
+            .is_some_and(|m| n < m)
+        {
             return err("too short".into());
         }
-        if schema.get("maxLength").and_then(Value::as_u64).is_some_and(|m| n > m) {
+        if schema
+            .get("maxLength")
+            .and_then(Value::as_u64)
+            .is_some_and(|m| n > m)
+        {
             return err("too long".into());
         }
     }
     if let Some(x) = v.as_f64() {
-        if schema.get("minimum").and_then(Value::as_f64).is_some_and(|m| x < m) {
+        if schema
+            .get("minimum")
+            .and_then(Value::as_f64)
+            .is_some_and(|m| x < m)
+        {
             return err("below minimum".into());
         }
-        if schema.get("maximum").and_then(Value::as_f64).is_some_and(|m| x > m) {
+        if schema
+            .get("maximum")
+            .and_then(Value::as_f64)
+            .is_some_and(|m| x > m)
+        {
             return err("above maximum".into());
         }
     }
     if let Some(a) = v.as_array() {
         let n = a.len() as u64;
-        if schema.get("minItems").and_then(Value::as_u64).is_some_and(|m| n < m) {
+        if schema
+            .get("minItems")
+            .and_then(Value::as_u64)
+            .is_some_and(|m| n < m)
+        {
             return err("too few items".into());
         }
-        if schema.get("maxItems").and_then(Value::as_u64).is_some_and(|m| n > m) {
+        if schema
+            .get("maxItems")
+            .and_then(Value::as_u64)
+            .is_some_and(|m| n > m)
+        {
             return err("too many items".into());
         }
         if let Some(items) = schema.get("items") {
@@ -246,8 +270,7 @@ fn random_model_output_always_validates() {
             );
             let v: Value = serde_json::from_str(&o.text)
                 .unwrap_or_else(|e| panic!("{fixture} seed {seed}: {:?}: {e}", o.text));
-            validate(&schema, &v, "$")
-                .unwrap_or_else(|e| panic!("{fixture} seed {seed}: {e}"));
+            validate(&schema, &v, "$").unwrap_or_else(|e| panic!("{fixture} seed {seed}: {e}"));
         }
         // Greedy too (a random model's argmax is its own kind of adversary).
         let mut r = Request::greedy(prompt(20, 99), 400);
@@ -273,7 +296,9 @@ fn json_object_and_lark() {
         match o.finish {
             // A free-form object may not end within the budget; what exists must still be
             // the start of an object.
-            Ok(FinishReason::Length) => assert!(o.text.trim_start().starts_with('{'), "{:?}", o.text),
+            Ok(FinishReason::Length) => {
+                assert!(o.text.trim_start().starts_with('{'), "{:?}", o.text)
+            }
             Ok(FinishReason::EndOfGeneration) => {
                 finished += 1;
                 let v: Value = serde_json::from_str(&o.text)
@@ -291,7 +316,11 @@ fn json_object_and_lark() {
     ));
     let o = collect(h.submit(r).unwrap());
     assert_eq!(o.finish, Ok(FinishReason::EndOfGeneration));
-    assert!(o.text == "answer: yes." || o.text == "answer: no.", "{:?}", o.text);
+    assert!(
+        o.text == "answer: yes." || o.text == "answer: no.",
+        "{:?}",
+        o.text
+    );
 }
 
 #[test]
@@ -360,7 +389,9 @@ fn unconstrained_requests_are_unchanged_next_to_constrained_ones() {
         r.top_logprobs = Some(3);
         r
     };
-    let alone: Vec<Out> = (0..2).map(|i| collect(h.submit(plain(i)).unwrap())).collect();
+    let alone: Vec<Out> = (0..2)
+        .map(|i| collect(h.submit(plain(i)).unwrap()))
+        .collect();
     let mut streams = Vec::new();
     for i in 0..2 {
         let mut c = plain(i + 100);
@@ -403,7 +434,10 @@ fn qwen_vocab_timings() {
         .map(|d| d.join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
         .filter(|p| p.exists());
     let Some(p) = p else {
-        assert!(std::env::var_os("CI").is_none(), "CI: the 0.5B model is missing");
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI: the 0.5B model is missing"
+        );
         eprintln!("skipping: set KAPITSA_MODELS");
         return;
     };
@@ -438,7 +472,10 @@ fn qwen_vocab_timings() {
         let t1 = Instant::now();
         m.allowed_mask(&mut logits).unwrap();
         mask_secs.push(t1.elapsed().as_secs_f64());
-        assert_eq!(logits[t as usize], 0.0, "token {t} of a valid text is masked");
+        assert_eq!(
+            logits[t as usize], 0.0,
+            "token {t} of a valid text is masked"
+        );
         assert!(padding.iter().all(|&i| logits[i] == f32::NEG_INFINITY));
         m.consume(t).unwrap();
     }

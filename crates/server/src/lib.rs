@@ -386,14 +386,20 @@ async fn method_not_allowed(req: HttpRequest) -> Response {
         ),
     )
     .into_response_for(api_for_path(&path));
-    let _ = HeaderValue::from_static(allow);
+    r.headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static(allow));
     r
 }
 
 /// Whether a `Content-Type` value names JSON: `application/json` or `application/*+json`,
 /// parameters (`charset`) allowed.
 fn is_json_content_type(v: &str) -> bool {
-    let mime = v.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let mime = v
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
     mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json"))
 }
 
@@ -459,7 +465,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.cfg.max_body_bytes))
-        // .layer(middleware::from_fn(require_json))
+        .layer(middleware::from_fn(require_json))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .layer(middleware::from_fn_with_state(
             state.clone(),

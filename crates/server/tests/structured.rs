@@ -15,8 +15,7 @@ use serde_json::{json, Value};
 async fn start(template: Option<&str>) -> TestServer {
     let tpl = template.map(|t| repo().join("tests/fixtures/templates").join(t));
     let (loaded, served) =
-        kapitsa_server::load(&tiny(), 1, Some("tiny".into()), tpl.as_deref(), None)
-            .expect("load");
+        kapitsa_server::load(&tiny(), 1, Some("tiny".into()), tpl.as_deref(), None).expect("load");
     // `..default()`: settings added later keep their defaults here.
     #[allow(clippy::needless_update)]
     let ecfg = EngineConfig {
@@ -51,13 +50,18 @@ fn schema() -> Value {
 fn check(content: &str) {
     let v: Value =
         serde_json::from_str(content).unwrap_or_else(|e| panic!("not JSON: {content:?}: {e}"));
-    let o = v.as_object().unwrap_or_else(|| panic!("not an object: {v}"));
+    let o = v
+        .as_object()
+        .unwrap_or_else(|| panic!("not an object: {v}"));
     let mut keys: Vec<&str> = o.keys().map(String::as_str).collect();
     keys.sort_unstable();
     assert_eq!(keys, ["city", "days", "rain", "unit"], "{v}");
     let city = o["city"].as_str().unwrap();
     assert!((1..=5).contains(&city.chars().count()), "{v}");
-    assert!(o["days"].as_i64().is_some_and(|d| (1..=7).contains(&d)), "{v}");
+    assert!(
+        o["days"].as_i64().is_some_and(|d| (1..=7).contains(&d)),
+        "{v}"
+    );
     assert!(o["unit"] == "C" || o["unit"] == "F", "{v}");
     assert!(o["rain"].is_boolean(), "{v}");
 }
@@ -216,9 +220,34 @@ async fn reasoning_templates_give_plain_json_content() {
         } else {
             assert_eq!(r.status, 200, "{}", r.text());
             let v = r.json();
-            assert!(v["choices"][0]["message"].get("reasoning_content").is_none(), "{v}");
-            v["choices"][0]["message"]["content"].as_str().unwrap().to_string()
+            assert!(
+                v["choices"][0]["message"]
+                    .get("reasoning_content")
+                    .is_none(),
+                "{v}"
+            );
+            v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string()
         };
         check(&content);
     }
+    // Thinking is switched off in the prompt: the template adds an empty think block, so the
+    // prompt is longer than the same conversation without a constraint...
+    let prompt_tokens = |b: Value| {
+        let s = &s;
+        async move {
+            let r = s.post("/v1/chat/completions", &b).await;
+            assert_eq!(r.status, 200, "{}", r.text());
+            r.json()["usage"]["prompt_tokens"].as_u64().unwrap()
+        }
+    };
+    let plain = prompt_tokens(body(json!({"type": "text"}), 5)).await;
+    let constrained = prompt_tokens(body(json_schema_format(), 5)).await;
+    assert!(constrained > plain, "{constrained} vs {plain}");
+    // ... unless the request asks for thinking itself.
+    let mut b = body(json_schema_format(), 5);
+    b["chat_template_kwargs"] = json!({"enable_thinking": true});
+    assert_eq!(prompt_tokens(b).await, plain);
 }
