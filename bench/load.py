@@ -16,10 +16,11 @@ apart from timing. A request is a streaming /v1/chat/completions (or, --messages
 them, /v1/messages) call with a random-length prompt, a random max_tokens and either
 temperature 0 or sampling with a seed; --disconnect-fraction of them are dropped by the client
 after a few tokens on purpose. Clients stop starting requests at the deadline; the ones in
-flight finish.
+flight may finish for --drain seconds, then they are cut (closed, like a disconnect).
 
 Checks (any failure: exit status 1):
-  - no errors but the intended ones: client disconnects, and 429 queue-full answers only when
+  - no errors but the intended ones: client disconnects, streams cut at the end of --drain,
+    no request over --request-timeout, and 429 queue-full answers only when
     the server runs with a queue smaller than the number of clients (--allow-queue-full, or a
     --max-queue below --clients for a server started here); each kind is counted;
   - every completed stream is well-formed: OpenAI chunks with one id, the role first, one
@@ -27,8 +28,9 @@ Checks (any failure: exit status 1):
     nested content blocks, message_delta with stop_reason and usage, message_stop last; usage
     consistent (total = prompt + completion, completion <= max_tokens, "length"/"max_tokens"
     exactly at max_tokens, "stop"/"end_turn" below it, no more text chunks than tokens + 1);
-  - /metrics during the run: running sequences and slots used never above the slots (and
-    cache blocks used never above the blocks, when the server exports them);
+  - /metrics during the run: running sequences and slots used never above the slots, cache
+    blocks used + cached never above the blocks (when the server exports them), and an engine
+    step at least every --stall seconds while requests run or wait (else: a hang);
   - /metrics after the run (waiting up to --settle seconds): kapitsa_requests_running,
     kapitsa_queue_length, kapitsa_slots_used, kapitsa_streams_active and, when exported,
     kapitsa_cache_blocks_used all back to 0;
@@ -42,8 +44,9 @@ Checks (any failure: exit status 1):
     exit 0 on SIGTERM.
 
 Reports aggregate generation tokens/s of `load` against `single` (the server's
-kapitsa_generation_tokens_total over each phase's fixed window), as a markdown table row and
-as JSON (--json FILE also writes it to a file).
+kapitsa_generation_tokens_total over each phase's fixed window, the load phase's first
+--warmup seconds left out), per wall second and per second of server CPU time, as a markdown
+table row and as JSON (--json FILE also writes it to a file). See bench/README.md.
 """
 
 from __future__ import annotations
@@ -68,10 +71,10 @@ from dataclasses import dataclass, field
 import httpx
 
 RSS_HELP = (
-    "largest allowed RSS growth after warm-up, MiB (default 64). The KV cache is allocated "
-    "when the server starts but its pages only count once written; the prime phase writes every "
-    "slot up to the longest sequence of the mix, so what is left is the allocator settling "
-    "(per-thread arenas, batch buffers sized by the largest step) - a few MiB in practice. "
+    "largest allowed RSS growth after warm-up, MiB (default 64). The KV block pool is allocated "
+    "when the server starts (pages count once written); the prime phase runs the largest batch "
+    "of the longest sequences of the mix, so what is left is the allocator settling (per-thread "
+    "arenas, batch buffers sized by the largest step) - -2 to +0.1 MiB in the runs so far. "
     "64 MiB is far above that noise and far below what a per-request leak costs over a run of "
     "hundreds of requests: one logits row (vocab x 4 bytes, 0.6 MiB for Qwen2.5) kept per "
     "request, or any per-token leak, crosses it."
@@ -181,13 +184,16 @@ class Result:
     client: int
     seq: int
     spec: Spec
-    kind: str = "ok"  # ok | disconnect | http_NNN | queue_full_429 | transport:X | stream_error | malformed | timeout
+    kind: str = "ok"  # ok | disconnect | cut_at_end | http_NNN | queue_full_429 | transport:X | stream_error | malformed | timeout
     detail: str = ""
+    status: int | None = None  # HTTP status, once the answer's head arrived
     t_start: float = 0.0
     t_first: float | None = None
     t_end: float = 0.0
     text: str = ""
     chunks: int = 0  # text chunks received
+    t_last: float | None = None  # arrival of the last text chunk
+    max_gap: float = 0.0  # longest wait between two text chunks (a stalled stream)
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     finish: str | None = None
@@ -195,6 +201,16 @@ class Result:
     @property
     def ok(self) -> bool:
         return self.kind == "ok"
+
+    def text_chunk(self, piece: str, text: list[str]) -> None:
+        now = time.monotonic()
+        if self.t_first is None:
+            self.t_first = now
+        else:
+            self.max_gap = max(self.max_gap, now - self.t_last)
+        self.t_last = now
+        text.append(piece)
+        self.chunks += 1
 
 
 class Malformed(Exception):
@@ -280,10 +296,7 @@ async def read_chat(r: httpx.Response, res: Result, model: str, n_ctx: int | Non
             raise Malformed(f"chunk after finish_reason: {data[:200]}")
         piece = delta.get("content")
         if piece:
-            if res.t_first is None:
-                res.t_first = time.monotonic()
-            text.append(piece)
-            res.chunks += 1
+            res.text_chunk(piece, text)
             if spec.disconnect_after is not None and res.chunks >= spec.disconnect_after:
                 res.kind = "disconnect"
                 res.text = "".join(text)
@@ -347,10 +360,7 @@ async def read_messages(r: httpx.Response, res: Result, model: str, n_ctx: int |
                 raise Malformed(f"delta for block {d.get('index')} while {open_index} is open")
             dd = d.get("delta") or {}
             if dd.get("type") == "text_delta":
-                if res.t_first is None:
-                    res.t_first = time.monotonic()
-                text.append(dd.get("text", ""))
-                res.chunks += 1
+                res.text_chunk(dd.get("text", ""), text)
                 if spec.disconnect_after is not None and res.chunks >= spec.disconnect_after:
                     res.kind = "disconnect"
                     res.text = "".join(text)
@@ -474,6 +484,7 @@ async def one_request(client: httpx.AsyncClient, t: Target, res: Result, timeout
     try:
         async with asyncio.timeout(timeout):
             async with client.stream("POST", t.url + path, json=body, headers=t.headers(res.spec.api)) as r:
+                res.status = r.status_code
                 if r.status_code != 200:
                     raw = await r.aread()
                     res.kind = QUEUE_FULL if r.status_code == 429 else f"http_{r.status_code}"
@@ -490,6 +501,11 @@ async def one_request(client: httpx.AsyncClient, t: Target, res: Result, timeout
         res.kind, res.detail = "timeout", f"no complete answer within {timeout} s (a hang?)"
     except httpx.HTTPError as e:
         res.kind, res.detail = f"transport:{type(e).__name__}", str(e)[:300]
+    except asyncio.CancelledError:
+        # The phase's drain time ran out: the connection is closed like a disconnect.
+        res.kind, res.detail = "cut_at_end", "still running when --drain ran out"
+        res.t_end = time.monotonic()
+        raise
     res.t_end = time.monotonic()
     return res
 
@@ -559,6 +575,10 @@ class Sampler:
     peaks: dict = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
     metric_failures: int = 0
+    stall_s: float = 120.0
+    longest_stall: float = 0.0
+    _steps: float | None = None
+    _steps_since: float = 0.0
 
     async def metrics_now(self) -> dict[str, float]:
         r = await self.client.get(self.target.url + "/metrics", timeout=10)
@@ -582,7 +602,20 @@ class Sampler:
                 self.metric_failures += 1
                 self.violations.append(f"GET /metrics failed during the run: {type(e).__name__}: {e}")
             else:
-                self.metrics.append((time.monotonic(), m))
+                now = time.monotonic()
+                self.metrics.append((now, m))
+                # A hang: work waiting, yet no engine step for --stall seconds.
+                steps = m.get("kapitsa_engine_steps_total")
+                busy = m.get("kapitsa_requests_running", 0) + m.get("kapitsa_queue_length", 0) > 0
+                if steps != self._steps or not busy:
+                    self._steps, self._steps_since = steps, now
+                else:
+                    self.longest_stall = max(self.longest_stall, now - self._steps_since)
+                    if now - self._steps_since > self.stall_s:
+                        self.violations.append(
+                            f"no engine step for more than {self.stall_s:g} s with {m.get('kapitsa_requests_running', 0):g} "
+                            f"running and {m.get('kapitsa_queue_length', 0):g} queued (engine hang?)"
+                        )
                 for g in GAUGES + ["kapitsa_cache_blocks_cached", "kapitsa_cache_blocks_total", "kapitsa_slots_total"]:
                     if g in m:
                         self.peaks[g] = max(self.peaks.get(g, 0), m[g])
@@ -617,6 +650,7 @@ class Phase:
     gen_deadline: float | None = None  # ... at the deadline
     cpu_start: float | None = None
     cpu_deadline: float | None = None
+    wall: float = 0.0  # from the first request to the last answer
     results: list[Result] = field(default_factory=list)
 
 
@@ -625,8 +659,11 @@ async def client_loop(http, t: Target, ph: Phase, cid: int, a, stop_at: float, o
     seq = 0
     while time.monotonic() < stop_at:
         spec = draw(rng, a)
-        res = await one_request(http, t, Result(ph.name, cid, seq, spec), a.request_timeout)
-        out.append(res)
+        res = Result(ph.name, cid, seq, spec)
+        try:
+            await one_request(http, t, res, a.request_timeout)
+        finally:
+            out.append(res)
         seq += 1
         if res.kind == QUEUE_FULL:
             await asyncio.sleep(0.05 + rng.random() * 0.2)  # back off, as a client would
@@ -641,19 +678,27 @@ async def counter(s: Sampler, name: str) -> float | None:
         return None
 
 
-async def timed_phase(http, s: Sampler, t: Target, a, name: str, clients: int, seconds: float) -> Phase:
+async def timed_phase(http, s: Sampler, t: Target, a, name: str, clients: int, seconds: float, skip: float = 0.0) -> Phase:
     ph = Phase(name, clients)
+    t_start = time.monotonic()
+    ph.t_deadline = t_start + seconds
+    tasks = [asyncio.create_task(client_loop(http, t, ph, c, a, ph.t_deadline, ph.results)) for c in range(clients)]
+    # The throughput window leaves out the first `skip` seconds (the burst of admissions and
+    # prefills when all clients start at once).
+    await asyncio.sleep(skip)
     ph.gen_start = await counter(s, "kapitsa_generation_tokens_total")
     ph.cpu_start = cpu_seconds(t.pid)
     ph.t0 = time.monotonic()
-    ph.t_deadline = ph.t0 + seconds
-    tasks = [asyncio.create_task(client_loop(http, t, ph, c, a, ph.t_deadline, ph.results)) for c in range(clients)]
     await asyncio.sleep(max(0.0, ph.t_deadline - time.monotonic()))
     ph.gen_deadline = await counter(s, "kapitsa_generation_tokens_total")
     ph.cpu_deadline = cpu_seconds(t.pid)
-    # Requests in flight at the deadline finish (each bounded by --request-timeout).
-    await asyncio.gather(*tasks)
+    # Requests in flight at the deadline may finish for --drain seconds; then they are cut.
+    _, pending = await asyncio.wait(tasks, timeout=a.drain)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
     ph.t_end = time.monotonic()
+    ph.wall = ph.t_end - t_start
     return ph
 
 
@@ -670,6 +715,7 @@ async def prime_phase(http, s: Sampler, t: Target, a, slots: int) -> Phase:
         await asyncio.gather(*(one_request(http, t, Result("prime", i, 0, sp), a.request_timeout) for i, sp in enumerate(specs)))
     )
     ph.t_end = ph.t_deadline = time.monotonic()
+    ph.wall = ph.t_end - ph.t0
     return ph
 
 
@@ -686,17 +732,20 @@ def phase_stats(ph: Phase) -> dict:
     gen = None
     if ph.gen_start is not None and ph.gen_deadline is not None and window > 0:
         gen = (ph.gen_deadline - ph.gen_start) / window
-    wall = ph.t_end - ph.t0
+    wall = ph.wall
     completed_tokens = sum(r.completion_tokens or 0 for r in done)
     ttft = [r.t_first - r.t_start for r in ph.results if r.t_first is not None]
+    gaps = [r.max_gap for r in ph.results if r.chunks > 1]
     per_stream = [
         (r.completion_tokens - 1) / (r.t_end - r.t_first)
         for r in done
         if r.t_first is not None and (r.completion_tokens or 0) > 4 and r.t_end > r.t_first
     ]
-    cpu = None
+    cpu = per_cpu = None
     if ph.cpu_start is not None and ph.cpu_deadline is not None and window > 0:
         cpu = (ph.cpu_deadline - ph.cpu_start) / window
+        if gen is not None and cpu > 0:
+            per_cpu = gen / cpu
     return {
         "clients": ph.clients,
         "window_s": round(window, 2),
@@ -709,8 +758,15 @@ def phase_stats(ph: Phase) -> dict:
         "completed_tokens_per_s_wall": round(completed_tokens / wall, 2) if wall > 0 else None,
         "ttft_p50_s": None if not ttft else round(pct(ttft, 0.5), 3),
         "ttft_p95_s": None if not ttft else round(pct(ttft, 0.95), 3),
+        # The longest pause inside a stream (p50 / p95 over streams): a long prefill step
+        # stalls every stream decoding beside it.
+        "stream_max_gap_p50_s": None if not gaps else round(pct(gaps, 0.5), 3),
+        "stream_max_gap_p95_s": None if not gaps else round(pct(gaps, 0.95), 3),
         "stream_tokens_per_s_median": None if not per_stream else round(statistics.median(per_stream), 2),
         "server_cpu_cores": None if cpu is None else round(cpu, 2),
+        # Tokens per second of server CPU time: on a shared machine, where the server gets
+        # only part of the cores, this compares phases better than tokens per wall second.
+        "gen_tokens_per_cpu_s": None if per_cpu is None else round(per_cpu, 2),
     }
 
 
@@ -726,7 +782,7 @@ async def run(a: argparse.Namespace, t: Target) -> tuple[dict, list[str]]:
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as http, httpx.AsyncClient(
         timeout=10.0, trust_env=False
     ) as mon:
-        s = Sampler(mon, t)
+        s = Sampler(mon, t, stall_s=a.stall)
         # Wait for the server to answer.
         deadline = time.monotonic() + a.start_timeout
         while True:
@@ -759,7 +815,7 @@ async def run(a: argparse.Namespace, t: Target) -> tuple[dict, list[str]]:
         print(f"load: {a.clients} clients for {a.duration:g} s", file=sys.stderr)
         t_load = time.monotonic()
         warm_until = t_load + a.warmup
-        phases.append(await timed_phase(http, s, t, a, "load", a.clients, a.duration))
+        phases.append(await timed_phase(http, s, t, a, "load", a.clients, a.duration, skip=min(a.warmup, a.duration / 2)))
         # Settle: the gauges go back to 0.
         settle_deadline = time.monotonic() + a.settle
         after = await s.metrics_now()
@@ -777,7 +833,7 @@ async def run(a: argparse.Namespace, t: Target) -> tuple[dict, list[str]]:
     by_phase = {ph.name: ph for ph in phases}
     kinds = Counter(r.kind for r in results)
     # --- errors
-    intended = {"ok", "disconnect"}
+    intended = {"ok", "disconnect", "cut_at_end"}
     queue_full_intended = a.allow_queue_full or (
         t.proc is not None and a.max_queue is not None and a.max_queue < a.clients
     )
@@ -802,10 +858,10 @@ async def run(a: argparse.Namespace, t: Target) -> tuple[dict, list[str]]:
         failures.append(f"after {a.settle:g} s of settling these gauges are not 0: {stuck}")
     # --- accounting
     exclusive = a.exclusive or t.proc is not None
-    accepted = [r for r in results if r.kind in ("ok", "disconnect", "stream_error", "malformed", "timeout")]
+    accepted = [r for r in results if r.status == 200]
     d = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
     completed_tokens = sum(r.completion_tokens or 0 for r in results if r.ok)
-    dropped_budget = sum(r.spec.max_tokens for r in results if r.kind in ("disconnect", "timeout", "stream_error", "malformed"))
+    dropped_budget = sum(r.spec.max_tokens for r in accepted if not r.ok)
     gen_delta = d.get("kapitsa_generation_tokens_total", 0)
     accounting = {
         "engine_finished": d.get("kapitsa_engine_requests_finished_total"),
@@ -875,6 +931,9 @@ async def run(a: argparse.Namespace, t: Target) -> tuple[dict, list[str]]:
     speedup = None
     if "single" in stats and stats["single"]["gen_tokens_per_s"] and stats["load"]["gen_tokens_per_s"] is not None:
         speedup = round(stats["load"]["gen_tokens_per_s"] / stats["single"]["gen_tokens_per_s"], 2)
+    speedup_cpu = None
+    if "single" in stats and stats["single"]["gen_tokens_per_cpu_s"] and stats["load"]["gen_tokens_per_cpu_s"] is not None:
+        speedup_cpu = round(stats["load"]["gen_tokens_per_cpu_s"] / stats["single"]["gen_tokens_per_cpu_s"], 2)
     if a.min_speedup is not None and (speedup is None or speedup < a.min_speedup):
         failures.append(f"aggregate / single-stream throughput {speedup} < --min-speedup {a.min_speedup}")
     # --- server process
@@ -911,6 +970,7 @@ async def run(a: argparse.Namespace, t: Target) -> tuple[dict, list[str]]:
         },
         "phases": stats,
         "speedup": speedup,
+        "speedup_per_cpu_s": speedup_cpu,
         "errors": {k: v for k, v in sorted(kinds.items()) if k != "ok"},
         "queue_full_intended": queue_full_intended,
         "peaks_during_run": s.peaks,
@@ -919,6 +979,7 @@ async def run(a: argparse.Namespace, t: Target) -> tuple[dict, list[str]]:
         },
         "preemptions": d.get("kapitsa_preemptions_total"),
         "settle_s": round(settle_s, 2),
+        "longest_engine_stall_s": round(s.longest_stall, 1),
         "accounting": accounting,
         "accounting_checked": exclusive,
         "rss": rss,
@@ -939,23 +1000,26 @@ async def run(a: argparse.Namespace, t: Target) -> tuple[dict, list[str]]:
 
 
 TABLE_HEAD = (
-    "| clients | s | max-running | batch tokens | requests (done / dropped / errors) | single t/s | "
-    "aggregate t/s | x single | TTFT p50 / p95 s | RSS start / peak / end MiB | load avg |\n"
-    "| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | --- | ---: |"
+    "| clients | s | max-running | batch tokens | requests (done / dropped / cut / 429 / errors) | single t/s | "
+    "aggregate t/s | x single | x single per server CPU s | server cores (single / load) | TTFT p50 / p95 s | "
+    "RSS start / peak / end MiB | load avg |\n"
+    "| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: |"
 )
 
 
 def table_row(rep: dict) -> str:
     ld, sg = rep["phases"]["load"], rep["phases"].get("single", {})
     k = ld["kinds"]
-    errs = sum(v for kk, v in k.items() if kk not in ("ok", "disconnect"))
+    errs = sum(v for kk, v in k.items() if kk not in ("ok", "disconnect", "cut_at_end", QUEUE_FULL))
     rss = rep["rss"]
     rss_s = f"{rss['start_mib']:.0f} / {rss['peak_mib']:.0f} / {rss['end_mib']:.0f}" if rss else "-"
     f = lambda v, fmt="{:.1f}": "-" if v is None else fmt.format(v)  # noqa: E731
     return (
         f"| {rep['mix']['clients']} | {rep['mix']['duration_s']:g} | {rep['server']['slots']} | "
-        f"{f(rep['server']['max_batch_tokens'], '{}')} | {k.get('ok', 0)} / {k.get('disconnect', 0)} / {errs} | "
+        f"{f(rep['server']['max_batch_tokens'], '{}')} | {k.get('ok', 0)} / {k.get('disconnect', 0)} / {k.get('cut_at_end', 0)} / "
+        f"{k.get(QUEUE_FULL, 0)} / {errs} | "
         f"{f(sg.get('gen_tokens_per_s'))} | {f(ld['gen_tokens_per_s'])} | {f(rep['speedup'], '{:.2f}')} | "
+        f"{f(rep['speedup_per_cpu_s'], '{:.2f}')} | {f(sg.get('server_cpu_cores'), '{:.2f}')} / {f(ld['server_cpu_cores'], '{:.2f}')} | "
         f"{f(ld['ttft_p50_s'], '{:.2f}')} / {f(ld['ttft_p95_s'], '{:.2f}')} | {rss_s} | {f(rep['loadavg']['mean'], '{:.2f}')} |"
     )
 
@@ -984,17 +1048,21 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--single-duration", type=float, default=20.0, help="seconds of the single-client phase (0: skip)")
     m.add_argument("--no-prime", action="store_true", help="skip the prime phase")
     m.add_argument("--seed", type=int, default=1)
-    m.add_argument("--prompt-words", type=parse_range, default=(4, 300), help="words in the user message, MIN-MAX")
-    m.add_argument("--max-tokens", type=parse_range, default=(16, 128), help="max_tokens, MIN-MAX")
+    m.add_argument("--prompt-words", type=parse_range, default=(4, 200), help="words in the user message, MIN-MAX")
+    m.add_argument("--max-tokens", type=parse_range, default=(16, 256), help="max_tokens, MIN-MAX")
     m.add_argument("--messages-fraction", type=float, default=0.25, help="share of /v1/messages requests")
     m.add_argument("--greedy-fraction", type=float, default=0.5, help="share of temperature-0 requests")
     m.add_argument("--disconnect-fraction", type=float, default=0.15, help="share of streams dropped on purpose")
-    m.add_argument("--request-timeout", type=float, default=300.0, help="a request taking longer is a failure (hang)")
+    m.add_argument(
+        "--drain", type=float, default=120.0, help="after a phase's deadline, seconds its requests in flight may finish before they are cut"
+    )
+    m.add_argument("--request-timeout", type=float, default=600.0, help="a request taking longer is a failure")
     c = p.add_argument_group("checks")
     c.add_argument("--allow-queue-full", action="store_true", help="429 answers are intended (small --max-queue)")
     c.add_argument("--warmup", type=float, default=10.0, help="seconds of the load phase still counted as warm-up for RSS")
     c.add_argument("--rss-growth-mib", type=float, default=64.0, help=RSS_HELP)
-    c.add_argument("--settle", type=float, default=15.0, help="seconds to wait for the gauges to return to 0")
+    c.add_argument("--settle", type=float, default=30.0, help="seconds to wait for the gauges to return to 0")
+    c.add_argument("--stall", type=float, default=120.0, help="no engine step for this long while requests wait: a hang")
     c.add_argument("--min-speedup", type=float, help="fail if aggregate / single-stream t/s is below this")
     p.add_argument("--json", help="also write the JSON report to this file")
     a = p.parse_args(argv)
@@ -1015,8 +1083,10 @@ def main(argv: list[str] | None = None) -> int:
         report["server"]["exit_code"] = code
         if code != 0:
             failures.append(f"the server exited with {code} after SIGTERM (expected 0):\n{t.log_tail()}")
-        if t.log_path:
-            report["server"]["log"] = t.log_path
+        if t.log_path and failures:
+            report["server"]["log"] = t.log_path  # kept for the post-mortem
+        elif t.log_path:
+            os.unlink(t.log_path)
     report["ok"] = not failures
     text = json.dumps(report, indent=2)
     if a.json:

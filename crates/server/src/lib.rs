@@ -29,6 +29,7 @@ pub mod metrics;
 pub mod openai;
 pub mod params;
 pub mod response_format;
+pub mod tool_choice;
 
 use std::future::Future;
 use std::path::Path;

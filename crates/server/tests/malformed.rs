@@ -242,8 +242,12 @@ fn common_cases(path: &'static str, good: &Value, fmt: Format) -> Vec<Case> {
         .code("invalid_json"),
         Case::new("malformed JSON: single quotes", path, "{'model': 'tiny'}").code("invalid_json"),
         Case::new("malformed JSON: empty body", path, "").code("invalid_json"),
-        Case::new("malformed JSON: not UTF-8", path, b"{\"model\": \"\xff\xfe\"}".to_vec())
-            .code("invalid_json"),
+        Case::new(
+            "malformed JSON: not UTF-8",
+            path,
+            b"{\"model\": \"\xff\xfe\"}".to_vec(),
+        )
+        .code("invalid_json"),
         Case::new(
             "malformed JSON: nested 100000 deep",
             path,
@@ -299,7 +303,11 @@ fn common_cases(path: &'static str, good: &Value, fmt: Format) -> Vec<Case> {
             .code("not_found"),
     ];
     for m in ["GET", "PUT", "DELETE", "PATCH"] {
-        let body = if m == "GET" { String::new() } else { good_s.clone() };
+        let body = if m == "GET" {
+            String::new()
+        } else {
+            good_s.clone()
+        };
         v.push(
             Case::new(format!("wrong method {m}"), path, body)
                 .method(m)
@@ -315,7 +323,14 @@ fn common_cases(path: &'static str, good: &Value, fmt: Format) -> Vec<Case> {
 fn bad_values(base: &Value, path: &'static str, cases: &[(&'static str, Value)]) -> Vec<Case> {
     cases
         .iter()
-        .map(|(k, v)| Case::json(format!("invalid value: {k} = {v}"), path, with(base, k, v.clone())).param(k))
+        .map(|(k, v)| {
+            Case::json(
+                format!("invalid value: {k} = {v}"),
+                path,
+                with(base, k, v.clone()),
+            )
+            .param(k)
+        })
         .collect()
 }
 
@@ -326,45 +341,119 @@ fn chat_cases() -> Vec<Case> {
     v.extend([
         Case::json("wrong type: messages", CHAT, msg(json!("hi"))).param("messages"),
         Case::json("wrong type: message", CHAT, msg(json!(["hi"]))).param("messages[0]"),
-        Case::json("wrong type: content", CHAT, msg(json!([{"role": "user", "content": 5}])))
-            .param("messages[0].content"),
-        Case::json("wrong type: content part", CHAT, msg(json!([{"role": "user", "content": [{"type": "text", "text": 5}]}])))
-            .param("messages[0].content[0]"),
-        Case::json("wrong type: role", CHAT, msg(json!([{"role": 5, "content": "hi"}])))
-            .param("messages[0].role"),
-        Case::json("unknown role", CHAT, msg(json!([{"role": "robot", "content": "hi"}])))
-            .param("messages[0].role"),
-        Case::json("wrong type: temperature", CHAT, with(&ok, "temperature", json!("hot"))).param("temperature"),
-        Case::json("wrong type: max_tokens", CHAT, with(&ok, "max_tokens", json!("5"))).param("max_tokens"),
+        Case::json(
+            "wrong type: content",
+            CHAT,
+            msg(json!([{"role": "user", "content": 5}])),
+        )
+        .param("messages[0].content"),
+        Case::json(
+            "wrong type: content part",
+            CHAT,
+            msg(json!([{"role": "user", "content": [{"type": "text", "text": 5}]}])),
+        )
+        .param("messages[0].content[0]"),
+        Case::json(
+            "wrong type: role",
+            CHAT,
+            msg(json!([{"role": 5, "content": "hi"}])),
+        )
+        .param("messages[0].role"),
+        Case::json(
+            "unknown role",
+            CHAT,
+            msg(json!([{"role": "robot", "content": "hi"}])),
+        )
+        .param("messages[0].role"),
+        Case::json(
+            "wrong type: temperature",
+            CHAT,
+            with(&ok, "temperature", json!("hot")),
+        )
+        .param("temperature"),
+        Case::json(
+            "wrong type: max_tokens",
+            CHAT,
+            with(&ok, "max_tokens", json!("5")),
+        )
+        .param("max_tokens"),
         Case::json("wrong type: n", CHAT, with(&ok, "n", json!(1.5))).param("n"),
-        Case::json("wrong type: stream", CHAT, with(&ok, "stream", json!("yes"))).param("stream"),
-        Case::json("wrong type: stream_options", CHAT, with(&ok, "stream_options", json!(true))).param("stream_options"),
+        Case::json(
+            "wrong type: stream",
+            CHAT,
+            with(&ok, "stream", json!("yes")),
+        )
+        .param("stream"),
+        Case::json(
+            "wrong type: stream_options",
+            CHAT,
+            with(&ok, "stream_options", json!(true)),
+        )
+        .param("stream_options"),
         Case::json("wrong type: stop", CHAT, with(&ok, "stop", json!(5))).param("stop"),
-        Case::json("wrong type: stop item", CHAT, with(&ok, "stop", json!(["a", 1]))).param("stop[1]"),
+        Case::json(
+            "wrong type: stop item",
+            CHAT,
+            with(&ok, "stop", json!(["a", 1])),
+        )
+        .param("stop[1]"),
         Case::json("wrong type: seed", CHAT, with(&ok, "seed", json!("x"))).param("seed"),
-        Case::json("wrong type: logprobs", CHAT, with(&ok, "logprobs", json!("yes"))).param("logprobs"),
+        Case::json(
+            "wrong type: logprobs",
+            CHAT,
+            with(&ok, "logprobs", json!("yes")),
+        )
+        .param("logprobs"),
         Case::json("wrong type: tools", CHAT, with(&ok, "tools", json!("x"))).param("tools"),
         Case::json("missing: messages", CHAT, without(&ok, "messages")).param("messages"),
-        Case::json("missing: role", CHAT, msg(json!([{"content": "hi"}]))).param("messages[0].role"),
-        Case::json("missing: user content", CHAT, msg(json!([{"role": "user"}]))).param("messages[0].content"),
+        Case::json("missing: role", CHAT, msg(json!([{"content": "hi"}])))
+            .param("messages[0].role"),
+        Case::json(
+            "missing: user content",
+            CHAT,
+            msg(json!([{"role": "user"}])),
+        )
+        .param("messages[0].content"),
         Case::json("empty messages", CHAT, msg(json!([]))).param("messages"),
-        Case::json("prompt longer than the context", CHAT, msg(json!([{"role": "user", "content": long_text()}])))
-            .param("messages")
-            .code("context_length_exceeded"),
-        Case::json("too many stop strings", CHAT, with(&ok, "stop", json!(vec!["x"; 17]))).param("stop"),
-        Case::json("top_logprobs without logprobs", CHAT, with(&ok, "top_logprobs", json!(2))).param("top_logprobs"),
+        Case::json(
+            "prompt longer than the context",
+            CHAT,
+            msg(json!([{"role": "user", "content": long_text()}])),
+        )
+        .param("messages")
+        .code("context_length_exceeded"),
+        Case::json(
+            "too many stop strings",
+            CHAT,
+            with(&ok, "stop", json!(vec!["x"; 17])),
+        )
+        .param("stop"),
+        Case::json(
+            "top_logprobs without logprobs",
+            CHAT,
+            with(&ok, "top_logprobs", json!(2)),
+        )
+        .param("top_logprobs"),
         Case::json("queue full", CHAT, ok.clone())
             .setup(Setup::QueueFull)
             .status(429, "rate_limit_error")
             .code("rate_limit_exceeded"),
-        Case::json("n = 2 with one queue place left", CHAT, with(&ok, "n", json!(2)))
-            .setup(Setup::OnePlaceLeft)
-            .status(429, "rate_limit_error")
-            .code("rate_limit_exceeded"),
-        Case::json("queue full, streaming", CHAT, with(&ok, "stream", json!(true)))
-            .setup(Setup::QueueFull)
-            .status(429, "rate_limit_error")
-            .code("rate_limit_exceeded"),
+        Case::json(
+            "n = 2 with one queue place left",
+            CHAT,
+            with(&ok, "n", json!(2)),
+        )
+        .setup(Setup::OnePlaceLeft)
+        .status(429, "rate_limit_error")
+        .code("rate_limit_exceeded"),
+        Case::json(
+            "queue full, streaming",
+            CHAT,
+            with(&ok, "stream", json!(true)),
+        )
+        .setup(Setup::QueueFull)
+        .status(429, "rate_limit_error")
+        .code("rate_limit_exceeded"),
     ]);
     v.extend(bad_values(
         &ok,
@@ -390,7 +479,9 @@ fn chat_cases() -> Vec<Case> {
     for k in [json!(21), json!(-1)] {
         let mut b = with(&ok, "logprobs", json!(true));
         b["top_logprobs"] = k.clone();
-        v.push(Case::json(format!("invalid value: top_logprobs = {k}"), CHAT, b).param("top_logprobs"));
+        v.push(
+            Case::json(format!("invalid value: top_logprobs = {k}"), CHAT, b).param("top_logprobs"),
+        );
     }
     v
 }
@@ -404,30 +495,77 @@ fn completion_cases() -> Vec<Case> {
         Case::json("wrong type: prompt ids", COMPLETIONS, p(json!([1.5, 2]))).param("prompt"),
         Case::json("negative token id", COMPLETIONS, p(json!([[-1]]))).param("prompt[0]"),
         Case::json("wrong type: prompt item", COMPLETIONS, p(json!(["a", {}]))).param("prompt[1]"),
-        Case::json("token id outside the vocabulary", COMPLETIONS, p(json!([1, 99999]))).param("prompt"),
-        Case::json("wrong type: echo", COMPLETIONS, with(&ok, "echo", json!("yes"))).param("echo"),
-        Case::json("wrong type: logprobs", COMPLETIONS, with(&ok, "logprobs", json!(true))).param("logprobs"),
-        Case::json("wrong type: max_tokens", COMPLETIONS, with(&ok, "max_tokens", json!([1]))).param("max_tokens"),
-        Case::json("wrong type: suffix", COMPLETIONS, with(&ok, "suffix", json!(5))).param("suffix"),
+        Case::json(
+            "token id outside the vocabulary",
+            COMPLETIONS,
+            p(json!([1, 99999])),
+        )
+        .param("prompt"),
+        Case::json(
+            "wrong type: echo",
+            COMPLETIONS,
+            with(&ok, "echo", json!("yes")),
+        )
+        .param("echo"),
+        Case::json(
+            "wrong type: logprobs",
+            COMPLETIONS,
+            with(&ok, "logprobs", json!(true)),
+        )
+        .param("logprobs"),
+        Case::json(
+            "wrong type: max_tokens",
+            COMPLETIONS,
+            with(&ok, "max_tokens", json!([1])),
+        )
+        .param("max_tokens"),
+        Case::json(
+            "wrong type: suffix",
+            COMPLETIONS,
+            with(&ok, "suffix", json!(5)),
+        )
+        .param("suffix"),
         Case::json("missing: prompt", COMPLETIONS, without(&ok, "prompt")).param("prompt"),
         Case::json("empty prompt", COMPLETIONS, p(json!(""))).param("prompt"),
         Case::json("empty prompt list", COMPLETIONS, p(json!([]))).param("prompt"),
-        Case::json("prompt longer than the context", COMPLETIONS, p(json!(long_text())))
-            .param("prompt")
-            .code("context_length_exceeded"),
-        Case::json("token prompt longer than the context", COMPLETIONS, p(json!(vec![5; N_CTX + 1])))
-            .param("prompt")
-            .code("context_length_exceeded"),
-        Case::json("suffix (not supported)", COMPLETIONS, with(&ok, "suffix", json!("x"))).param("suffix"),
-        Case::json("best_of other than n", COMPLETIONS, with(&ok, "best_of", json!(3))).param("best_of"),
+        Case::json(
+            "prompt longer than the context",
+            COMPLETIONS,
+            p(json!(long_text())),
+        )
+        .param("prompt")
+        .code("context_length_exceeded"),
+        Case::json(
+            "token prompt longer than the context",
+            COMPLETIONS,
+            p(json!(vec![5; N_CTX + 1])),
+        )
+        .param("prompt")
+        .code("context_length_exceeded"),
+        Case::json(
+            "suffix (not supported)",
+            COMPLETIONS,
+            with(&ok, "suffix", json!("x")),
+        )
+        .param("suffix"),
+        Case::json(
+            "best_of other than n",
+            COMPLETIONS,
+            with(&ok, "best_of", json!(3)),
+        )
+        .param("best_of"),
         Case::json("queue full", COMPLETIONS, ok.clone())
             .setup(Setup::QueueFull)
             .status(429, "rate_limit_error")
             .code("rate_limit_exceeded"),
-        Case::json("two prompts with one queue place left", COMPLETIONS, p(json!(["a", "b"])))
-            .setup(Setup::OnePlaceLeft)
-            .status(429, "rate_limit_error")
-            .code("rate_limit_exceeded"),
+        Case::json(
+            "two prompts with one queue place left",
+            COMPLETIONS,
+            p(json!(["a", "b"])),
+        )
+        .setup(Setup::OnePlaceLeft)
+        .status(429, "rate_limit_error")
+        .code("rate_limit_exceeded"),
     ]);
     v.extend(bad_values(
         &ok,
@@ -452,22 +590,46 @@ fn messages_cases() -> Vec<Case> {
     let mut v = common_cases(MESSAGES, &ok, Format::Anthropic);
     v.extend(messages_body_cases(MESSAGES, &ok));
     v.extend([
-        Case::json("wrong type: max_tokens", MESSAGES, with(&ok, "max_tokens", json!("5"))),
-        Case::json("wrong type: temperature", MESSAGES, with(&ok, "temperature", json!("hot"))),
-        Case::json("wrong type: stream", MESSAGES, with(&ok, "stream", json!(1))),
-        Case::json("wrong type: stop_sequences", MESSAGES, with(&ok, "stop_sequences", json!([1]))),
+        Case::json(
+            "wrong type: max_tokens",
+            MESSAGES,
+            with(&ok, "max_tokens", json!("5")),
+        ),
+        Case::json(
+            "wrong type: temperature",
+            MESSAGES,
+            with(&ok, "temperature", json!("hot")),
+        ),
+        Case::json(
+            "wrong type: stream",
+            MESSAGES,
+            with(&ok, "stream", json!(1)),
+        ),
+        Case::json(
+            "wrong type: stop_sequences",
+            MESSAGES,
+            with(&ok, "stop_sequences", json!([1])),
+        ),
         Case::json("missing: max_tokens", MESSAGES, without(&ok, "max_tokens")),
         Case::json(
             "prompt longer than the context",
             MESSAGES,
-            with(&ok, "messages", json!([{"role": "user", "content": long_text()}])),
+            with(
+                &ok,
+                "messages",
+                json!([{"role": "user", "content": long_text()}]),
+            ),
         ),
         Case::json("queue full", MESSAGES, ok.clone())
             .setup(Setup::QueueFull)
             .status(429, "rate_limit_error"),
-        Case::json("queue full, streaming", MESSAGES, with(&ok, "stream", json!(true)))
-            .setup(Setup::QueueFull)
-            .status(429, "rate_limit_error"),
+        Case::json(
+            "queue full, streaming",
+            MESSAGES,
+            with(&ok, "stream", json!(true)),
+        )
+        .setup(Setup::QueueFull)
+        .status(429, "rate_limit_error"),
     ]);
     for (k, val) in [
         ("temperature", json!(-0.1)),
@@ -492,17 +654,41 @@ fn messages_body_cases(path: &'static str, ok: &Value) -> Vec<Case> {
     vec![
         Case::json("wrong type: messages", path, msg(json!("hi"))),
         Case::json("wrong type: message", path, msg(json!(["hi"]))),
-        Case::json("wrong type: content", path, msg(json!([{"role": "user", "content": 5}]))),
-        Case::json("wrong type: content block", path, msg(json!([{"role": "user", "content": ["hi"]}]))),
+        Case::json(
+            "wrong type: content",
+            path,
+            msg(json!([{"role": "user", "content": 5}])),
+        ),
+        Case::json(
+            "wrong type: content block",
+            path,
+            msg(json!([{"role": "user", "content": ["hi"]}])),
+        ),
         Case::json("wrong type: system", path, with(ok, "system", json!(5))),
         Case::json("wrong type: tools", path, with(ok, "tools", json!("x"))),
-        Case::json("wrong type: tool_choice", path, with(ok, "tool_choice", json!("auto"))),
-        Case::json("wrong type: thinking", path, with(ok, "thinking", json!(true))),
-        Case::json("system role in messages", path, msg(json!([{"role": "system", "content": "hi"}]))),
+        Case::json(
+            "wrong type: tool_choice",
+            path,
+            with(ok, "tool_choice", json!("auto")),
+        ),
+        Case::json(
+            "wrong type: thinking",
+            path,
+            with(ok, "thinking", json!(true)),
+        ),
+        Case::json(
+            "system role in messages",
+            path,
+            msg(json!([{"role": "system", "content": "hi"}])),
+        ),
         Case::json("missing: messages", path, without(ok, "messages")),
         Case::json("missing: role", path, msg(json!([{"content": "hi"}]))),
         Case::json("missing: content", path, msg(json!([{"role": "user"}]))),
-        Case::json("missing: block type", path, msg(json!([{"role": "user", "content": [{"text": "hi"}]}]))),
+        Case::json(
+            "missing: block type",
+            path,
+            msg(json!([{"role": "user", "content": [{"text": "hi"}]}])),
+        ),
         Case::json("empty messages", path, msg(json!([]))),
         Case::json(
             "image block (text-only model)",
@@ -623,7 +809,12 @@ async fn send(s: &TestServer, c: &Case) -> Resp {
             let r = s.req(c.method, c.path, &headers, &c.body).await;
             // A refused request leaves nothing queued (choices already queued are withdrawn).
             let want = (1.0, if full { 1.0 } else { 0.0 });
-            wait_gauges(s, want, &format!("{}: the refusal left work behind", c.name)).await;
+            wait_gauges(
+                s,
+                want,
+                &format!("{}: the refusal left work behind", c.name),
+            )
+            .await;
             drop(held);
             wait_gauges(s, (0.0, 0.0), &format!("{}: after the release", c.name)).await;
             r
@@ -655,7 +846,10 @@ fn check(c: &Case, fmt: Format, r: &Resp) {
                 e["message"].as_str().is_some_and(|m| !m.is_empty()),
                 "{name}: {v}"
             );
-            assert!(e["param"].is_null() || e["param"].is_string(), "{name}: {v}");
+            assert!(
+                e["param"].is_null() || e["param"].is_string(),
+                "{name}: {v}"
+            );
             assert!(e["code"].is_null() || e["code"].is_string(), "{name}: {v}");
             if let Some(p) = c.param {
                 assert_eq!(e["param"], json!(p), "{name}: param in {v}");
@@ -778,7 +972,12 @@ async fn anthropic_count_tokens() {
     let s = server().await;
     let long = json!({"model": "tiny", "messages": [{"role": "user", "content": long_text()}]});
     let r = s
-        .req("POST", COUNT, &[("x-api-key", KEY)], long.to_string().as_bytes())
+        .req(
+            "POST",
+            COUNT,
+            &[("x-api-key", KEY)],
+            long.to_string().as_bytes(),
+        )
         .await;
     assert_eq!(r.status, 200, "{}", r.text());
     assert!(r.json()["input_tokens"].as_u64().unwrap() as usize > N_CTX);
