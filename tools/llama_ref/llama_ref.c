@@ -11,7 +11,8 @@
 //   --all-logits     write the logits of every prompt position (OUT_DIR/logits_<i>.bin)
 //   --topk K         write the top-K logits of every prompt position (default 0 = off)
 //   --threads N      CPU threads (default 2)
-//   --kv f32|f16     KV cache type (default f32)
+//   --kv f32|f16|q8_0  KV cache type (default f32; q8_0 needs --fa)
+//   --fa             flash attention on (default off; llama.cpp needs it for a quantised V cache)
 //   --extra-bufts    allow ggml's extra CPU buffer types (weight repacking, AMX). Off by default:
 //                    on CPUs that advertise AMX inside a sandbox that does not grant it, the AMX
 //                    kernels die with SIGILL (seen on our 2-core Xeon machines).
@@ -30,7 +31,7 @@
 // token t_0 = argmax of the last prompt row; then each t_k is decoded alone at position n+k-1
 // reusing the KV cache, t_{k+1} = argmax of its logits. argmax is over the full vocabulary, the
 // first (lowest) id wins a tie, end-of-generation tokens are NOT treated specially (no stopping).
-// The memory (KV cache) is cleared between prompts. CPU only, flash attention off.
+// The memory (KV cache) is cleared between prompts. CPU only, flash attention off unless --fa.
 
 #include "llama.h"
 
@@ -128,11 +129,11 @@ static void topk(const float *row, int n, int k, int32_t *ids, float *vals) {
 int main(int argc, char **argv) {
     if (argc < 4) {
         fprintf(stderr, "usage: %s MODEL.gguf PROMPTS.txt OUT_DIR [--n-gen N] [--all-logits] "
-                        "[--topk K] [--threads N] [--kv f32|f16] [--extra-bufts]\n", argv[0]);
+                        "[--topk K] [--threads N] [--kv f32|f16|q8_0] [--fa] [--extra-bufts]\n", argv[0]);
         return 2;
     }
     const char *model_path = argv[1], *prompts_path = argv[2], *out_dir = argv[3];
-    int n_gen = 32, all_logits = 0, k = 0, n_threads = 2, extra_bufts = 0;
+    int n_gen = 32, all_logits = 0, k = 0, n_threads = 2, extra_bufts = 0, fa = 0;
     enum ggml_type kv_type = GGML_TYPE_F32;
     for (int i = 4; i < argc; i++) {
         if (!strcmp(argv[i], "--n-gen") && i + 1 < argc) n_gen = atoi(argv[++i]);
@@ -140,11 +141,13 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--topk") && i + 1 < argc) k = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) n_threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--extra-bufts")) extra_bufts = 1;
+        else if (!strcmp(argv[i], "--fa")) fa = 1;
         else if (!strcmp(argv[i], "--kv") && i + 1 < argc) {
             i++;
             if (!strcmp(argv[i], "f32")) kv_type = GGML_TYPE_F32;
             else if (!strcmp(argv[i], "f16")) kv_type = GGML_TYPE_F16;
-            else die("--kv must be f32 or f16");
+            else if (!strcmp(argv[i], "q8_0")) kv_type = GGML_TYPE_Q8_0;
+            else die("--kv must be f32, f16 or q8_0");
         } else die("unknown option");
     }
 
@@ -174,7 +177,7 @@ int main(int argc, char **argv) {
     cp.n_seq_max = 1;
     cp.n_threads = n_threads;
     cp.n_threads_batch = n_threads;
-    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    cp.flash_attn_type = fa ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     cp.type_k = kv_type;
     cp.type_v = kv_type;
     cp.offload_kqv = false;
@@ -190,8 +193,8 @@ int main(int argc, char **argv) {
         FILE *f = fopen(path, "w");
         if (!f) die("cannot write info.txt (does OUT_DIR exist?)");
         fprintf(f, "n_vocab %d\nmodel %s\nn_ctx %u\nn_batch %d\nkv %s\nthreads %d\nextra_bufts %d\n",
-                n_vocab, desc, cp.n_ctx, n_batch, kv_type == GGML_TYPE_F32 ? "f32" : "f16", n_threads,
-                extra_bufts);
+                n_vocab, desc, cp.n_ctx, n_batch, ggml_type_name(kv_type), n_threads, extra_bufts);
+        if (fa) fprintf(f, "flash_attn 1\n");
         fclose(f);
     }
 

@@ -58,7 +58,8 @@ pub struct BenchArgs {
     /// Output format on stdout.
     #[arg(short, long, value_enum, default_value = "md")]
     output: Format,
-    /// KV cache element type: f16 or f32.
+    /// KV cache element type: f16, f32 or q8_0 (8-bit blocks, about half of f16's memory;
+    /// needs a head size that is a multiple of 32).
     #[arg(long, default_value = "f16")]
     kv_type: String,
     /// Skip the warm-up run of each test.
@@ -143,11 +144,8 @@ fn tests(a: &BenchArgs) -> Vec<Test> {
 }
 
 fn kv_type(s: &str) -> Result<KvType> {
-    match s {
-        "f16" => Ok(KvType::F16),
-        "f32" => Ok(KvType::F32),
-        other => bail!("unknown --kv-type '{other}' (use f16 or f32)"),
-    }
+    s.parse::<KvType>()
+        .map_err(|_| anyhow::anyhow!("unknown --kv-type '{s}' (use f16, f32 or q8_0)"))
 }
 
 /// Run `kapitsa bench`.

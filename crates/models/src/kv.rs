@@ -114,7 +114,7 @@ impl Buf {
                 }
             }
             Buf::Q8_0(b) => {
-                debug_assert!(at % Q8_0_BLOCK == 0 && x.len() % Q8_0_BLOCK == 0);
+                debug_assert!(at.is_multiple_of(Q8_0_BLOCK) && x.len().is_multiple_of(Q8_0_BLOCK));
                 let dst = &mut b[q8_off(at)..q8_off(at + x.len())];
                 // Cannot fail: Q8_0 is a type `quantize_row` supports, and `dst` holds exactly
                 // the bytes of `x.len()` elements (`x` is whole rows of `kv_dim` values, a
@@ -145,7 +145,9 @@ impl Buf {
     fn append_bytes(&self, r: std::ops::Range<usize>, out: &mut Vec<u8>) {
         match self {
             Buf::F32(b) => b[r].iter().for_each(|x| out.extend(x.to_le_bytes())),
-            Buf::F16(b) => b[r].iter().for_each(|x| out.extend(x.to_bits().to_le_bytes())),
+            Buf::F16(b) => b[r]
+                .iter()
+                .for_each(|x| out.extend(x.to_bits().to_le_bytes())),
             Buf::Q8_0(b) => out.extend_from_slice(&b[q8_off(r.start)..q8_off(r.end)]),
         }
     }
@@ -289,14 +291,19 @@ impl KvCache {
         if block_size == 0 {
             return Err(ModelError::Config("KV block size must be >= 1".into()));
         }
-        if kv_type == KvType::Q8_0 && spec.n_attention_layers() > 0 && spec.head_dim % 32 != 0 {
+        if kv_type == KvType::Q8_0
+            && spec.n_attention_layers() > 0
+            && !spec.head_dim.is_multiple_of(Q8_0_BLOCK)
+        {
             return Err(ModelError::Config(format!(
                 "a q8_0 KV cache needs a head size that is a multiple of 32 (this model's is {})",
                 spec.head_dim
             )));
         }
         if n_blocks > u32::MAX as usize {
-            return Err(ModelError::Config(format!("{n_blocks} KV blocks is too many")));
+            return Err(ModelError::Config(format!(
+                "{n_blocks} KV blocks is too many"
+            )));
         }
         let per = n_blocks
             .checked_mul(block_size)
@@ -605,7 +612,9 @@ impl KvCache {
     pub fn import_block(&mut self, block: u32, rows: usize, bytes: &[u8]) -> Result<()> {
         let (bs, kv_dim) = (self.block_size, self.kv_dim);
         if block as usize >= self.n_blocks || rows > bs {
-            return Err(ModelError::Batch(format!("block {block} / {rows} rows out of range")));
+            return Err(ModelError::Batch(format!(
+                "block {block} / {rows} rows out of range"
+            )));
         }
         let at = block as usize * bs * kv_dim;
         let want: usize = self
@@ -878,7 +887,11 @@ mod tests {
     use super::*;
 
     fn spec(recurrent: bool) -> ModelSpec {
-        let mut layers = vec![LayerKind::Attention, LayerKind::Stateless, LayerKind::Attention];
+        let mut layers = vec![
+            LayerKind::Attention,
+            LayerKind::Stateless,
+            LayerKind::Attention,
+        ];
         if recurrent {
             layers.push(LayerKind::Recurrent(RecurrentShape {
                 conv_channels: 3,
@@ -938,10 +951,16 @@ mod tests {
         assert_eq!(c.n_free_blocks(), 3);
         // Out of blocks: nothing changes.
         let err = c.prepare(1, 0, 16).unwrap_err();
-        assert!(matches!(err, ModelError::OutOfBlocks { needed: 4, free: 3 }), "{err}");
+        assert!(
+            matches!(err, ModelError::OutOfBlocks { needed: 4, free: 3 }),
+            "{err}"
+        );
         assert_eq!((c.slot_blocks(1), c.n_free_blocks()), (0, 3));
         // Past n_ctx.
-        assert!(matches!(c.prepare(1, 18, 3), Err(ModelError::ContextFull { .. })));
+        assert!(matches!(
+            c.prepare(1, 18, 3),
+            Err(ModelError::ContextFull { .. })
+        ));
         c.truncate(0, 5);
         assert_eq!((c.slot_blocks(0), c.n_free_blocks()), (2, 4));
         assert_eq!(read_k(&c, 0, 5), v[..10]);
@@ -976,7 +995,11 @@ mod tests {
         // The first block is shared: writing there copies it.
         assert_eq!(c.blocks_needed(0, 0, 1), 1);
         c.release(0);
-        assert_eq!(read_k(&c, 1, 7), want1, "releasing the owner keeps shared blocks");
+        assert_eq!(
+            read_k(&c, 1, 7),
+            want1,
+            "releasing the owner keeps shared blocks"
+        );
         c.release(1);
         assert_eq!((c.n_free_blocks(), total_refs(&c)), (8, 0));
     }
@@ -1092,7 +1115,11 @@ mod tests {
         for layer in [0, 2] {
             c.write(layer, 1, 5, &k2, &v2).unwrap();
         }
-        assert_eq!(read_rows(&c, 2, 0, 6), before, "the owner's rows are untouched");
+        assert_eq!(
+            read_rows(&c, 2, 0, 6),
+            before,
+            "the owner's rows are untouched"
+        );
         let (gk, gv) = read_rows(&c, 2, 1, 7);
         // Rows 0..5 are byte copies of the owner's, rows 5..7 the new ones.
         assert_eq!(gk[..5 * 64], before.0[..5 * 64]);
@@ -1102,6 +1129,30 @@ mod tests {
         c.release(0);
         c.release(1);
         assert_eq!((c.n_free_blocks(), total_refs(&c)), (8, 0));
+    }
+
+    #[test]
+    fn q8_0_blocks_export_and_import_as_bytes() {
+        let mut a = KvCache::with_spec(&spec_q8(), 1, 32, 4, 4, KvType::Q8_0).unwrap();
+        let (k, v) = (q8_rows(6, 3.0), q8_rows(6, 4.0));
+        a.prepare(0, 0, 6).unwrap();
+        for layer in [0, 2] {
+            a.write(layer, 0, 0, &k, &v).unwrap();
+        }
+        let want = (read_rows(&a, 0, 0, 6), read_rows(&a, 2, 0, 6));
+        let mut b = KvCache::with_spec(&spec_q8(), 1, 32, 4, 4, KvType::Q8_0).unwrap();
+        let mut blocks = Vec::new();
+        for (i, &blk) in a.table(0).to_vec().iter().enumerate() {
+            let rows = (6 - 4 * i).min(4);
+            let bytes = a.export_block(blk, rows);
+            // 2 layers x (K + V) x rows x 68 bytes.
+            assert_eq!(bytes.len(), 2 * 2 * rows * 68);
+            let nb = b.alloc_block().unwrap();
+            b.import_block(nb, rows, &bytes).unwrap();
+            blocks.push(nb);
+        }
+        b.adopt(0, &blocks).unwrap();
+        assert_eq!((read_rows(&b, 0, 0, 6), read_rows(&b, 2, 0, 6)), want);
     }
 
     #[test]
