@@ -98,6 +98,63 @@ def test_tool_round_trip(anthropic_client, model):
     final_answer(answer, any(b.type == "tool_use" for b in m.content), m.stop_reason, "end_turn")
 
 
+def test_tool_choice_any_then_none(anthropic_client, model):
+    """tool_choice {"type": "any"} makes the call by constrained decoding, {"type": "none"}
+    makes the answer after the tool result text."""
+    m = anthropic_client.messages.create(
+        model=model,
+        max_tokens=128,
+        extra_body={"temperature": 0},
+        system=TOOL_SYSTEM,
+        tools=TOOLS,
+        tool_choice={"type": "any"},
+        messages=ASK,
+    )
+    assert m.stop_reason == "tool_use", m
+    assert [b.type for b in m.content] == ["tool_use"], m.content
+    use = m.content[0]
+    assert use.name == "get_weather" and use.id.startswith("toolu_")
+    jsonschema.validate(use.input, WEATHER_SCHEMA)
+    assert "paris" in use.input["city"].lower()
+    m = anthropic_client.messages.create(
+        model=model,
+        max_tokens=64,
+        extra_body={"temperature": 0},
+        system=TOOL_SYSTEM,
+        tools=TOOLS,
+        tool_choice={"type": "none"},
+        messages=ASK
+        + [
+            {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "22 degrees Celsius, sunny"}],
+            },
+        ],
+    )
+    assert m.stop_reason == "end_turn", m
+    assert all(b.type == "text" for b in m.content), m.content
+    answer = "".join(b.text for b in m.content)
+    assert "<tool_call>" not in answer and "get_weather" not in answer, answer
+    assert "22" in answer or "sunny" in answer.lower(), answer
+
+
+def test_tool_choice_named_tool_streaming(anthropic_client, model):
+    with anthropic_client.messages.stream(
+        model=model,
+        max_tokens=128,
+        extra_body={"temperature": 0},
+        system=TOOL_SYSTEM,
+        tools=TOOLS,
+        tool_choice={"type": "tool", "name": "get_weather"},
+        messages=ASK,
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    assert [b.type for b in final.content] == ["tool_use"], final.content
+    jsonschema.validate(final.content[0].input, WEATHER_SCHEMA)
+
+
 def test_errors(anthropic_client, model, base_url):
     with pytest.raises(anthropic.NotFoundError):
         anthropic_client.messages.create(model="claude-nope", max_tokens=8, messages=ASK)
@@ -105,7 +162,11 @@ def test_errors(anthropic_client, model, base_url):
         anthropic_client.messages.create(model=model, max_tokens=8, extra_body={"temperature": 1.5}, messages=ASK)
     assert e.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.BadRequestError):
-        anthropic_client.messages.create(model=model, max_tokens=8, tools=TOOLS, tool_choice={"type": "any"}, messages=ASK)
+        anthropic_client.messages.create(
+            model=model, max_tokens=8, tools=TOOLS, tool_choice={"type": "tool", "name": "nope"}, messages=ASK
+        )
+    with pytest.raises(anthropic.BadRequestError):
+        anthropic_client.messages.create(model=model, max_tokens=8, tool_choice={"type": "any"}, messages=ASK)
     with pytest.raises(anthropic.BadRequestError):
         anthropic_client.messages.create(model=model, max_tokens=8, messages=[{"role": "user", "content": "hello " * 6000}])
     bad = anthropic.Anthropic(base_url=base_url, api_key="wrong", max_retries=0)

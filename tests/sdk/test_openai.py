@@ -102,15 +102,18 @@ def test_chat_options(openai_client, model):
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
 
 
-def _call_weather(openai_client, model, stream):
+WEATHER_QUESTION = [
+    {"role": "system", "content": TOOL_SYSTEM},
+    {"role": "user", "content": "What's the weather like in Paris right now?"},
+]
+
+
+def _call_weather(openai_client, model, stream, tool_choice="auto"):
     kwargs = dict(
         model=model,
-        messages=[
-            {"role": "system", "content": TOOL_SYSTEM},
-            {"role": "user", "content": "What's the weather like in Paris right now?"},
-        ],
+        messages=WEATHER_QUESTION,
         tools=TOOLS,
-        tool_choice="auto",
+        tool_choice=tool_choice,
         temperature=0,
         max_tokens=128,
     )
@@ -171,6 +174,48 @@ def test_tool_call_streaming(openai_client, model):
     assert calls[0].index == 0 and calls[0].type == "function"
 
 
+def test_tool_choice_required_then_none(openai_client, model):
+    """tool_choice "required" makes the call by constrained decoding (only a tool call in the
+    model's format, arguments valid under the schema), tool_choice "none" makes the answer
+    after the tool result text: no call, no call markup."""
+    content, calls, finish = _call_weather(openai_client, model, stream=False, tool_choice="required")
+    assert not content, content
+    call = _check_call(content, calls, finish)
+    r = openai_client.chat.completions.create(
+        model=model,
+        messages=WEATHER_QUESTION
+        + [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 22, "sky": "sunny"})},
+        ],
+        tools=TOOLS,
+        tool_choice="none",
+        temperature=0,
+        max_tokens=64,
+    )
+    c = r.choices[0]
+    assert not c.message.tool_calls, c.message
+    assert c.finish_reason == "stop", c
+    text = c.message.content
+    assert "<tool_call>" not in text and "get_weather" not in text, text
+    assert "22" in text or "sunny" in text.lower(), text
+
+
+def test_tool_choice_named_function_streaming(openai_client, model):
+    content, calls, finish = _call_weather(
+        openai_client, model, stream=True, tool_choice={"type": "function", "function": {"name": "get_weather"}}
+    )
+    assert not content, content
+    _check_call(content, calls, finish)
+    assert calls[0].index == 0 and calls[0].type == "function"
+
+
 def test_completions(openai_client, model):
     r = openai_client.completions.create(model=model, prompt="def fibonacci(n):", max_tokens=24, temperature=0)
     text = r.choices[0].text
@@ -198,6 +243,14 @@ def test_errors(openai_client, model, base_url):
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}},
         )
     assert e.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client.chat.completions.create(
+            model=model, messages=QUESTION, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}
+        )
+    assert e.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client.chat.completions.create(model=model, messages=QUESTION, tool_choice="required")
+    assert e.value.body["param"] == "tool_choice"
     with pytest.raises(openai.BadRequestError) as e:
         openai_client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello " * 6000}])
     assert e.value.code == "context_length_exceeded"

@@ -265,6 +265,14 @@ impl StructuredEnv {
     }
 }
 
+/// `schema` with the JSON options [`StructuredEnv::compile`] gives JSON schemas (whitespace
+/// runs of at most [`MAX_JSON_WHITESPACE`] characters) unless it sets its own `"x-guidance"`;
+/// for schemas embedded in a [`Constraint::Lark`] grammar with `%json { ... }`, which
+/// llguidance compiles with the options found there. Non-objects are returned unchanged.
+pub fn with_json_options(schema: Value) -> Value {
+    json_options(schema)
+}
+
 /// Add our JSON options (bounded whitespace) to a schema object unless it brings its own
 /// `"x-guidance"` options.
 fn json_options(mut schema: Value) -> Value {

@@ -17,19 +17,31 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::engine::{FinishReason, Request};
 use crate::error::{Api, ApiError, ApiResult, ErrorKind};
-use crate::gen::{cancelled, new_id, random_u64, submit_all, which_stop, Choice, Merged};
+use crate::gen::{
+    cancelled, new_id, random_u64, submit_all, submit_all_for, which_stop, Choice, Merged,
+};
 use crate::params::{parse_body, type_name, Fields};
-use crate::{body_bytes, AppState};
+use crate::tool_choice::{self, ToolPolicy};
+use crate::{body_bytes, response_format, AppState};
 
 type SseTx = mpsc::Sender<Result<SseEvent, Infallible>>;
 
 /// A request converted for the chat template.
 struct Conversation {
     messages: Vec<Value>,
-    /// Tools in OpenAI form (`{"type": "function", "function": {...}}`), `None` if hidden.
+    /// Every tool, in OpenAI form (`{"type": "function", "function": {...}}`).
     tools: Option<Value>,
+    /// `tool_choice`.
+    policy: ToolPolicy,
     /// Template variables (`enable_thinking`).
     extra: Option<Value>,
+}
+
+impl Conversation {
+    /// The tools the template shows the model (none with tool_choice `none`).
+    fn prompt_tools(&self) -> Option<&Value> {
+        self.policy.prompt_tools(self.tools.as_ref())
+    }
 }
 
 /// The text of a `tool_result` content or a `system` value: a string or text blocks.
@@ -243,23 +255,8 @@ fn conversation(f: &Fields) -> ApiResult<Conversation> {
             tools = Some(Value::Array(conv));
         }
     }
-    if let Some(tc) = f.object("tool_choice")? {
-        let ty = tc.get("type").and_then(Value::as_str).unwrap_or("");
-        match ty {
-            "auto" => {}
-            "none" => tools = None,
-            "any" | "tool" => {
-                return Err(f.error(
-                    "tool_choice",
-                    format!("tool_choice '{ty}' is not supported yet (it needs constrained decoding); use 'auto'"),
-                ))
-            }
-            other => {
-                return Err(f.error("tool_choice", format!("unknown tool_choice type '{other}'")))
-            }
-        }
-    }
-    let extra = match f.object("thinking")? {
+    let policy = tool_choice::anthropic(f.object("tool_choice")?, tools.as_ref())?;
+    let mut extra = match f.object("thinking")? {
         None => None,
         Some(t) => match t.get("type").and_then(Value::as_str) {
             Some("enabled") => Some(json!({"enable_thinking": true})),
@@ -272,16 +269,20 @@ fn conversation(f: &Fields) -> ApiResult<Conversation> {
             }
         },
     };
+    if policy.choice.forces_call() {
+        response_format::no_thinking(&mut extra);
+    }
     Ok(Conversation {
         messages,
         tools,
+        policy,
         extra,
     })
 }
 
 /// Render and tokenize a conversation; returns the prompt text and tokens.
 fn prompt(st: &AppState, c: &Conversation) -> ApiResult<(String, Vec<u32>)> {
-    let text = st.render(c.messages.clone(), c.tools.as_ref(), c.extra.as_ref())?;
+    let text = st.render(c.messages.clone(), c.prompt_tools(), c.extra.as_ref())?;
     let ids = st.encode(&text)?;
     Ok((text, ids))
 }
@@ -362,6 +363,8 @@ async fn messages_inner(
     st.check_open()?;
     let (text, ids) = prompt(&st, &conv)?;
     let room = st.room(ids.len(), "messages")?;
+    let fmt = st.model.reply_format;
+    let constraint = tool_choice::constraint(&conv.policy, conv.tools.as_ref(), fmt, &text)?;
     let req = Request {
         prompt: ids.clone(),
         sampling: s,
@@ -369,11 +372,18 @@ async fn messages_inner(
         stop: stops.clone(),
         ignore_eos: false,
         top_logprobs: None,
-        constraint: None,
+        constraint,
     };
-    let merged = submit_all(&st, vec![req])?;
-    let fmt = st.model.reply_format;
-    let choice = Choice::new(fmt, fmt.starts_in_reasoning(&text), conv.tools.as_ref());
+    let merged = if req.constraint.is_some() {
+        // Compiling the constraint (and, the first time, building the token trie) blocks.
+        let st2 = st.clone();
+        tokio::task::spawn_blocking(move || submit_all_for(&st2, vec![req], tool_choice::PARAM))
+            .await
+            .map_err(|e| ApiError::internal(format!("submitting the request failed: {e}")))??
+    } else {
+        submit_all(&st, vec![req])?
+    };
+    let choice = Choice::new(fmt, fmt.starts_in_reasoning(&text), conv.prompt_tools());
     let id = new_id("msg_");
     if stream {
         let (tx, rx) = mpsc::channel(64);

@@ -46,8 +46,15 @@ pub fn new_id(prefix: &str) -> String {
     format!("{prefix}{:016x}{:08x}", random_u64(), random_u64() as u32)
 }
 
-/// The API error for a refused submission.
+/// The API error for a refused submission (a constraint that does not compile is blamed on
+/// `response_format`).
 pub fn submit_error(e: SubmitError) -> ApiError {
+    submit_error_for(e, crate::response_format::PARAM)
+}
+
+/// [`submit_error`], blaming a constraint that does not compile on the request field
+/// `constraint_param` (`response_format` or `tool_choice`).
+pub fn submit_error_for(e: SubmitError, constraint_param: &str) -> ApiError {
     match e {
         SubmitError::QueueFull => ApiError::new(
             ErrorKind::RateLimit,
@@ -58,7 +65,13 @@ pub fn submit_error(e: SubmitError) -> ApiError {
         ))
         .with_code("context_length_exceeded"),
         SubmitError::BadRequest(m) => ApiError::bad(m),
-        SubmitError::InvalidConstraint(m) => ApiError::bad_param(crate::response_format::PARAM, m),
+        SubmitError::InvalidConstraint(m) if constraint_param == crate::tool_choice::PARAM => {
+            ApiError::bad_param(
+                constraint_param,
+                format!("tool_choice cannot be enforced for these tools (is every 'parameters' schema supported?): {m}"),
+            )
+        }
+        SubmitError::InvalidConstraint(m) => ApiError::bad_param(constraint_param, m),
         SubmitError::ShutDown => {
             ApiError::new(ErrorKind::Unavailable, "the server is shutting down")
         }
@@ -84,11 +97,24 @@ pub struct Merged {
 /// Submit `reqs` (the choices of one HTTP request). On a refusal the ones already queued are
 /// cancelled and the error returned.
 pub fn submit_all(st: &AppState, reqs: Vec<Request>) -> ApiResult<Merged> {
+    submit_all_for(st, reqs, crate::response_format::PARAM)
+}
+
+/// [`submit_all`], blaming a constraint that does not compile on `constraint_param`.
+pub fn submit_all_for(
+    st: &AppState,
+    reqs: Vec<Request>,
+    constraint_param: &str,
+) -> ApiResult<Merged> {
     let (tx, rx) = mpsc::channel(64);
     let mut streams = Vec::with_capacity(reqs.len());
     for r in reqs {
         // On error `streams` is dropped, which cancels the earlier choices.
-        streams.push(st.engine.submit(r).map_err(submit_error)?);
+        streams.push(
+            st.engine
+                .submit(r)
+                .map_err(|e| submit_error_for(e, constraint_param))?,
+        );
     }
     for (i, s) in streams.into_iter().enumerate() {
         tokio::spawn(forward(i, s, tx.clone(), st.metrics.clone()));

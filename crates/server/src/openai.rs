@@ -18,10 +18,10 @@ use crate::engine::{Request, MAX_TOP_LOGPROBS};
 use crate::error::{Api, ApiError, ApiResult, ErrorKind};
 use crate::gen::{
     cancelled, chat_logprobs, completion_logprobs, new_id, openai_finish, random_u64, submit_all,
-    unix_now, Choice, Merged,
+    submit_all_for, unix_now, Choice, Merged,
 };
 use crate::params::{parse_body, type_name, Fields};
-use crate::{body_bytes, response_format, AppState};
+use crate::{body_bytes, response_format, tool_choice, AppState};
 
 /// Most choices (`n`) one request may ask for.
 pub const MAX_N: i64 = 16;
@@ -319,16 +319,10 @@ fn chat_messages(list: &[Value]) -> ApiResult<Vec<Value>> {
     Ok(out)
 }
 
-/// Check `tools` (OpenAI function tools) and `tool_choice`; returns the tools to show the
-/// model (`None` when there are none or `tool_choice` is `"none"`).
+/// Check `tools` (OpenAI function tools); returns them (`None` when there are none).
+/// `tool_choice` is read by [`tool_choice::openai`].
 fn chat_tools(f: &Fields) -> ApiResult<Option<Value>> {
     let Some(tools) = f.array("tools")? else {
-        if let Some(Value::Object(_)) = f.get("tool_choice") {
-            return Err(f.error(
-                "tool_choice",
-                "'tool_choice' names a function but no 'tools' are given",
-            ));
-        }
         return Ok(None);
     };
     for (i, t) in tools.iter().enumerate() {
@@ -360,37 +354,6 @@ fn chat_tools(f: &Fields) -> ApiResult<Option<Value>> {
                     format!("'{p}.function.parameters' must be a JSON schema object"),
                 ));
             }
-        }
-    }
-    match f.get("tool_choice") {
-        None => {}
-        Some(Value::String(s)) => match s.as_str() {
-            "auto" => {}
-            "none" => return Ok(None),
-            "required" => {
-                return Err(f.error(
-                    "tool_choice",
-                    "tool_choice 'required' is not supported yet (it needs constrained decoding); use 'auto'",
-                ))
-            }
-            other => {
-                return Err(f.error(
-                    "tool_choice",
-                    format!("unknown tool_choice '{other}' (expected 'auto' or 'none')"),
-                ))
-            }
-        },
-        Some(Value::Object(_)) => {
-            return Err(f.error(
-                "tool_choice",
-                "forcing a specific function is not supported yet (it needs constrained decoding); use 'auto'",
-            ))
-        }
-        Some(v) => {
-            return Err(f.error(
-                "tool_choice",
-                format!("'tool_choice' must be a string or an object, got {}", type_name(v)),
-            ))
         }
     }
     Ok((!tools.is_empty()).then(|| Value::Array(tools.clone())))
@@ -470,38 +433,48 @@ async fn chat_inner(st: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> A
         .ok_or_else(|| ApiError::bad_param("messages", "'messages' is a required property"))?;
     let messages = chat_messages(list)?;
     let tools = chat_tools(&f)?;
-    let constraint = response_format::parse(&f)?;
+    let policy = tool_choice::openai(&f, tools.as_ref())?;
+    let prompt_tools = policy.prompt_tools(tools.as_ref());
+    let json_format = response_format::parse(&f)?;
     let mut extra = f
         .object("chat_template_kwargs")?
         .map(|o| Value::Object(o.clone()));
-    if constraint.is_some() {
+    if json_format.is_some() || policy.choice.forces_call() {
         response_format::no_thinking(&mut extra);
     }
     let mut o = gen_opts(&f, true)?;
-    o.constraint = constraint;
     st.check_open()?;
-    let text = st.render(messages, tools.as_ref(), extra.as_ref())?;
+    let text = st.render(messages, prompt_tools, extra.as_ref())?;
     let prompt = st.encode(&text)?;
     let room = st.room(prompt.len(), "messages")?;
-    // A constrained reply is all content: no reasoning, no tool-call markup to find in it.
-    let fmt = if o.constraint.is_some() {
-        ReplyFormat::plain()
+    // A forced tool call overrides `response_format` (which is about text replies); with
+    // `response_format` and tool_choice `auto` / `none` the reply is the JSON, all content:
+    // no reasoning, no tool-call markup to find in it.
+    let model_fmt = st.model.reply_format;
+    let tool_constraint = if json_format.is_none() || policy.choice.forces_call() {
+        tool_choice::constraint(&policy, tools.as_ref(), model_fmt, &text)?
     } else {
-        st.model.reply_format
+        None
     };
+    let (fmt, constraint_param) = match (&tool_constraint, &json_format) {
+        (Some(_), _) => (model_fmt, tool_choice::PARAM),
+        (None, Some(_)) => (ReplyFormat::plain(), response_format::PARAM),
+        (None, None) => (model_fmt, response_format::PARAM),
+    };
+    o.constraint = tool_constraint.or(json_format);
     let sir = fmt.starts_in_reasoning(&text);
     let reqs = requests(&o, &prompt, room, room);
     let merged = if o.constraint.is_some() {
         // Compiling the constraint (and, the first time, building the token trie) blocks.
         let st2 = st.clone();
-        tokio::task::spawn_blocking(move || submit_all(&st2, reqs))
+        tokio::task::spawn_blocking(move || submit_all_for(&st2, reqs, constraint_param))
             .await
             .map_err(|e| ApiError::internal(format!("submitting the request failed: {e}")))??
     } else {
         submit_all(&st, reqs)?
     };
     let choices: Vec<Choice> = (0..o.n)
-        .map(|_| Choice::new(fmt, sir, tools.as_ref()))
+        .map(|_| Choice::new(fmt, sir, prompt_tools))
         .collect();
     let id = new_id("chatcmpl-");
     let created = unix_now();

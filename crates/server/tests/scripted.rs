@@ -405,12 +405,16 @@ async fn unsupported_features_are_400() {
         b[k] = v;
         b
     };
-    // (`response_format` json_object / json_schema are supported: tests/structured.rs.)
+    // (`response_format` json_object / json_schema are supported: tests/structured.rs;
+    // tool_choice `required` and named functions: tests/tool_choice.rs.)
     for (k, v) in [
-        ("tool_choice", json!("required")),
         (
             "tool_choice",
-            json!({"type": "function", "function": {"name": "get_weather"}}),
+            json!({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}),
+        ),
+        (
+            "tool_choice",
+            json!({"type": "custom", "custom": {"name": "get_weather"}}),
         ),
     ] {
         let mut b = with(k, v);
