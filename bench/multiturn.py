@@ -4,11 +4,15 @@ chat that grows to about 8K tokens, with the prefix cache (cached), without it (
 with the disk tier after a server restart (restart).
 
 Usage:
-    python bench/multiturn.py --kapitsa BIN --model FILE [--turns 8] [--turn-words 700]
-        [--max-tokens 16] [--ctx 9216] [--threads 0] [--label NAME] [--json OUT]
+    python bench/multiturn.py --kapitsa BIN --model FILE [--turns 8] [--first-words 2300]
+        [--turn-words 600] [--max-tokens 16] [--ctx 9216] [--threads 0] [--label NAME]
+        [--json OUT]
 
-Each turn's prompt is the previous turn's prompt, the previous answer and a new user message
-of about `--turn-words` words (deterministic text), sent to /v1/completions with streaming;
+The first turn is a document of about `--first-words` words (~3K tokens) and a question; each
+later turn's prompt is the previous turn's prompt, the previous answer and a new user message
+of about `--turn-words` words (deterministic text), so the chat grows to about 8K tokens over
+8 turns (the shape of a long-document chat or an agent loop with a large system prompt). Sent
+to /v1/completions with streaming;
 TTFT is the time from sending the request to the first streamed token. Three passes, each
 with a fresh server (port chosen by the server, stopped with SIGINT so it writes its cache):
 
@@ -129,7 +133,7 @@ def run_pass(a, name, extra, prompts=None):
         prompt = "System: you are a helpful assistant. Answer briefly."
         for t in range(a.turns):
             if prompts is None:
-                prompt += user_text(t, a.turn_words)
+                prompt += user_text(t, a.first_words if t == 0 else a.turn_words)
                 p = prompt
             else:
                 p = prompts[t]
@@ -154,7 +158,8 @@ def main():
     ap.add_argument("--kapitsa", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--turns", type=int, default=8)
-    ap.add_argument("--turn-words", type=int, default=700)
+    ap.add_argument("--first-words", type=int, default=2300)
+    ap.add_argument("--turn-words", type=int, default=600)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--ctx", type=int, default=9216)
     ap.add_argument("--threads", type=int, default=0)
