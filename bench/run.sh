@@ -334,8 +334,15 @@ L.append("How to read this: prompt processing is bound by arithmetic, so compare
          "machine where that path works.\n")
 L.append("Regenerate with `bench/run.sh` (see `bench/README.md`); `BENCH_REPORT_ONLY=DIR "
          "bench/run.sh` rewrites this file from the saved results in DIR.")
+# Sections written by other benchmarks (serving, prefix cache) follow this marker and are kept.
+MARK = "<!-- other benchmarks: kept by bench/run.sh -->"
+kept = ""
+if os.path.exists(out_md):
+    old = open(out_md).read()
+    if MARK in old:
+        kept = old[old.index(MARK):]
 with open(out_md, "w") as f:
-    f.write("\n".join(L) + "\n")
+    f.write("\n".join(L) + "\n" + ("\n" + kept if kept else ""))
 PY
 }
 
