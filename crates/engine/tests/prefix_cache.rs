@@ -19,6 +19,8 @@ use kapitsa_engine::{
 use kapitsa_models::{load_model, CausalLm, KvType, LoadOptions};
 use kapitsa_text::Tokenizer;
 
+mod common;
+
 const N_CTX: usize = 512;
 const N_GEN: usize = 12;
 
@@ -70,16 +72,7 @@ fn scratch(model: &dyn CausalLm, tok: &Tokenizer, p: &[u32]) -> Vec<u32> {
 
 /// Run `p` on the engine: (generated tokens, cached prompt tokens).
 fn run(h: &EngineHandle, p: &[u32]) -> (Vec<u32>, usize) {
-    let mut s = h.submit(request(p)).unwrap();
-    let mut toks = Vec::new();
-    while let Some(ev) = s.blocking_recv() {
-        match ev {
-            Event::Text { tokens, .. } => toks.extend(tokens),
-            Event::Done { usage, .. } => return (toks, usage.cached_tokens),
-            Event::Error(e) => panic!("request failed: {e}"),
-        }
-    }
-    panic!("stream closed without an end")
+    common::run_request(h, request(p))
 }
 
 fn engine(

@@ -14,10 +14,12 @@ use kapitsa_base::pool::RayonPool;
 use kapitsa_cache::SlotCache;
 use kapitsa_engine::loader::{model_identity, tokenizer_for};
 use kapitsa_engine::{
-    generate, EngineConfig, EngineHandle, Event, GenerateRequest, PrefixCacheConfig, Request,
+    generate, EngineConfig, EngineHandle, GenerateRequest, PrefixCacheConfig, Request,
 };
 use kapitsa_models::{load_model, CausalLm, KvType, LoadOptions};
 use kapitsa_text::Tokenizer;
+
+mod common;
 
 const N_CTX: usize = 1024;
 const N_GEN: usize = 16;
@@ -79,16 +81,7 @@ fn scratch(model: &dyn CausalLm, tok: &Tokenizer, p: &[u32]) -> Vec<u32> {
 }
 
 fn run(h: &EngineHandle, p: &[u32]) -> (Vec<u32>, usize) {
-    let mut s = h.submit(request(p)).unwrap();
-    let mut toks = Vec::new();
-    while let Some(ev) = s.blocking_recv() {
-        match ev {
-            Event::Text { tokens, .. } => toks.extend(tokens),
-            Event::Done { usage, .. } => return (toks, usage.cached_tokens),
-            Event::Error(e) => panic!("request failed: {e}"),
-        }
-    }
-    panic!("stream closed without an end")
+    common::run_request(h, request(p))
 }
 
 fn check(name: &str, file: &str) {
