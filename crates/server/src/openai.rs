@@ -511,6 +511,8 @@ async fn chat_inner(st: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> A
                 msg["content"] = Value::Null;
             }
         }
+        // Cannot fail: `collect` returned Ok, which it only does when every choice got
+        // `Done` (`done()` is `finish.is_some()`).
         let finish = c.finish.as_ref().expect("collected");
         out.push(json!({
             "index": i,
@@ -787,6 +789,7 @@ async fn completions_inner(
                 "index": i,
                 "text": format!("{e}{}", c.raw),
                 "logprobs": if o.top_logprobs.is_some() { completion_logprobs(tok, &c.logprobs, e.len()) } else { Value::Null },
+                // Cannot fail: as in the chat handler, `collect` returned Ok.
                 "finish_reason": openai_finish(c.finish.as_ref().expect("collected"), false),
             })
         })

@@ -108,6 +108,9 @@ impl TensorPlan {
 
     /// Bytes of data.
     pub fn n_bytes(&self) -> u64 {
+        // Cannot fail: the planner only makes tensors with a non-empty shape whose last
+        // dimension is a whole number of blocks of their type (`q4_k_m_type` and the mix
+        // fall back to a type that fits).
         let (&inner, outer) = self.shape.split_last().expect("non-empty shape");
         let row = self.dtype.row_bytes(inner).expect("whole blocks") as u64;
         outer.iter().fold(row, |a, &d| a * d as u64)
@@ -193,6 +196,7 @@ impl Builder {
     /// A weight matrix whose inputs are its last dimension: std `1/sqrt(n_in)` keeps unit-RMS
     /// inputs at unit-RMS outputs.
     fn mat(&mut self, name: impl Into<String>, shape: &[usize]) {
+        // Cannot fail: every call passes a literal shape of 1-3 dimensions.
         let n_in = *shape.last().expect("shape");
         self.add(
             name,
@@ -238,6 +242,7 @@ pub fn build(inp: PlanInput<'_>) -> Result<Plan, SynthError> {
     let h = d.n_embd;
     b.mat("token_embd.weight", &[d.n_vocab, h]);
     // Embedding rows: unit RMS (the first norm rescales them anyway).
+    // Cannot fail: `mat` just pushed a tensor.
     b.tensors.last_mut().expect("just added").init = Init::Matrix { std: 1.0 };
 
     match inp.preset.family {
@@ -554,6 +559,7 @@ pub struct Q4kmState {
 /// then the shape fallback: Q4_K -> Q5_0, Q6_K -> Q8_0 when rows are not a multiple of 256,
 /// F16 when not even a multiple of 32.
 pub fn q4_k_m_type(name: &str, shape: &[usize], st: &mut Q4kmState) -> GgmlType {
+    // Cannot fail: called for planned tensors, whose shapes are never empty.
     let ne0 = *shape.last().expect("shape");
     let ty = if name == "output.weight" {
         if ne0.is_multiple_of(256) {
@@ -607,6 +613,7 @@ pub fn assign_types(tensors: &mut [TensorPlan], mix: QuantMix, n_layer: usize) {
         t.dtype = if !allows_quantization(&t.name, &t.shape) {
             GgmlType::F32
         } else {
+            // Cannot fail: planned shapes are never empty.
             let ne0 = *t.shape.last().expect("shape");
             match mix {
                 QuantMix::Q4KM => q4_k_m_type(&t.name, &t.shape, &mut st),

@@ -77,6 +77,8 @@ fn gen_rows(
     r0: usize,
     r1: usize,
 ) -> Result<Vec<u8>, SynthError> {
+    // Cannot fail: planned shapes are never empty and their rows are whole blocks (see
+    // `Tensor::n_bytes`).
     let n = *t.shape.last().expect("shape");
     let row_bytes = t.dtype.row_bytes(n).expect("planned whole blocks");
     let mut out = vec![0u8; (r1 - r0) * row_bytes];
@@ -176,6 +178,7 @@ fn stream(
             for (ti, t) in plan.tensors.iter().enumerate() {
                 let n_bytes = t.n_bytes();
                 if matches!(t.init, Init::Matrix { .. } | Init::Output { .. }) {
+                    // Cannot fail: planned shapes are never empty and rows are whole blocks.
                     let n = *t.shape.last().expect("shape");
                     let row_bytes = t.dtype.row_bytes(n).expect("whole blocks");
                     let rows = t.n_elements() / n.max(1);
