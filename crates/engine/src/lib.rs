@@ -15,8 +15,8 @@ pub use reply::{ParsedReply, ReplyEvent, ReplyFormat, ReplyParser, ToolCall, Too
 pub use sampler::{Sampler, SamplingParams};
 pub use scheduler::{Scheduler, SchedulerConfig, SeqId, StepPlan};
 pub use service::{
-    EngineConfig, EngineHandle, EngineMetrics, Event, PrefixCacheConfig, Request,
-    RequestStream, SubmitError, TokenLogprob, Usage,
+    EngineConfig, EngineHandle, EngineMetrics, Event, PrefixCacheConfig, Request, RequestStream,
+    SubmitError, TokenLogprob, Usage,
 };
 pub use stop::StopChecker;
 pub use structured::{Constraint, ConstraintMatcher, StructuredEnv, StructuredError};

@@ -261,11 +261,15 @@ fn check_equivalence(name: &str, solo_chunk: Option<usize>, pool: Option<usize>)
     assert_eq!(m.slots_total, 5);
     assert!(m.steps > 0);
     if pool.is_some() {
-        assert!(m.preemptions > 0, "{name}: the small pool forced preemptions");
+        assert!(
+            m.preemptions > 0,
+            "{name}: the small pool forced preemptions"
+        );
     }
     assert_eq!(
         m.cache_blocks_total,
-        pool.unwrap_or(5 * n_ctx).div_ceil(kapitsa_models::DEFAULT_BLOCK_SIZE)
+        pool.unwrap_or(5 * n_ctx)
+            .div_ceil(kapitsa_models::DEFAULT_BLOCK_SIZE)
     );
     eprintln!("{name}: {m:?}");
     h.shutdown();
