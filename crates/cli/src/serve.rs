@@ -223,6 +223,14 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     })
 }
 
+/// `MemAvailable` from /proc/meminfo, in bytes (None where that file does not exist).
+fn available_memory() -> Option<usize> {
+    let m = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,12 +244,4 @@ mod tests {
         assert!(parse_size("0").is_err());
         assert!(parse_size("3 parsecs").is_err());
     }
-}
-
-/// `MemAvailable` from /proc/meminfo, in bytes (None where that file does not exist).
-fn available_memory() -> Option<usize> {
-    let m = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
 }
