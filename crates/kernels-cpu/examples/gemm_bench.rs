@@ -106,7 +106,12 @@ fn main() {
         Box::new(RayonPool::new(threads).expect("pool"))
     };
     let level = SimdLevel::detect();
-    let shapes = [(1536usize, 1536usize), (256, 1536), (8960, 1536), (1536, 8960)];
+    let shapes = [
+        (1536usize, 1536usize),
+        (256, 1536),
+        (8960, 1536),
+        (1536, 8960),
+    ];
     let mut rng = Rng(1);
     let mut total_flop = 0.0;
     let mut total_t = 0.0;
