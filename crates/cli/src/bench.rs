@@ -21,7 +21,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kapitsa_backend::{Backend, CpuBackend};
-use kapitsa_base::pool::RayonPool;
+use kapitsa_base::pool::cpu_pool;
 use kapitsa_base::CpuFeatures;
 use kapitsa_models::{BatchInputs, CausalLm, KvCache, KvType, LoadOptions, ModelSource};
 
@@ -169,9 +169,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         bail!("model {} does not exist", path.display());
     }
 
-    let pool = RayonPool::new(a.threads).context("starting the thread pool")?;
-    let n_threads = kapitsa_base::ThreadPool::n_threads(&pool);
-    let be: Arc<dyn Backend> = Arc::new(CpuBackend::new(Box::new(pool)));
+    let pool = cpu_pool(a.threads).context("starting the thread pool")?;
+    let n_threads = pool.n_threads();
+    let be: Arc<dyn Backend> = Arc::new(CpuBackend::new(pool));
     let bar = ProgressBar::new(0);
     bar.set_style(
         ProgressStyle::with_template("loading {msg} [{bar:30}] {bytes}/{total_bytes} ({eta})")

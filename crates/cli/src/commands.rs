@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use kapitsa_backend::{Backend, CpuBackend};
-use kapitsa_base::pool::RayonPool;
+use kapitsa_base::pool::cpu_pool;
 use kapitsa_cache::SlotCache;
 use kapitsa_engine::loader::{chat_template_for, tokenizer_for};
 use kapitsa_engine::{
@@ -180,8 +180,8 @@ fn kv_type(s: &str) -> Result<KvType> {
 }
 
 fn backend(threads: usize) -> Result<Arc<dyn Backend>> {
-    let pool = RayonPool::new(threads).context("starting the thread pool")?;
-    Ok(Arc::new(CpuBackend::new(Box::new(pool))))
+    let pool = cpu_pool(threads).context("starting the thread pool")?;
+    Ok(Arc::new(CpuBackend::new(pool)))
 }
 
 /// The progress bar shown while the weights of `model` are read.

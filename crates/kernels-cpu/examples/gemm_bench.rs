@@ -4,10 +4,15 @@
 //! (defaults 2, 512, 5). Random weights (valid blocks with small f16 scales); best of `REPS`
 //! timed runs after one warm-up, since the machine is shared and the minimum is the least
 //! disturbed run. Not a test: nothing is asserted.
+//!
+//! Environment: `GEMM_TYPES=q4_K,q6_K` (weight types), `GEMM_SHAPES=512x2048,...` (`n_out x
+//! n_in`; default the Qwen2.5-Coder-1.5B shapes), `GEMM_AB=1` (alternate the GEMM with the
+//! per-row dot path, `matmul_dot_with`, and print both), `GEMM_QUANT=1` (time activation
+//! quantisation alone).
 
 use kapitsa_base::pool::{RayonPool, SerialPool};
 use kapitsa_base::{GgmlType, ThreadPool};
-use kapitsa_kernels_cpu::{matmul_with, QMatrix, SimdLevel};
+use kapitsa_kernels_cpu::{matmul_dot_with, matmul_with, QMatrix, SimdLevel};
 
 /// xorshift64*.
 struct Rng(u64);
@@ -106,22 +111,78 @@ fn main() {
         Box::new(RayonPool::new(threads).expect("pool"))
     };
     let level = SimdLevel::detect();
-    let shapes = [
-        (1536usize, 1536usize),
-        (256, 1536),
-        (8960, 1536),
-        (1536, 8960),
-    ];
+    if std::env::var("GEMM_QUANT").is_ok() {
+        // Activation quantisation alone (what every prefill matmul does first).
+        let mut rng = Rng(3);
+        for (ty, n_in) in [
+            (GgmlType::Q8_K, 1536usize),
+            (GgmlType::Q8_0, 1536),
+            (GgmlType::Q8_K, 8960),
+        ] {
+            let x: Vec<f32> = (0..n_tok * n_in).map(|_| rng.normal()).collect();
+            let rb = ty.row_bytes(n_in).expect("row");
+            let mut q = vec![0u8; rb];
+            let mut best = f64::INFINITY;
+            for _ in 0..reps {
+                let t = std::time::Instant::now();
+                for r in x.chunks_exact(n_in) {
+                    kapitsa_kernels_cpu::quantize_row(ty, r, &mut q).expect("quantize");
+                }
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            println!(
+                "quantize {} x {n_tok} rows of {n_in}: {:.3} ms",
+                ty.name(),
+                best * 1e3
+            );
+        }
+        return;
+    }
+    // GEMM_SHAPES="512x2048,2048x512": other (n_out x n_in) shapes, e.g. MoE experts.
+    let shapes: Vec<(usize, usize)> = match std::env::var("GEMM_SHAPES") {
+        Ok(v) => v
+            .split(',')
+            .map(|s| {
+                let (a, b) = s.split_once('x').expect("NxK");
+                (a.parse().expect("n_out"), b.parse().expect("n_in"))
+            })
+            .collect(),
+        Err(_) => vec![(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960)],
+    };
     let mut rng = Rng(1);
     let mut total_flop = 0.0;
     let mut total_t = 0.0;
     for ty in types {
-        for &(n_out, n_in) in &shapes {
+        for &(n_out, n_in) in shapes.iter() {
             let data = random_weights(ty, n_out, n_in, &mut rng);
             let w = QMatrix::new(ty, n_out, n_in, &data).expect("matrix");
             let x: Vec<f32> = (0..n_tok * n_in).map(|_| rng.normal()).collect();
             let mut y = vec![0f32; n_tok * n_out];
             matmul_with(level, &*pool, &w, &x, n_tok, &mut y).expect("matmul");
+            if std::env::var("GEMM_AB").is_ok() {
+                // A/B: alternate the GEMM (A) with the per-row dot path (B); best of `reps`.
+                let mut best = [f64::INFINITY; 2];
+                for _ in 0..reps {
+                    for (k, b) in best.iter_mut().enumerate() {
+                        let t = std::time::Instant::now();
+                        if k == 0 {
+                            matmul_with(level, &*pool, &w, &x, n_tok, &mut y).expect("matmul");
+                        } else {
+                            matmul_dot_with(level, &*pool, &w, &x, n_tok, &mut y).expect("matmul");
+                        }
+                        *b = b.min(t.elapsed().as_secs_f64());
+                    }
+                }
+                let flop = 2.0 * (n_out * n_in * n_tok) as f64;
+                println!(
+                    "{:>5} {n_out:>5}x{n_in:<5} n_tok={n_tok} threads={threads}: gemm {:7.1} GFLOP/s, dot path {:7.1} GFLOP/s, ratio {:.2}",
+                    ty.name(),
+                    flop / best[0] / 1e9,
+                    flop / best[1] / 1e9,
+                    best[1] / best[0]
+                );
+                continue;
+            }
             let mut best = f64::INFINITY;
             let mut best_cpu = f64::INFINITY;
             for _ in 0..reps {

@@ -6,13 +6,16 @@
 pub mod attention;
 pub mod conv;
 pub mod gdn;
+mod gemm;
 pub mod mamba2;
 pub mod matmul;
 pub mod ops;
 pub mod quant;
 pub mod vexp;
 
-pub use matmul::{dequantize_rows, get_rows, matmul, matmul_scalar, matmul_with, QMatrix};
+pub use matmul::{
+    dequantize_rows, get_rows, matmul, matmul_dot_with, matmul_scalar, matmul_with, QMatrix,
+};
 pub use quant::{
     dequantize_row, quantize_row, vec_dot, vec_dot_type, vec_dot_with, DotKernel, KernelError,
     SimdLevel,

@@ -5,11 +5,19 @@
 //! activation row is first quantised to [`vec_dot_type`](crate::quant::vec_dot_type) of the
 //! weight type, then every output is one [`DotKernel::dot`].
 //!
-//! Work split: outputs are cut into tiles of (a chunk of weight rows) x (a block of up to
-//! [`TOK_BLOCK`] tokens); each tile is one pool task, looping rows outer and tokens inner, so a
-//! weight row is streamed from memory once per token block and then stays in L1 while it meets
-//! every activation row of the block (which stay in L2). Decode (`n_tok == 1`) is a pure GEMV
-//! split over row chunks. Results do not depend on the thread count.
+//! Two drivers give bit-identical results (every output is the same operation sequence as one
+//! `DotKernel::dot`), so which one runs never changes numerics:
+//!
+//! * Prefill, `n_tok >= GEMM_MIN_TOKENS`, weight types with a tiled GEMM at the chosen SIMD
+//!   level (AVX-512: Q4_K, Q5_K, Q6_K; with VNNI also Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4): the
+//!   GEMM of `crate::gemm` (weights decoded once per call, 8-token micro-kernels).
+//! * Otherwise ([`matmul_dot_with`]): outputs are cut into tiles of (a chunk of weight rows) x
+//!   (a block of up to [`TOK_BLOCK`] tokens); each tile is one pool task, looping rows outer
+//!   and tokens inner, so a weight row is streamed from memory once per token block and then
+//!   stays in L1 while it meets every activation row of the block (which stay in L2). Decode
+//!   (`n_tok == 1`) is a pure GEMV split over row chunks.
+//!
+//! Results do not depend on the thread count.
 
 use std::ops::Range;
 
@@ -20,6 +28,10 @@ use crate::quant::{self, check_len, DotKernel, KernelError, SimdLevel};
 /// Tokens per tile for prefill: the quantised activations of a tile (`TOK_BLOCK` rows) should
 /// fit in L2 next to the weight chunk.
 pub const TOK_BLOCK: usize = 32;
+
+/// Smallest token count that takes the tiled GEMM (`crate::gemm`) where the weight type and
+/// SIMD level have one; below it the per-row dot kernels are as fast (no packing).
+pub const GEMM_MIN_TOKENS: usize = 4;
 
 /// A borrowed 2-D weight matrix in a ggml block format.
 #[derive(Debug, Clone, Copy)]
@@ -84,7 +96,7 @@ impl<'a> QMatrix<'a> {
 
 /// A raw pointer that tasks share to write disjoint parts of one output buffer.
 #[derive(Clone, Copy)]
-struct SharedMut<T>(*mut T);
+pub(crate) struct SharedMut<T>(pub(crate) *mut T);
 // SAFETY: used only to write disjoint index ranges from different tasks (see each use), and the
 // owning `&mut` borrow outlives `ThreadPool::run`, which joins all tasks before returning.
 unsafe impl<T: Send> Send for SharedMut<T> {}
@@ -93,7 +105,7 @@ unsafe impl<T: Send> Sync for SharedMut<T> {}
 
 impl<T> SharedMut<T> {
     /// The pointer (a method, so closures capture the whole `Sync` wrapper, not the field).
-    fn ptr(&self) -> *mut T {
+    pub(crate) fn ptr(&self) -> *mut T {
         self.0
     }
 }
@@ -121,7 +133,9 @@ pub fn matmul_scalar(
     matmul_with(SimdLevel::Scalar, pool, w, x, n_tok, y)
 }
 
-/// [`matmul`] with kernels of at most `level` (errors if the CPU lacks `level`).
+/// [`matmul`] with kernels of at most `level` (errors if the CPU lacks `level`). Batches of at
+/// least [`GEMM_MIN_TOKENS`] tokens take the tiled GEMM where the weight type and level have
+/// one (bit-identical to [`matmul_dot_with`]); everything else takes [`matmul_dot_with`].
 pub fn matmul_with(
     level: SimdLevel,
     pool: &dyn ThreadPool,
@@ -129,6 +143,32 @@ pub fn matmul_with(
     x: &[f32],
     n_tok: usize,
     y: &mut [f32],
+) -> Result<(), KernelError> {
+    matmul_impl(level, pool, w, x, n_tok, y, true)
+}
+
+/// [`matmul_with`] always on the per-row dot kernels (one [`DotKernel::dot`] per output, fused
+/// 4-token `dot4` where available): the decode path, and the baseline the tiled GEMM is
+/// measured and tested against.
+pub fn matmul_dot_with(
+    level: SimdLevel,
+    pool: &dyn ThreadPool,
+    w: &QMatrix<'_>,
+    x: &[f32],
+    n_tok: usize,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    matmul_impl(level, pool, w, x, n_tok, y, false)
+}
+
+fn matmul_impl(
+    level: SimdLevel,
+    pool: &dyn ThreadPool,
+    w: &QMatrix<'_>,
+    x: &[f32],
+    n_tok: usize,
+    y: &mut [f32],
+    allow_gemm: bool,
 ) -> Result<(), KernelError> {
     const OP: &str = "matmul";
     let rb = w.check(OP)?;
@@ -148,6 +188,11 @@ pub fn matmul_with(
     if n_in == 0 {
         y.fill(0.0);
         return Ok(());
+    }
+    if allow_gemm && n_tok >= GEMM_MIN_TOKENS && n_in >= crate::quant::gemm_avx512::GROUP {
+        if let Some(gk) = crate::quant::gemm_avx512::kernel(w.dtype, kernel.level()) {
+            return crate::gemm::gemm(&gk, pool, w, x, n_tok, y);
+        }
     }
 
     // 1. Quantise every activation row once.

@@ -24,7 +24,27 @@ use kapitsa_base::GgmlType;
 
 /// Quantises `x` into `dst` as `ty` (one of F32, F16, BF16, Q8_0, Q8_1, Q8_K). Caller
 /// guarantees `x.len()` is a multiple of the block size and `dst` has exactly the row bytes.
+/// Q8_0 and Q8_K use the AVX-512 quantisers where the CPU has them (byte-identical, see
+/// [`super::act_avx512`]).
 pub(crate) fn quantize_act(ty: GgmlType, x: &[f32], dst: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(ty, GgmlType::Q8_0 | GgmlType::Q8_K) && kapitsa_base::CpuFeatures::get().avx512 {
+        // SAFETY: AVX-512 (F/BW/VL/DQ + AVX2/FMA/F16C, which `avx512` implies) was detected;
+        // the caller guarantees whole blocks and `dst` of exactly the row bytes.
+        unsafe {
+            if ty == GgmlType::Q8_0 {
+                super::act_avx512::quantize_q8_0(x, dst);
+            } else {
+                super::act_avx512::quantize_q8_k(x, dst);
+            }
+        }
+        return;
+    }
+    quantize_act_scalar(ty, x, dst)
+}
+
+/// [`quantize_act`] without SIMD (the reference the AVX-512 quantisers are tested against).
+pub(crate) fn quantize_act_scalar(ty: GgmlType, x: &[f32], dst: &mut [u8]) {
     match ty {
         GgmlType::F32 => {
             for (o, v) in dst.chunks_exact_mut(4).zip(x) {
@@ -120,4 +140,65 @@ fn quantize_q8_k_block(x: &[f32], o: &mut [u8]) {
         o[260 + 2 * g..262 + 2 * g].copy_from_slice(&(s as i16).to_le_bytes());
     }
     o[0..4].copy_from_slice(&(1.0f32 / iscale).to_le_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// xorshift64*.
+    fn next(s: &mut u64) -> u64 {
+        *s ^= *s >> 12;
+        *s ^= *s << 25;
+        *s ^= *s >> 27;
+        s.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    #[test]
+    fn simd_quantisers_equal_scalar_bytewise() {
+        if !kapitsa_base::CpuFeatures::get().avx512 {
+            return;
+        }
+        let mut s = 99u64;
+        for case in 0..400 {
+            let n = 256 * (1 + case % 3);
+            let scale = [1.0f32, 1e-3, 7.5, 3e4, 1e-30][case % 5];
+            let mut x: Vec<f32> = (0..n)
+                .map(|_| ((next(&mut s) >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale)
+                .collect();
+            match case % 7 {
+                // all zero, a block of zeros, ties of +-max, exact halves (rounding ties)
+                0 => x.iter_mut().for_each(|v| *v = 0.0),
+                1 => x[..256].iter_mut().for_each(|v| *v = -0.0),
+                2 => {
+                    x[5] = 2.0 * scale;
+                    x[9] = -2.0 * scale;
+                }
+                3 => x
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(i, v)| *v = (i % 255) as f32 - 127.0),
+                4 => x
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(i, v)| *v = ((i % 9) as f32 - 4.0) * 0.5),
+                _ => {}
+            }
+            for ty in [GgmlType::Q8_0, GgmlType::Q8_K] {
+                let rb = ty.row_bytes(n).unwrap();
+                let (mut a, mut b) = (vec![0u8; rb], vec![1u8; rb]);
+                quantize_act_scalar(ty, &x, &mut a);
+                quantize_act(ty, &x, &mut b);
+                assert_eq!(a, b, "{ty} case {case}");
+            }
+        }
+        // Q8_0 with NaN / inf elements: NaN quantises to 0 in both.
+        let mut x: Vec<f32> = (0..64).map(|i| i as f32 - 30.0).collect();
+        x[3] = f32::NAN;
+        x[40] = f32::INFINITY;
+        let (mut a, mut b) = (vec![0u8; 68], vec![1u8; 68]);
+        quantize_act_scalar(GgmlType::Q8_0, &x, &mut a);
+        quantize_act(GgmlType::Q8_0, &x, &mut b);
+        assert_eq!(a, b, "q8_0 with NaN/inf");
+    }
 }

@@ -70,6 +70,10 @@ pub(super) fn kernel(_ty: GgmlType, _max: SimdLevel, _bf16: bool) -> Option<Chos
     None
 }
 
+/// Helpers the AVX-512 GEMM kernels share with the dot products.
+#[cfg(target_arch = "x86_64")]
+pub(super) use imp::{k4_scales, ld512};
+
 #[cfg(target_arch = "x86_64")]
 mod imp {
     use std::arch::x86_64::*;
@@ -82,7 +86,7 @@ mod imp {
     /// # Safety
     /// `o + 64 <= p.len()`; AVX-512F.
     #[inline(always)]
-    pub(super) unsafe fn ld512(p: &[u8], o: usize) -> __m512i {
+    pub(in crate::quant) unsafe fn ld512(p: &[u8], o: usize) -> __m512i {
         debug_assert!(o + 64 <= p.len());
         // SAFETY: caller guarantees the 64 bytes are inside `p`; the load is unaligned.
         unsafe { _mm512_loadu_si512(p.as_ptr().add(o).cast()) }
@@ -90,7 +94,7 @@ mod imp {
 
     /// The Q4_K/Q5_K 12-byte scale field as 16 bytes: 8 scales then 8 mins (6 bits each).
     #[inline(always)]
-    pub(super) fn k4_scales(s: &[u8]) -> [u32; 4] {
+    pub(in crate::quant) fn k4_scales(s: &[u8]) -> [u32; 4] {
         const M1: u32 = 0x3f3f_3f3f;
         const M2: u32 = 0x0f0f_0f0f;
         const M3: u32 = 0x0303_0303;

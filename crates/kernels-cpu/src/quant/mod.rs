@@ -23,15 +23,22 @@
 //! Integer parts of every SIMD kernel are exact (same i32 sums as the scalar twin); only the
 //! float accumulation order differs (tested to 1e-5 of sum |w x|).
 //!
+//! Prefill GEMM (`gemm_avx512`, driven by `crate::gemm`): tiled micro-kernels bit-identical to
+//! the AVX-512 dot kernels for Q4_K, Q5_K, Q6_K (AVX-512 and VNNI) and Q8_0, Q4_0, Q5_0,
+//! IQ4_NL, MXFP4 (VNNI); `matmul` uses them for batches of 4+ tokens. Activation quantisation
+//! to Q8_0 / Q8_K has byte-identical AVX-512 versions (`act_avx512`).
+//!
 //! Block layouts are documented in [`blocks`].
 
 pub mod act;
+mod act_avx512;
 pub mod blocks;
 mod dequant;
 mod dot_avx2;
 mod dot_avx512;
 mod dot_scalar;
 mod error;
+pub(crate) mod gemm_avx512;
 
 pub use error::KernelError;
 use kapitsa_base::{CpuFeatures, GgmlType};

@@ -1,0 +1,341 @@
+//! Prefill GEMM driver: `y = x · Wᵀ` for many tokens with the micro-kernels of
+//! [`crate::quant::gemm_avx512`], bit-identical to one
+//! [`DotKernel::dot`](crate::quant::DotKernel::dot) per output.
+//!
+//! Steps of one call (layouts in `quant/gemm_avx512.rs`):
+//! 1. Quantise every activation row (as the dot path does) and pack it into *tiles* of
+//!    [`TILE`] tokens, one tile group per 256 input elements, plus the raw bytes after the last
+//!    whole group (the 32-element formats' tail blocks). Parallel over tiles.
+//! 2. Output rows are split into tasks (contiguous row ranges). A task decodes a *panel* of
+//!    rows into weight records (each weight block is decoded once per call), then for every
+//!    tile runs the micro-kernel row by row over chunks of [`kc`] groups (a chunk of the tile
+//!    stays in L1 while every row of the panel meets it; the panel's records stay in L2), and
+//!    finally reduces each (row, token) accumulator to its output.
+//!
+//! Buffers live in thread-locals and are reused across calls (no allocation per call once
+//! warm). Results depend neither on the thread count nor on the tiling: every (row, token)
+//! output sees the same operation sequence as the dot kernel.
+
+use std::cell::RefCell;
+
+use kapitsa_base::ThreadPool;
+
+use crate::matmul::{QMatrix, SharedMut};
+use crate::quant::gemm_avx512::{Acc, Fin, GemmKernel, GROUP, TILE};
+use crate::quant::{self, KernelError};
+
+/// Bytes of weight records a task keeps per panel (sized for the 2 MiB L2 next to the tiles).
+const PANEL_BYTES: usize = 768 * 1024;
+/// Bytes of one tile chunk (kept in the 48 KiB L1 while the panel's rows pass over it).
+const CHUNK_BYTES: usize = 24 * 1024;
+
+/// Groups per tile chunk for `gk`.
+fn kc(gk: &GemmKernel) -> usize {
+    (CHUNK_BYTES / gk.act).max(1)
+}
+
+/// 64 bytes, 64-aligned: the unit of the reusable buffers (so vector loads never split lines).
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// A reusable, 64-byte-aligned byte buffer.
+#[derive(Default)]
+struct Buf(Vec<Line>);
+
+impl Buf {
+    /// The first `n` bytes, growing the buffer if needed (contents are left as they were).
+    fn bytes(&mut self, n: usize) -> &mut [u8] {
+        let lines = n.div_ceil(64);
+        if self.0.len() < lines {
+            self.0.resize(lines, Line([0; 64]));
+        }
+        // SAFETY: `Line` is 64 plain bytes without padding, the vector holds at least `n`
+        // bytes, and the returned borrow is tied to `&mut self`.
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast::<u8>(), n) }
+    }
+}
+
+thread_local! {
+    /// The calling thread's packed activations.
+    static TILES: RefCell<Buf> = RefCell::new(Buf::default());
+    /// A worker's weight records, accumulators and quantisation row.
+    static WORK: RefCell<Buf> = RefCell::new(Buf::default());
+}
+
+/// Runs `f` with this thread's buffer `key` (or a fresh one if it is already borrowed, which
+/// only re-entrant use could cause).
+fn with_buf<R>(
+    key: &'static std::thread::LocalKey<RefCell<Buf>>,
+    f: impl FnOnce(&mut Buf) -> R,
+) -> R {
+    key.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut b) => f(&mut b),
+        Err(_) => f(&mut Buf::default()),
+    })
+}
+
+/// Tokens per task below which a call is not split by tokens (each token task decodes every
+/// weight row once, so it needs enough tokens to amortise that).
+const TASK_TOKENS: usize = 128;
+
+/// Everything one call's tasks share: the operands, derived sizes and the output pointers.
+struct Ctx<'a> {
+    gk: &'a GemmKernel,
+    w: &'a QMatrix<'a>,
+    x: &'a [f32],
+    n_tok: usize,
+    dot_ty: kapitsa_base::GgmlType,
+    /// Bytes of one quantised activation row and of one weight row.
+    xrb: usize,
+    wrb: usize,
+    /// Whole groups per row; raw activation / weight bytes of those groups.
+    ng: usize,
+    xg: usize,
+    wg: usize,
+    /// Raw activation bytes after the groups (32-element formats' tail blocks).
+    x_tail: usize,
+    n_tiles: usize,
+    tile_bytes: usize,
+    /// The packed tiles, then every token's tail bytes (`n_tiles * tile_bytes +
+    /// n_tok * x_tail` bytes, owned by the caller's thread-local).
+    buf: SharedMut<u8>,
+    /// `y`, `[n_tok, n_out]`.
+    y: SharedMut<f32>,
+}
+
+impl Ctx<'_> {
+    /// Quantises the tokens of `tiles` and packs them (padding slots get all-zero blocks).
+    ///
+    /// # Safety
+    /// No other thread accesses these tiles or these tokens' tails during the call.
+    unsafe fn pack_tiles(&self, tiles: std::ops::Range<usize>) {
+        with_buf(&WORK, |wb| {
+            let row = wb.bytes(self.xrb);
+            for tile in tiles {
+                // SAFETY: tile `tile` is inside `buf` and accessed by this call only (caller's
+                // contract).
+                let tb = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        self.buf.ptr().add(tile * self.tile_bytes),
+                        self.tile_bytes,
+                    )
+                };
+                for slot in 0..TILE {
+                    let t = tile * TILE + slot;
+                    if t < self.n_tok {
+                        let n_in = self.w.n_in;
+                        quant::act::quantize_act(
+                            self.dot_ty,
+                            &self.x[t * n_in..(t + 1) * n_in],
+                            row,
+                        );
+                        // SAFETY: token `t`'s tail bytes are inside `buf` and accessed by this
+                        // call only (caller's contract).
+                        let tail = unsafe {
+                            std::slice::from_raw_parts_mut(
+                                self.buf
+                                    .ptr()
+                                    .add(self.n_tiles * self.tile_bytes + t * self.x_tail),
+                                self.x_tail,
+                            )
+                        };
+                        tail.copy_from_slice(&row[self.xg..]);
+                    } else {
+                        row.fill(0);
+                    }
+                    (self.gk.pack)(&row[..self.xg], slot, tb);
+                }
+            }
+        })
+    }
+
+    /// `y[t, r]` for the tokens of `tiles` and the weight rows `rows`: panels of rows are
+    /// decoded into records once, then every tile meets the panel row by row.
+    ///
+    /// # Safety
+    /// The tiles and tails of `tiles` are packed and not written during the call; no other
+    /// thread writes `y` at (token of `tiles`, row of `rows`).
+    unsafe fn compute(&self, tiles: std::ops::Range<usize>, rows: std::ops::Range<usize>) {
+        let gk = self.gk;
+        let (ng, n_out) = (self.ng, self.w.n_out);
+        let rec_row = ng * gk.rec;
+        let pr = (PANEL_BYTES / rec_row).clamp(1, rows.len().max(1));
+        let kc = kc(gk);
+        with_buf(&WORK, |wb| {
+            let acc_bytes = pr * std::mem::size_of::<Acc>();
+            let work = wb.bytes(acc_bytes + pr * rec_row);
+            let (acc_raw, recs) = work.split_at_mut(acc_bytes);
+            // SAFETY: `acc_raw` starts at the buffer's 64-aligned start and holds `pr` `Acc`s
+            // (plain f32 arrays, any bit pattern valid).
+            let accs =
+                unsafe { std::slice::from_raw_parts_mut(acc_raw.as_mut_ptr().cast::<Acc>(), pr) };
+            let mut r0 = rows.start;
+            while r0 < rows.end {
+                let r1 = (r0 + pr).min(rows.end);
+                for r in r0..r1 {
+                    let i = r - r0;
+                    let wr = &self.w.data[r * self.wrb..r * self.wrb + self.wg];
+                    // SAFETY: the kernel was chosen for an available level (`matmul_with`);
+                    // `recs` holds `ng` records per row.
+                    unsafe { (gk.decode)(wr, &mut recs[i * rec_row..(i + 1) * rec_row]) };
+                }
+                for tile in tiles.clone() {
+                    let t0 = tile * TILE;
+                    let n_real = TILE.min(self.n_tok - t0);
+                    let kern = gk.kern[n_real.div_ceil(2) - 1];
+                    // SAFETY: the tile and its tokens' tails are packed and only read now
+                    // (caller's contract); both ranges are inside `buf`.
+                    let (tb, x_tails) = unsafe {
+                        let base = self.buf.ptr() as *const u8;
+                        (
+                            std::slice::from_raw_parts(
+                                base.add(tile * self.tile_bytes),
+                                self.tile_bytes,
+                            ),
+                            std::slice::from_raw_parts(
+                                base.add(self.n_tiles * self.tile_bytes + t0 * self.x_tail),
+                                n_real * self.x_tail,
+                            ),
+                        )
+                    };
+                    // Row `r`'s last (or only) chunk: the kernel reduces in registers to
+                    // `out`, which goes to column `r` of `y`.
+                    let last = |r: usize, rec: &[u8], chunk: &[u8], acc: &mut Acc, init: bool| {
+                        let mut out = [0f32; TILE];
+                        let fin = Fin {
+                            w_tail: &self.w.data[r * self.wrb + self.wg..(r + 1) * self.wrb],
+                            x_tails,
+                            out: &mut out[..n_real],
+                        };
+                        // SAFETY: level available (as above); `rec` and `chunk` hold the same
+                        // number of groups; `fin` has n_real <= 8 slots and the tails hold the
+                        // blocks after the last group.
+                        unsafe { kern(rec, chunk, acc, init, Some(fin)) };
+                        for (k, v) in out[..n_real].iter().enumerate() {
+                            // SAFETY: element (t0 + k, r) is this call's alone (caller's
+                            // contract); t0 + k < n_tok and r < n_out, so it is inside `y`.
+                            unsafe { *self.y.ptr().add((t0 + k) * n_out + r) = *v };
+                        }
+                    };
+                    if ng <= kc {
+                        // One chunk: accumulators never leave the registers.
+                        for r in r0..r1 {
+                            let i = r - r0;
+                            last(
+                                r,
+                                &recs[i * rec_row..(i + 1) * rec_row],
+                                tb,
+                                &mut accs[0],
+                                true,
+                            );
+                        }
+                        continue;
+                    }
+                    let mut k0 = 0;
+                    while k0 < ng {
+                        let k1 = (k0 + kc).min(ng);
+                        let chunk = &tb[k0 * gk.act..k1 * gk.act];
+                        for (i, acc) in accs[..r1 - r0].iter_mut().enumerate() {
+                            let rec = &recs[i * rec_row + k0 * gk.rec..i * rec_row + k1 * gk.rec];
+                            if k1 == ng {
+                                last(r0 + i, rec, chunk, acc, k0 == 0);
+                            } else {
+                                // SAFETY: level available (as above); `rec` holds k1 - k0
+                                // records and `chunk` as many tile groups.
+                                unsafe { kern(rec, chunk, acc, k0 == 0, None) };
+                            }
+                        }
+                        k0 = k1;
+                    }
+                }
+                r0 = r1;
+            }
+        })
+    }
+}
+
+/// `y[t, r] = dot(W[r], x[t])` for `t < n_tok` with the GEMM kernel `gk`. Shapes were
+/// validated by the caller (`matmul_with`): `x` is `[n_tok, n_in]`, `y` is `[n_tok, n_out]`,
+/// `n_in` is a valid row length for `w.dtype`, and `n_in >= 256`.
+///
+/// One pool round per call: long batches are split by tokens (each task packs its own tiles,
+/// then computes every row for them), short ones are packed here and split by rows.
+pub(crate) fn gemm(
+    gk: &GemmKernel,
+    pool: &dyn ThreadPool,
+    w: &QMatrix<'_>,
+    x: &[f32],
+    n_tok: usize,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    const OP: &str = "matmul";
+    let (n_in, n_out) = (w.n_in, w.n_out);
+    let dot_ty = quant::vec_dot_type(w.dtype)?;
+    let xrb = quant::row_bytes(OP, dot_ty, n_in)?;
+    let wrb = quant::row_bytes(OP, w.dtype, n_in)?;
+    let ng = n_in / GROUP;
+    let (xg, wg) = (ng * gk.x_group, ng * gk.w_group);
+    let x_tail = xrb - xg;
+    let n_tiles = n_tok.div_ceil(TILE);
+    let tile_bytes = ng * gk.act;
+    let total = n_tiles
+        .checked_mul(tile_bytes)
+        .and_then(|a| n_tok.checked_mul(x_tail)?.checked_add(a))
+        .ok_or(KernelError::Overflow { op: OP })?;
+
+    with_buf(&TILES, |tiles| {
+        let buf = tiles.bytes(total);
+        let ctx = Ctx {
+            gk,
+            w,
+            x,
+            n_tok,
+            dot_ty,
+            xrb,
+            wrb,
+            ng,
+            xg,
+            wg,
+            x_tail,
+            n_tiles,
+            tile_bytes,
+            buf: SharedMut(buf.as_mut_ptr()),
+            y: SharedMut(y.as_mut_ptr()),
+        };
+        let n_thr = pool.n_threads();
+        let tok_tasks = (n_tok / TASK_TOKENS).min(2 * n_thr);
+        if n_thr > 1 && tok_tasks >= 2 {
+            let per = n_tiles.div_ceil(tok_tasks);
+            let n_tasks = n_tiles.div_ceil(per);
+            pool.run(n_tasks, &|task| {
+                let tiles = task * per..((task + 1) * per).min(n_tiles);
+                // SAFETY: task `task` alone packs, then reads, the tiles `tiles` and their
+                // tokens' tails, and alone writes those tokens' rows of `y`; `buf` and `y`
+                // outlive `run`.
+                unsafe {
+                    ctx.pack_tiles(tiles.clone());
+                    ctx.compute(tiles, 0..n_out);
+                }
+            });
+        } else {
+            // SAFETY: nothing else runs yet.
+            unsafe { ctx.pack_tiles(0..n_tiles) };
+            let n_tasks = (n_thr * 4).min(n_out.div_ceil(8)).max(1);
+            let per = n_out.div_ceil(n_tasks);
+            let n_tasks = n_out.div_ceil(per);
+            let row_task = |task: usize| {
+                let rows = task * per..((task + 1) * per).min(n_out);
+                // SAFETY: the tiles were packed above and are only read now; task `task`
+                // alone writes the columns `rows` of `y`, which outlives `run`.
+                unsafe { ctx.compute(0..n_tiles, rows) };
+            };
+            if n_tasks == 1 || n_thr == 1 {
+                (0..n_tasks).for_each(row_task);
+            } else {
+                pool.run(n_tasks, &row_task);
+            }
+        }
+        Ok(())
+    })
+}

@@ -1,0 +1,221 @@
+//! The tiled prefill GEMM (`matmul` with `n_tok >= GEMM_MIN_TOKENS`) against the per-row dot
+//! path, bit for bit (`f32::to_bits`), for every weight type and SIMD level this CPU has, on
+//! random shapes including odd row / token counts, K splits that leave tail blocks, and
+//! activation rows that are all zero or of extreme magnitude. Two references: an independent
+//! loop (quantise each token, one `DotKernel::dot` per output) and the previous driver,
+//! `matmul_dot_with` (per-row `dot` / fused `dot4`).
+
+use kapitsa_base::pool::{RayonPool, SerialPool};
+use kapitsa_base::{GgmlType, ThreadPool};
+use kapitsa_kernels_cpu::matmul::GEMM_MIN_TOKENS;
+use kapitsa_kernels_cpu::quant::WEIGHT_TYPES;
+use kapitsa_kernels_cpu::{
+    matmul_dot_with, matmul_with, quantize_row, vec_dot_type, DotKernel, QMatrix, SimdLevel,
+};
+
+mod common;
+use common::{f16_fields, Rng};
+
+/// Random valid blocks (arbitrary quants, small finite f16 scales) or plain floats.
+fn random_matrix(ty: GgmlType, n_out: usize, n_in: usize, rng: &mut Rng) -> Vec<u8> {
+    let rb = ty.row_bytes(n_in).unwrap();
+    let mut out: Vec<u8> = (0..rb * n_out).map(|_| rng.u64() as u8).collect();
+    let f16 = |v: f32| half::f16::from_f32(v).to_bits().to_le_bytes();
+    match ty {
+        GgmlType::F32 => out
+            .chunks_exact_mut(4)
+            .for_each(|c| c.copy_from_slice(&(rng.normal() * 0.05).to_le_bytes())),
+        GgmlType::F16 => out
+            .chunks_exact_mut(2)
+            .for_each(|c| c.copy_from_slice(&f16(rng.normal() * 0.05))),
+        GgmlType::BF16 => out.chunks_exact_mut(2).for_each(|c| {
+            c.copy_from_slice(&(((rng.normal() * 0.05).to_bits() >> 16) as u16).to_le_bytes())
+        }),
+        _ => {
+            for b in out.chunks_exact_mut(ty.type_size()) {
+                for &o in f16_fields(ty) {
+                    b[o..o + 2].copy_from_slice(&f16(rng.normal() * 0.002));
+                }
+                if ty == GgmlType::MXFP4 {
+                    b[0] = 118 + (rng.u64() % 6) as u8;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Activations: mostly normal rows of varying scale, plus an all-zero row, a row of huge
+/// values and a row with one outlier.
+fn random_x(n_tok: usize, n_in: usize, rng: &mut Rng) -> Vec<f32> {
+    let mut x = Vec::with_capacity(n_tok * n_in);
+    for t in 0..n_tok {
+        let scale = match t % 7 {
+            3 => 0.0,
+            5 => 3.0e4,
+            _ => 0.05 + 4.0 * rng.f32(),
+        };
+        for i in 0..n_in {
+            let mut v = rng.normal() * scale;
+            if t % 7 == 6 && i == n_in / 2 {
+                v = 1.0e3;
+            }
+            x.push(v);
+        }
+    }
+    x
+}
+
+/// The per-row dot path: quantise each token, one `DotKernel::dot` per output.
+fn per_row(level: SimdLevel, w: &QMatrix<'_>, x: &[f32], n_tok: usize) -> Vec<f32> {
+    let k = DotKernel::with_level(w.dtype, level).unwrap();
+    let dt = vec_dot_type(w.dtype).unwrap();
+    let rb = w.dtype.row_bytes(w.n_in).unwrap();
+    let mut y = vec![0f32; n_tok * w.n_out];
+    let mut q = vec![0u8; dt.row_bytes(w.n_in).unwrap()];
+    for t in 0..n_tok {
+        quantize_row(dt, &x[t * w.n_in..(t + 1) * w.n_in], &mut q).unwrap();
+        for r in 0..w.n_out {
+            y[t * w.n_out + r] = k.dot(&w.data[r * rb..(r + 1) * rb], &q);
+        }
+    }
+    y
+}
+
+fn assert_bitwise(
+    ty: GgmlType,
+    level: SimdLevel,
+    what: &str,
+    got: &[f32],
+    want: &[f32],
+    n_out: usize,
+) {
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        assert!(
+            a.to_bits() == b.to_bits(),
+            "{ty} {level:?} {what}: token {} row {}: gemm {a:e} ({:#x}) vs dot {b:e} ({:#x})",
+            i / n_out,
+            i % n_out,
+            a.to_bits(),
+            b.to_bits()
+        );
+    }
+}
+
+#[test]
+fn gemm_equals_per_row_dot_bitwise_for_every_type_and_level() {
+    let mut rng = Rng(2024);
+    let pool2 = RayonPool::new(2).unwrap();
+    let pools: [&dyn ThreadPool; 2] = [&SerialPool, &pool2];
+    for ty in WEIGHT_TYPES {
+        let bs = ty.block_size().max(32);
+        // (n_out, n_in in blocks of `bs`, n_tok): whole and partial groups of 256, odd counts.
+        let shapes: &[(usize, usize, usize)] = if bs == 256 {
+            &[
+                (1, 1, 4),
+                (7, 2, 5),
+                (33, 3, 9),
+                (70, 1, 17),
+                (19, 6, 31),
+                (5, 9, 8),
+            ]
+        } else {
+            &[
+                (1, 8, 4),
+                (7, 11, 5),
+                (33, 19, 9),
+                (70, 8, 17),
+                (19, 84, 13),
+                (3, 7, 6),
+                (9, 58, 11),
+            ]
+        };
+        for &(n_out, blocks, n_tok) in shapes {
+            let n_in = bs * blocks;
+            assert!(n_tok >= GEMM_MIN_TOKENS);
+            let data = random_matrix(ty, n_out, n_in, &mut rng);
+            let w = QMatrix::new(ty, n_out, n_in, &data).unwrap();
+            let x = random_x(n_tok, n_in, &mut rng);
+            for level in SimdLevel::available() {
+                let want = per_row(level, &w, &x, n_tok);
+                for pool in pools {
+                    let mut got = vec![f32::NAN; n_tok * n_out];
+                    matmul_with(level, pool, &w, &x, n_tok, &mut got).unwrap();
+                    let what = format!("{n_out}x{n_in} n_tok={n_tok} threads={}", pool.n_threads());
+                    assert_bitwise(ty, level, &what, &got, &want, n_out);
+                    // and the previous driver (per-row dot / dot4 tiles) itself
+                    let mut old = vec![f32::NAN; n_tok * n_out];
+                    matmul_dot_with(level, pool, &w, &x, n_tok, &mut old).unwrap();
+                    assert_bitwise(
+                        ty,
+                        level,
+                        &format!("{what} vs matmul_dot_with"),
+                        &got,
+                        &old,
+                        n_out,
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gemm_equals_per_row_dot_on_model_shapes() {
+    // Shapes of the real and synthetic models (row counts cut down): K = 1536, 2048, 2688
+    // (32-element formats: 84 blocks, a 4-block tail), 8960 (35 super-blocks, several tile
+    // chunks), with 512-token-like tails (n_tok = 67).
+    let mut rng = Rng(7);
+    let pool2 = RayonPool::new(2).unwrap();
+    let level = SimdLevel::detect();
+    for (ty, n_in) in [
+        (GgmlType::Q4_K, 1536),
+        (GgmlType::Q6_K, 8960),
+        (GgmlType::Q5_K, 2048),
+        (GgmlType::Q8_0, 2688),
+        (GgmlType::Q5_0, 1856),
+        (GgmlType::Q4_0, 4096),
+        (GgmlType::IQ4_NL, 2048),
+        (GgmlType::MXFP4, 2880),
+    ] {
+        let (n_out, n_tok) = (45, 67);
+        let data = random_matrix(ty, n_out, n_in, &mut rng);
+        let w = QMatrix::new(ty, n_out, n_in, &data).unwrap();
+        let x = random_x(n_tok, n_in, &mut rng);
+        let want = per_row(level, &w, &x, n_tok);
+        let mut got = vec![f32::NAN; n_tok * n_out];
+        matmul_with(level, &pool2, &w, &x, n_tok, &mut got).unwrap();
+        assert_bitwise(ty, level, &format!("{n_out}x{n_in}"), &got, &want, n_out);
+    }
+}
+
+#[test]
+fn gemm_long_batches_split_by_tokens_equal_per_row_dot() {
+    // >= 256 tokens with 2 threads takes the token-split schedule (each task packs its own
+    // tiles); an odd count leaves a padded last tile.
+    let mut rng = Rng(11);
+    let pool2 = RayonPool::new(2).unwrap();
+    let level = SimdLevel::detect();
+    for (ty, n_in, n_tok) in [
+        (GgmlType::Q4_K, 512, 301),
+        (GgmlType::Q6_K, 2304, 517),
+        (GgmlType::Q8_0, 352, 263),
+        (GgmlType::Q5_0, 256, 1029),
+    ] {
+        let n_out = 21;
+        let data = random_matrix(ty, n_out, n_in, &mut rng);
+        let w = QMatrix::new(ty, n_out, n_in, &data).unwrap();
+        let x = random_x(n_tok, n_in, &mut rng);
+        let want = per_row(level, &w, &x, n_tok);
+        let mut got = vec![f32::NAN; n_tok * n_out];
+        matmul_with(level, &pool2, &w, &x, n_tok, &mut got).unwrap();
+        assert_bitwise(
+            ty,
+            level,
+            &format!("{n_out}x{n_in} n_tok={n_tok}"),
+            &got,
+            &want,
+            n_out,
+        );
+    }
+}
