@@ -4,29 +4,40 @@ chat that grows to about 8K tokens, with the prefix cache (cached), without it (
 with the disk tier after a server restart (restart).
 
 Usage:
-    python bench/multiturn.py --kapitsa BIN --model FILE [--turns 8] [--first-words 2300]
-        [--turn-words 600] [--max-tokens 16] [--ctx 9216] [--threads 0] [--label NAME]
+    python bench/multiturn.py --kapitsa BIN --model FILE [--turns 8] [--first-words 3400]
+        [--turn-words 200] [--max-tokens 256] [--ctx 9216] [--threads 0] [--label NAME]
         [--json OUT]
 
-The first turn is a document of about `--first-words` words (~3K tokens) and a question; each
-later turn's prompt is the previous turn's prompt, the previous answer and a new user message
-of about `--turn-words` words (deterministic text), so the chat grows to about 8K tokens over
-8 turns (the shape of a long-document chat or an agent loop with a large system prompt). Sent
-to /v1/completions with streaming;
-TTFT is the time from sending the request to the first streamed token. Three passes, each
-with a fresh server (port chosen by the server, stopped with SIGINT so it writes its cache):
+The chat has the shape of a long-document chat or an agent loop with a large system prompt:
+the first turn is a document of about `--first-words` words (~4.5K tokens) and a question;
+each later turn's prompt is the previous turn's prompt, the previous answer (`--max-tokens`
+generated tokens) and a short new user message of about `--turn-words` words (deterministic
+text), so the chat grows by ~500 tokens per turn to about 8K tokens at turn 8. Sent to
+/v1/completions with streaming; TTFT is the time from sending the request to the first
+streamed token. Three passes, each with a fresh server (port chosen by the server, stopped
+with SIGINT so it writes its cache):
 
-  uncached  `--no-prefix-cache`: every turn computes its whole prompt.
-  cached    prefix cache on, disk tier in a temporary folder.
-  restart   a new server on the same disk folder replays the same prompts: every turn
-            should find its prefix on disk.
+  cached    prefix cache on, disk tier in a temporary folder; generates the answers, which
+            build the next prompts.
+  uncached  `--no-prefix-cache`: replays the cached pass's prompts, every turn computes its
+            whole prompt.
+  restart   replays the prompts with a new server before every turn, on a second disk
+            folder: each turn finds only what the servers before it wrote at shutdown (the
+            earlier turns' prompts and answers), so every turn is the first after a restart.
+
+The uncached pass asks for one token per turn (TTFT does not depend on what follows, and
+greedy output with and without the cache is identical, which the engine's tests check); the
+restart pass generates the answers again so that they reach the disk tier as in a real chat.
 
 The answer of turn N is re-tokenised as part of turn N+1's prompt, so it may not reproduce
-the generated tokens exactly; the prompt of turn N always matches (its end is a checkpoint),
-which is also what happens with chat templates that drop earlier reasoning.
+the generated tokens exactly: on models with attention only, blocks hit as far as the tokens
+match; on hybrid models a hit resumes at a checkpoint, the end of the previous prompt or of
+the previous generation (the previous answer is recomputed when its re-tokenisation differs,
+as it always is with chat templates that drop earlier reasoning).
 
 Prints a markdown table (TTFT per turn and pass, the uncached/cached ratio) and, with
---json, writes the raw numbers. Needs only the Python standard library.
+--json, writes the raw numbers. Needs only the Python standard library. To keep the numbers
+clean on a shared machine, pin it: `taskset -c 0 python3 bench/multiturn.py --threads 1 ...`.
 """
 
 import argparse
@@ -125,19 +136,26 @@ def ttft(url: str, prompt: str, max_tokens: int):
     return (first if first is not None else time.time() - t0), text, usage
 
 
-def run_pass(a, name, extra, prompts=None):
-    srv = Server(a.kapitsa, a.model, a.ctx, a.threads, extra)
+def run_pass(a, name, extra, prompts=None, max_tokens=None, restart_each_turn=False):
+    """One pass over the turns. Without `prompts` the chat is built from the answers; with
+    them the given prompts are replayed. `restart_each_turn` starts a new server (on the same
+    cache folder) before every turn and stops it after, so each turn is the first after a
+    restart."""
+    max_tokens = a.max_tokens if max_tokens is None else max_tokens
+    srv = None
     rows = []
     made = []
     try:
         prompt = "System: you are a helpful assistant. Answer briefly."
         for t in range(a.turns):
+            if srv is None:
+                srv = Server(a.kapitsa, a.model, a.ctx, a.threads, extra)
             if prompts is None:
                 prompt += user_text(t, a.first_words if t == 0 else a.turn_words)
                 p = prompt
             else:
                 p = prompts[t]
-            s, text, usage = ttft(srv.url, p, a.max_tokens)
+            s, text, usage = ttft(srv.url, p, max_tokens)
             n = usage["prompt_tokens"] if usage else None
             cached = (usage or {}).get("prompt_tokens_details", {}) or {}
             cached = cached.get("cached_tokens")
@@ -148,8 +166,12 @@ def run_pass(a, name, extra, prompts=None):
             made.append(p)
             if prompts is None:
                 prompt = p + text
+            if restart_each_turn:
+                srv.stop()
+                srv = None
     finally:
-        srv.stop()
+        if srv is not None:
+            srv.stop()
     return rows, made
 
 
@@ -158,19 +180,21 @@ def main():
     ap.add_argument("--kapitsa", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--turns", type=int, default=8)
-    ap.add_argument("--first-words", type=int, default=2300)
-    ap.add_argument("--turn-words", type=int, default=600)
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--first-words", type=int, default=3400)
+    ap.add_argument("--turn-words", type=int, default=200)
+    ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--ctx", type=int, default=9216)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--label", default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     label = a.label or os.path.basename(a.model)
-    with tempfile.TemporaryDirectory(prefix="kapitsa-multiturn-") as d:
+    with tempfile.TemporaryDirectory(prefix="kapitsa-multiturn-") as d, \
+            tempfile.TemporaryDirectory(prefix="kapitsa-multiturn-restart-") as d2:
         cached, prompts = run_pass(a, "cached", ["--cache-dir", d])
-        uncached, _ = run_pass(a, "uncached", ["--no-prefix-cache"], prompts)
-        restart, _ = run_pass(a, "restart", ["--cache-dir", d], prompts)
+        uncached, _ = run_pass(a, "uncached", ["--no-prefix-cache"], prompts, max_tokens=1)
+        restart, _ = run_pass(a, "restart", ["--cache-dir", d2], prompts,
+                              restart_each_turn=True)
     print(f"\n### {label}: time to first token per turn (s)\n")
     print("| turn | prompt tokens | uncached | cached (cached tokens) | ratio | after restart "
           "(cached tokens) | ratio |")

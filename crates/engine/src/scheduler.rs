@@ -237,6 +237,18 @@ struct Seq {
     admitted_once: bool,
     /// Step at which it entered the queue, or was admitted (when running).
     since: u64,
+    /// Positions where a prefill chunk must end (ascending; see [`Scheduler::set_breaks`]).
+    breaks: Vec<usize>,
+}
+
+impl Seq {
+    /// `n` capped so that a chunk starting at `computed` does not run past the next break.
+    fn cap(&self, n: usize) -> usize {
+        match self.breaks.iter().find(|&&b| b > self.computed) {
+            Some(&b) => n.min(b - self.computed),
+            None => n,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -327,10 +339,22 @@ impl Scheduler {
                 slot: None,
                 admitted_once: false,
                 since: self.step,
+                breaks: Vec::new(),
             },
         );
         self.waiting.push_back(id);
         Ok(())
+    }
+
+    /// Make prefill chunks of `id` end at each of `breaks` (positions), so that the state
+    /// after exactly that many tokens exists at the end of some step: the engine takes
+    /// recurrent-state checkpoints there. Unknown ids are ignored.
+    pub fn set_breaks(&mut self, id: SeqId, mut breaks: Vec<usize>) {
+        if let Some(s) = self.seqs.get_mut(&id) {
+            breaks.sort_unstable();
+            breaks.dedup();
+            s.breaks = breaks;
+        }
     }
 
     /// Remove a sequence, waiting or running; its slot (if any) is free at once. Returns
@@ -467,7 +491,7 @@ impl Scheduler {
             };
             let left = s.tokens.len() - s.computed;
             if left > 1 {
-                let n = left.min(budget);
+                let n = s.cap(left.min(budget));
                 if !self.make_room(space, id, n, &mut plan) {
                     short = true;
                     continue;
@@ -525,7 +549,7 @@ impl Scheduler {
                 first: !s.admitted_once,
             });
             s.admitted_once = true;
-            let n = (s.tokens.len() - reused).min(budget);
+            let n = s.cap((s.tokens.len() - reused).min(budget));
             plan.seqs.push(chunk(id, s, n));
             budget -= n;
         }

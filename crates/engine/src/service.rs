@@ -593,6 +593,8 @@ mod engine {
         metrics: EngineMetrics,
         /// Checkpoint interval of recurrent prompts (`None`: no prefix cache).
         checkpoint_every: Option<usize>,
+        /// KV block size (checkpoint positions are aligned to it).
+        block_size: usize,
     }
 
     impl Engine {
@@ -648,6 +650,7 @@ mod engine {
                 shared,
                 active: HashMap::new(),
                 checkpoint_every: cfg.prefix_cache.as_ref().map(|p| p.checkpoint_every.max(1)),
+                block_size: bs,
                 metrics: EngineMetrics {
                     slots_total: cfg.max_running,
                     cache_blocks_total: pool.div_ceil(bs),
@@ -739,6 +742,9 @@ mod engine {
                         self.shared.queued.fetch_sub(1, Ordering::SeqCst);
                         let _ = tx.send(Event::Error(e.to_string()));
                         return true;
+                    }
+                    if let Some(b) = self.checkpoint_breaks(req.prompt.len()) {
+                        self.sched.set_breaks(id, b);
                     }
                     self.active.insert(
                         id,
@@ -947,6 +953,33 @@ mod engine {
             Outcome::Failed
         }
 
+        /// Where the prefill of a recurrent model's prompt of `n_prompt` tokens stops so that a
+        /// checkpoint can be taken (`None`: no prefix cache or no recurrent layers): every
+        /// `checkpoint_every` tokens, and at [`Engine::pre_end`].
+        fn checkpoint_breaks(&self, n_prompt: usize) -> Option<Vec<usize>> {
+            let every = self.checkpoint_every?;
+            if !self.cache.kv().has_recurrent() {
+                return None;
+            }
+            let mut b: Vec<usize> = (1..)
+                .map(|k| k * every)
+                .take_while(|&p| p < n_prompt)
+                .collect();
+            b.extend(self.pre_end(n_prompt));
+            Some(b)
+        }
+
+        /// The last block boundary at least two tokens before the end of a prompt of
+        /// `n_prompt` tokens. The next turn of a chat usually repeats the prompt, but its last
+        /// token or two can come back tokenised differently once the answer follows them (a
+        /// `:` or newline merging with the answer's first characters); a recurrent model can
+        /// only resume at a checkpoint, so a second one here keeps the recomputation to a
+        /// block or so instead of everything since the previous checkpoint.
+        fn pre_end(&self, n_prompt: usize) -> Option<usize> {
+            let p = (n_prompt.checked_sub(2)? / self.block_size) * self.block_size;
+            (p > 0).then_some(p)
+        }
+
         /// After a successful pass: record the slot's contents, sample if there are logits.
         fn process(&mut self, s: &ScheduledSeq, row: Option<&[f32]>) -> Outcome {
             let mut stored = self.cache.tokens(s.slot).to_vec();
@@ -955,13 +988,15 @@ mod engine {
             self.cache.set_tokens(s.slot, stored);
             if let Some(every) = self.checkpoint_every {
                 // Checkpoints where reuse is likely: the end of the prompt, and for recurrent
-                // models every `every` tokens of a long prompt.
+                // models every `every` tokens of a long prompt and just before its end (the
+                // chunks end there, see `checkpoint_breaks`).
                 let end = s.start_pos + s.tokens.len();
-                let prompt_end = self.active.get(&s.id).is_some_and(|a| a.n_prompt == end);
-                let crossed = self.cache.kv().has_recurrent()
-                    && s.tokens.len() > 1
-                    && s.start_pos / every != end / every;
-                if prompt_end || crossed {
+                let n_prompt = self.active.get(&s.id).map_or(0, |a| a.n_prompt);
+                let prompt_end = n_prompt == end;
+                let recurrent = self.cache.kv().has_recurrent() && s.tokens.len() > 1;
+                let crossed = recurrent && s.start_pos / every != end / every;
+                let pre_end = recurrent && self.pre_end(n_prompt) == Some(end);
+                if prompt_end || crossed || pre_end {
                     self.cache.checkpoint(s.slot);
                 }
             }

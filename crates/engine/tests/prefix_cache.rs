@@ -148,18 +148,30 @@ fn check_hits(name: &str) {
 
     // A prompt that diverges at 50, inside the fourth block. Attention-only: the 50 matching
     // tokens are reused (the block is shared, then copied before the write at 50). Hybrid:
-    // the deepest checkpoint below 50 is at 32 (every 24 tokens, at the end of the chunk
-    // crossing the mark), between the checkpoints at 32 and 64.
+    // the deepest checkpoint below 50 is at 48 (every 24 tokens: the prefill chunks stop
+    // there), between the checkpoints at 48 and 64 (the last block boundary before the
+    // prompt end).
     let mut p4 = p1[..50].to_vec();
     p4.extend(prompt(30, 4));
     let (out4, c4) = run(&h, &p4);
-    assert_eq!(c4, if recurrent { 32 } else { 50 }, "{name}: turn 4 cached");
+    assert_eq!(c4, if recurrent { 48 } else { 50 }, "{name}: turn 4 cached");
     assert_eq!(out4, scratch(&*model, &tok, &p4), "{name}: turn 4");
 
+    // The previous prompt with its last token changed (as when the next turn's text
+    // re-tokenises the boundary differently). Attention-only: 69 tokens reused. Hybrid: the
+    // prompt-end checkpoint is one token too deep, the one at the last block boundary before
+    // it (64) is used.
+    let mut p5 = p1[..69].to_vec();
+    p5.push((p1[69] + 1) % 64 + 5);
+    p5.extend(prompt(12, 5));
+    let (out5, c5) = run(&h, &p5);
+    assert_eq!(c5, if recurrent { 64 } else { 69 }, "{name}: turn 5 cached");
+    assert_eq!(out5, scratch(&*model, &tok, &p5), "{name}: turn 5");
+
     let m = idle(&h);
-    assert_eq!(m.prefix.lookups, 4);
-    assert_eq!(m.prefix.hits, 3);
-    assert_eq!(m.prefix.tokens_reused as usize, c2 + c3 + c4);
+    assert_eq!(m.prefix.lookups, 5);
+    assert_eq!(m.prefix.hits, 4);
+    assert_eq!(m.prefix.tokens_reused as usize, c2 + c3 + c4 + c5);
     assert!(m.cache_blocks_cached > 0);
     if recurrent {
         assert!(m.prefix.state_bytes > 0);

@@ -4,8 +4,10 @@
 //!
 //! Steps of one call (layouts in `quant/gemm_avx512.rs`):
 //! 1. Quantise every activation row (as the dot path does) and pack it into *tiles* of
-//!    [`TILE`] tokens, one tile group per 256 input elements, plus the raw bytes after the last
-//!    whole group (the 32-element formats' tail blocks). Parallel over tiles.
+//!    [`TILE`] tokens, one tile group per 256 input elements. A row of a 32-element format
+//!    whose block count is not a multiple of 8 ends in a partial group, padded with all-zero
+//!    blocks (here and in the weights), which add exactly 0: the dot kernels do those blocks
+//!    with the same operations. Parallel over tiles.
 //! 2. Output rows are split into tasks (contiguous row ranges). A task decodes a *panel* of
 //!    rows into weight records (each weight block is decoded once per call), then for every
 //!    tile runs the micro-kernel row by row over chunks of [`kc`] groups (a chunk of the tile
@@ -89,29 +91,27 @@ struct Ctx<'a> {
     /// Bytes of one quantised activation row and of one weight row.
     xrb: usize,
     wrb: usize,
-    /// Whole groups per row; raw activation / weight bytes of those groups.
+    /// Groups per row, the last one possibly partial (padded); raw activation / weight bytes
+    /// of that many groups (at least `xrb` / `wrb`).
     ng: usize,
     xg: usize,
     wg: usize,
-    /// Raw activation bytes after the groups (32-element formats' tail blocks).
-    x_tail: usize,
-    n_tiles: usize,
     tile_bytes: usize,
-    /// The packed tiles, then every token's tail bytes (`n_tiles * tile_bytes +
-    /// n_tok * x_tail` bytes, owned by the caller's thread-local).
+    /// The packed tiles (`n_tiles * tile_bytes` bytes, owned by the caller's thread-local).
     buf: SharedMut<u8>,
     /// `y`, `[n_tok, n_out]`.
     y: SharedMut<f32>,
 }
 
 impl Ctx<'_> {
-    /// Quantises the tokens of `tiles` and packs them (padding slots get all-zero blocks).
+    /// Quantises the tokens of `tiles` and packs them (padding slots and the padding of a
+    /// partial last group get all-zero blocks).
     ///
     /// # Safety
-    /// No other thread accesses these tiles or these tokens' tails during the call.
+    /// No other thread accesses these tiles during the call.
     unsafe fn pack_tiles(&self, tiles: std::ops::Range<usize>) {
         with_buf(&WORK, |wb| {
-            let row = wb.bytes(self.xrb);
+            let row = wb.bytes(self.xg);
             for tile in tiles {
                 // SAFETY: tile `tile` is inside `buf` and accessed by this call only (caller's
                 // contract).
@@ -128,23 +128,13 @@ impl Ctx<'_> {
                         quant::act::quantize_act(
                             self.dot_ty,
                             &self.x[t * n_in..(t + 1) * n_in],
-                            row,
+                            &mut row[..self.xrb],
                         );
-                        // SAFETY: token `t`'s tail bytes are inside `buf` and accessed by this
-                        // call only (caller's contract).
-                        let tail = unsafe {
-                            std::slice::from_raw_parts_mut(
-                                self.buf
-                                    .ptr()
-                                    .add(self.n_tiles * self.tile_bytes + t * self.x_tail),
-                                self.x_tail,
-                            )
-                        };
-                        tail.copy_from_slice(&row[self.xg..]);
+                        row[self.xrb..].fill(0);
                     } else {
                         row.fill(0);
                     }
-                    (self.gk.pack)(&row[..self.xg], slot, tb);
+                    (self.gk.pack)(row, slot, tb);
                 }
             }
         })
@@ -154,8 +144,8 @@ impl Ctx<'_> {
     /// decoded into records once, then every tile meets the panel row by row.
     ///
     /// # Safety
-    /// The tiles and tails of `tiles` are packed and not written during the call; no other
-    /// thread writes `y` at (token of `tiles`, row of `rows`).
+    /// The tiles `tiles` are packed and not written during the call; no other thread writes
+    /// `y` at (token of `tiles`, row of `rows`).
     unsafe fn compute(&self, tiles: std::ops::Range<usize>, rows: std::ops::Range<usize>) {
         let gk = self.gk;
         let (ng, n_out) = (self.ng, self.w.n_out);
@@ -164,8 +154,10 @@ impl Ctx<'_> {
         let kc = kc(gk);
         with_buf(&WORK, |wb| {
             let acc_bytes = pr * std::mem::size_of::<Acc>();
-            let work = wb.bytes(acc_bytes + pr * rec_row);
-            let (acc_raw, recs) = work.split_at_mut(acc_bytes);
+            let pad = self.wg > self.wrb;
+            let work = wb.bytes(acc_bytes + pr * rec_row + if pad { gk.w_group } else { 0 });
+            let (acc_raw, rest) = work.split_at_mut(acc_bytes);
+            let (recs, padded) = rest.split_at_mut(pr * rec_row);
             // SAFETY: `acc_raw` starts at the buffer's 64-aligned start and holds `pr` `Acc`s
             // (plain f32 arrays, any bit pattern valid).
             let accs =
@@ -175,28 +167,33 @@ impl Ctx<'_> {
                 let r1 = (r0 + pr).min(rows.end);
                 for r in r0..r1 {
                     let i = r - r0;
-                    let wr = &self.w.data[r * self.wrb..r * self.wrb + self.wg];
+                    let raw = &self.w.data[r * self.wrb..(r + 1) * self.wrb];
+                    let rec = &mut recs[i * rec_row..(i + 1) * rec_row];
+                    let full = if pad { self.ng - 1 } else { self.ng };
+                    let (rec_full, rec_last) = rec.split_at_mut(full * gk.rec);
                     // SAFETY: the kernel was chosen for an available level (`matmul_with`);
-                    // `recs` holds `ng` records per row.
-                    unsafe { (gk.decode)(wr, &mut recs[i * rec_row..(i + 1) * rec_row]) };
+                    // `rec_full` holds `full` records for the `full` raw groups (`rec_last`
+                    // holds the one record of the padded group).
+                    unsafe { (gk.decode)(&raw[..full * gk.w_group], rec_full) };
+                    if pad {
+                        // The partial last group, padded with all-zero blocks.
+                        let rem = &raw[full * gk.w_group..];
+                        padded[..rem.len()].copy_from_slice(rem);
+                        padded[rem.len()..].fill(0);
+                        // SAFETY: as above (`padded` is one raw group).
+                        unsafe { (gk.decode)(padded, rec_last) };
+                    }
                 }
                 for tile in tiles.clone() {
                     let t0 = tile * TILE;
                     let n_real = TILE.min(self.n_tok - t0);
                     let kern = gk.kern[n_real.div_ceil(2) - 1];
-                    // SAFETY: the tile and its tokens' tails are packed and only read now
-                    // (caller's contract); both ranges are inside `buf`.
-                    let (tb, x_tails) = unsafe {
-                        let base = self.buf.ptr() as *const u8;
-                        (
-                            std::slice::from_raw_parts(
-                                base.add(tile * self.tile_bytes),
-                                self.tile_bytes,
-                            ),
-                            std::slice::from_raw_parts(
-                                base.add(self.n_tiles * self.tile_bytes + t0 * self.x_tail),
-                                n_real * self.x_tail,
-                            ),
+                    // SAFETY: the tile is packed and only read now (caller's contract); it is
+                    // inside `buf`.
+                    let tb = unsafe {
+                        std::slice::from_raw_parts(
+                            (self.buf.ptr() as *const u8).add(tile * self.tile_bytes),
+                            self.tile_bytes,
                         )
                     };
                     // Row `r`'s last (or only) chunk: the kernel reduces in registers to
@@ -204,13 +201,10 @@ impl Ctx<'_> {
                     let last = |r: usize, rec: &[u8], chunk: &[u8], acc: &mut Acc, init: bool| {
                         let mut out = [0f32; TILE];
                         let fin = Fin {
-                            w_tail: &self.w.data[r * self.wrb + self.wg..(r + 1) * self.wrb],
-                            x_tails,
                             out: &mut out[..n_real],
                         };
                         // SAFETY: level available (as above); `rec` and `chunk` hold the same
-                        // number of groups; `fin` has n_real <= 8 slots and the tails hold the
-                        // blocks after the last group.
+                        // number of groups; `fin` has n_real <= 8 slots.
                         unsafe { kern(rec, chunk, acc, init, Some(fin)) };
                         for (k, v) in out[..n_real].iter().enumerate() {
                             // SAFETY: element (t0 + k, r) is this call's alone (caller's
@@ -257,7 +251,8 @@ impl Ctx<'_> {
 
 /// `y[t, r] = dot(W[r], x[t])` for `t < n_tok` with the GEMM kernel `gk`. Shapes were
 /// validated by the caller (`matmul_with`): `x` is `[n_tok, n_in]`, `y` is `[n_tok, n_out]`,
-/// `n_in` is a valid row length for `w.dtype`, and `n_in >= 256`.
+/// `n_in` is a valid row length for `w.dtype` (a multiple of 256 for the K formats), and
+/// `n_in >= 256`.
 ///
 /// One pool round per call: long batches are split by tokens (each task packs its own tiles,
 /// then computes every row for them), short ones are packed here and split by rows.
@@ -274,14 +269,12 @@ pub(crate) fn gemm(
     let dot_ty = quant::vec_dot_type(w.dtype)?;
     let xrb = quant::row_bytes(OP, dot_ty, n_in)?;
     let wrb = quant::row_bytes(OP, w.dtype, n_in)?;
-    let ng = n_in / GROUP;
+    let ng = n_in.div_ceil(GROUP);
     let (xg, wg) = (ng * gk.x_group, ng * gk.w_group);
-    let x_tail = xrb - xg;
     let n_tiles = n_tok.div_ceil(TILE);
     let tile_bytes = ng * gk.act;
     let total = n_tiles
         .checked_mul(tile_bytes)
-        .and_then(|a| n_tok.checked_mul(x_tail)?.checked_add(a))
         .ok_or(KernelError::Overflow { op: OP })?;
 
     with_buf(&TILES, |tiles| {
@@ -297,8 +290,6 @@ pub(crate) fn gemm(
             ng,
             xg,
             wg,
-            x_tail,
-            n_tiles,
             tile_bytes,
             buf: SharedMut(buf.as_mut_ptr()),
             y: SharedMut(y.as_mut_ptr()),
@@ -310,9 +301,8 @@ pub(crate) fn gemm(
             let n_tasks = n_tiles.div_ceil(per);
             pool.run(n_tasks, &|task| {
                 let tiles = task * per..((task + 1) * per).min(n_tiles);
-                // SAFETY: task `task` alone packs, then reads, the tiles `tiles` and their
-                // tokens' tails, and alone writes those tokens' rows of `y`; `buf` and `y`
-                // outlive `run`.
+                // SAFETY: task `task` alone packs, then reads, the tiles `tiles`, and alone
+                // writes those tokens' rows of `y`; `buf` and `y` outlive `run`.
                 unsafe {
                     ctx.pack_tiles(tiles.clone());
                     ctx.compute(tiles, 0..n_out);

@@ -163,7 +163,7 @@ fn gemm_equals_per_row_dot_bitwise_for_every_type_and_level() {
 #[test]
 fn gemm_equals_per_row_dot_on_model_shapes() {
     // Shapes of the real and synthetic models (row counts cut down): K = 1536, 2048, 2688
-    // (32-element formats: 84 blocks, a 4-block tail), 8960 (35 super-blocks, several tile
+    // (32-element formats: 84 blocks, a 4-block tail), 896 (Qwen2.5-0.5B: 28 blocks), 8960 (35 super-blocks, several tile
     // chunks), with 512-token-like tails (n_tok = 67).
     let mut rng = Rng(7);
     let pool2 = RayonPool::new(2).unwrap();
@@ -174,6 +174,8 @@ fn gemm_equals_per_row_dot_on_model_shapes() {
         (GgmlType::Q5_K, 2048),
         (GgmlType::Q8_0, 2688),
         (GgmlType::Q5_0, 1856),
+        (GgmlType::Q5_0, 896),
+        (GgmlType::Q8_0, 896),
         (GgmlType::Q4_0, 4096),
         (GgmlType::IQ4_NL, 2048),
         (GgmlType::MXFP4, 2880),

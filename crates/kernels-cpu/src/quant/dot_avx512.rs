@@ -186,21 +186,38 @@ mod imp {
                         }
                         i += 8;
                     }
-                    let mut s: [f32; T] = std::array::from_fn(|t| _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1])));
+                    // The last `nb % 8` blocks: pairs as in the loop above, continuing its
+                    // alternation of the two accumulators (pair p of the row goes to
+                    // `a[p & 1]`); an odd last block is a pair whose second half is zero, which
+                    // adds exactly 0 to its lanes. (The tiled GEMM pads the row to a whole
+                    // group with zero blocks and gets the same operations.)
+                    let mut pair = 0;
                     while i < nb {
+                        let two = i + 1 < nb;
                         let b0 = &w[i * ts..(i + 1) * ts];
-                        let (aw, neg) = sprep(_mm512_castsi256_si512(decode(b0)));
-                        for (x, st) in xs.iter().zip(s.iter_mut()) {
-                            let y0 = &x[i * 34..(i + 1) * 34];
-                            // SAFETY: qs is bytes 2..34 of the block.
-                            let xv = unsafe { ld256(y0, 2) };
-                            let p = _mm512_castsi512_si256(sdot(aw, neg, _mm512_castsi256_si512(xv)));
-                            let v = _mm256_mul_ps(_mm256_set1_ps(scale(b0) * f16c(y0, 0)), _mm256_cvtepi32_ps(p));
-                            *st += crate::quant::dot_avx2::hsum_ps(v);
+                        let (w1, s1) = if two {
+                            let b1 = &w[(i + 1) * ts..(i + 2) * ts];
+                            (decode(b1), scale(b1))
+                        } else {
+                            (_mm256_setzero_si256(), 0.0)
+                        };
+                        let (aw, neg) = sprep(join(decode(b0), w1));
+                        let s0 = scale(b0);
+                        for (x, a) in xs.iter().zip(acc.iter_mut()) {
+                            // SAFETY: qs is bytes 2..34 of the Q8_0 blocks i (and i + 1 if
+                            // `two`), both < nb.
+                            let (x0, x1) = unsafe {
+                                (ld256(x, i * 34 + 2), if two { ld256(x, i * 34 + 36) } else { _mm256_setzero_si256() })
+                            };
+                            let d1 = if two { s1 * f16c(x, i * 34 + 34) } else { 0.0 };
+                            let dk = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(s0 * f16c(x, i * 34))), _mm256_set1_ps(d1), 1);
+                            let p = sdot(aw, neg, join(x0, x1));
+                            a[pair & 1] = _mm512_fmadd_ps(dk, _mm512_cvtepi32_ps(p), a[pair & 1]);
                         }
-                        i += 1;
+                        i += 2;
+                        pair += 1;
                     }
-                    s
+                    std::array::from_fn(|t| _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1])))
                 }
 
                 #[inline]

@@ -48,8 +48,9 @@
 //!   `[dx[2j] x 8, dx[2j+1] x 8]` at `4096 + 256t + 64j`.
 //!   `vpdpbusd(-128 * sum4(x), w + 128, x) = sum4(w * x)`, the dot kernels' lane sums (they
 //!   negate `x` where `w < 0`, which is the same product because activations are never -128).
-//!   Blocks after the last whole group (`n_blocks % 8`) are done at the end (see [`Fin`]) from
-//!   the raw rows, exactly as the dot kernels' tail loop does.
+//!   A row whose block count is not a multiple of 8 ends in a partial group: the driver pads
+//!   it (weights and activations) with all-zero blocks, whose products are exactly 0, and the
+//!   dot kernels do the same blocks as pairs continuing the main loop (see `q8_family`).
 
 use kapitsa_base::GgmlType;
 
@@ -88,15 +89,9 @@ pub(crate) struct Acc(pub(crate) [AccVec; 16]);
 
 /// Decodes whole groups of one raw weight row (`w`: `n` groups) into `n` records (`rec`).
 pub(crate) type DecodeFn = unsafe fn(w: &[u8], rec: &mut [u8]);
-/// What a micro-kernel needs to finish a row: the final sums of the first `out.len()` tokens of
-/// the tile go to `out`; `w_tail` is the raw weight row after its last whole group and
-/// `x_tails` the tokens' raw activation rows after it, one after the other (`out.len()` equal
-/// parts; both empty for the K formats).
+/// Where a micro-kernel puts a row's final sums: those of the first `out.len()` tokens of the
+/// tile go to `out`.
 pub(crate) struct Fin<'a> {
-    /// Raw weight bytes after the last whole group.
-    pub(crate) w_tail: &'a [u8],
-    /// Raw activation bytes after the last whole group, per token.
-    pub(crate) x_tails: &'a [u8],
     /// One output per real token of the tile (at most [`TILE`]).
     pub(crate) out: &'a mut [f32],
 }
@@ -288,7 +283,7 @@ mod imp {
     use std::arch::x86_64::*;
 
     use super::{Acc, Fin, ACT_K, ACT_KV, ACT_Q, REC_K, REC_KV, REC_Q};
-    use crate::quant::blocks::{e8m0_to_f32_half, KVALUES_IQ4NL, KVALUES_MXFP4};
+    use crate::quant::blocks::{KVALUES_IQ4NL, KVALUES_MXFP4};
     use crate::quant::dot_avx2::{bits_to_bytes, f16c, hsum_ps, ld128, ld256, nibbles32};
     use crate::quant::dot_avx512::{k4_scales, ld512};
 
@@ -896,14 +891,11 @@ mod imp {
         /// 32-element formats: `acc += rec x act` for `T` tokens; per token, group and block
         /// pair `j` exactly the dot kernels' step `a[j & 1] = fma(dw * dx, cvt(sum4(w * x)),
         /// a[j & 1])`, token `t` using `acc.0[2t]` and `acc.0[2t + 1]`. With `fin`, the dot
-        /// kernels' end: `s = reduce(a0 + a1)`, then for every tail block (after the last group)
-        /// `s += hsum(cvt(sum4(w * x)) * (scale(w) * dx))`.
+        /// kernels' end: `reduce(a0 + a1)`.
         ///
         /// # Safety
         /// Requires the features of this module; `rec.len() == n * REC_Q`,
-        /// `act.len() >= n * ACT_Q`; each token's part of `fin.x_tails` holds as many Q8_0
-        /// blocks as `fin.w_tail` holds `ts`-byte blocks; `decode` reads only inside its block.
-        #[allow(clippy::too_many_arguments)]
+        /// `act.len() >= n * ACT_Q`.
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
         unsafe fn kern_q<const T: usize>(
@@ -912,9 +904,6 @@ mod imp {
             acc: &mut Acc,
             init: bool,
             fin: Option<Fin<'_>>,
-            ts: usize,
-            decode: impl Fn(&[u8]) -> __m256i,
-            scale: impl Fn(&[u8]) -> f32,
         ) {
             let n = rec.len() / REC_Q;
             assert!(act.len() >= n * ACT_Q && T <= 8);
@@ -949,32 +938,14 @@ mod imp {
                 }
                 return;
             };
-            let xl = f.x_tails.len() / f.out.len().max(1);
             for (t, o) in f.out.iter_mut().take(T).enumerate() {
-                let mut s = _mm512_reduce_add_ps(_mm512_add_ps(a[t][0], a[t][1]));
-                let xt = &f.x_tails[t * xl..(t + 1) * xl];
-                for (b0, y0) in f.w_tail.chunks_exact(ts).zip(xt.chunks_exact(34)) {
-                    let wv = decode(b0);
-                    // SAFETY: qs is bytes 2..34 of the Q8_0 block.
-                    let xv = unsafe { ld256(y0, 2) };
-                    let p = _mm256_dpbusd_epi32(
-                        _mm256_setzero_si256(),
-                        _mm256_abs_epi8(wv),
-                        _mm256_sign_epi8(xv, wv),
-                    );
-                    let v = _mm256_mul_ps(
-                        _mm256_set1_ps(scale(b0) * f16c(y0, 0)),
-                        _mm256_cvtepi32_ps(p),
-                    );
-                    s += hsum_ps(v);
-                }
-                *o = s;
+                *o = _mm512_reduce_add_ps(_mm512_add_ps(a[t][0], a[t][1]));
             }
         }
 
         /// Defines `decode_*` and `kern_*` of one 32-element format.
         macro_rules! q_entry {
-            ($dec:ident, $kern:ident, $ts:expr, |$b:ident| $decode:expr, $scale:expr, $scales8:expr) => {
+            ($dec:ident, $kern:ident, $ts:expr, |$b:ident| $decode:expr, $scales8:expr) => {
                 /// # Safety
                 /// Requires the features of this module; see `decode_q`.
                 #[target_feature(
@@ -997,10 +968,8 @@ mod imp {
                     init: bool,
                     fin: Option<Fin<'_>>,
                 ) {
-                    // SAFETY: features present; the decoder reads inside its block.
-                    unsafe {
-                        kern_q::<T>(rec, act, acc, init, fin, $ts, |$b: &[u8]| $decode, $scale)
-                    }
+                    // SAFETY: features present; the layouts are `kern_q`'s.
+                    unsafe { kern_q::<T>(rec, act, acc, init, fin) }
                 }
             };
         }
@@ -1012,7 +981,6 @@ mod imp {
             kern_q8_0,
             34,
             |b| ld256(b, 2),
-            |b: &[u8]| f16c(b, 0),
             |bl: &[u8]| f16x8(bl, 34, 0)
         );
         q_entry!(
@@ -1020,7 +988,6 @@ mod imp {
             kern_q4_0,
             18,
             |b| _mm256_sub_epi8(nibbles32(ld128(b, 2)), _mm256_set1_epi8(8)),
-            |b: &[u8]| f16c(b, 0),
             |bl: &[u8]| f16x8(bl, 18, 0)
         );
         q_entry!(
@@ -1036,7 +1003,6 @@ mod imp {
                     _mm256_andnot_si256(bits_to_bytes(qh), _mm256_set1_epi8(0xF0u8 as i8)),
                 )
             },
-            |b: &[u8]| f16c(b, 0),
             |bl: &[u8]| f16x8(bl, 22, 0)
         );
         q_entry!(
@@ -1044,7 +1010,6 @@ mod imp {
             kern_iq4_nl,
             18,
             |b| _mm256_shuffle_epi8(table(&KVALUES_IQ4NL), nibbles32(ld128(b, 2))),
-            |b: &[u8]| f16c(b, 0),
             |bl: &[u8]| f16x8(bl, 18, 0)
         );
         q_entry!(
@@ -1052,7 +1017,6 @@ mod imp {
             kern_mxfp4,
             17,
             |b| _mm256_shuffle_epi8(table(&KVALUES_MXFP4), nibbles32(ld128(b, 1))),
-            |b: &[u8]| e8m0_to_f32_half(b[0]),
             |bl: &[u8]| e8m0x8(bl)
         );
     }
