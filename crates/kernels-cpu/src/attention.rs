@@ -283,12 +283,124 @@ mod x86 {
         _mm512_reduce_add_ps(acc)
     }
 
+    /// Query tokens per block: their scores and probabilities (`group` rows each) stay in
+    /// memory together, so every K row and every row of `Vᵀ` is read once per block instead
+    /// of once per query row.
+    const QB: usize = 16;
+    /// Keys per score block (one block of K rows, 32 KiB at head_dim 256, stays in L1).
+    const KB: usize = 32;
+    /// Output dims per block (that many rows of `Vᵀ` stay in L2).
+    const DB: usize = 16;
+
     /// # Safety
     /// AVX-512F and DQ must be available; `head_dim % 16 == 0`; `kf`/`vf` hold
     /// `max(pos)+1` rows of `head_dim`; `q` and `res` as in [`super::attention`].
+    ///
+    /// Every score, probability and output is computed by exactly the operations of the
+    /// one-row-at-a-time form ([`head_group_rowwise`], kept for the tests); only the loop
+    /// order is blocked (queries x keys for the scores, queries x output dims for `P·V`).
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512dq")]
     pub unsafe fn head_group(
+        kf: &[f32],
+        vf: &[f32],
+        q: &[f32],
+        pos: &[u32],
+        kvh: usize,
+        group: usize,
+        n_head: usize,
+        head_dim: usize,
+        scale: f32,
+        res: &mut [f32],
+    ) {
+        let n_ctx = kf.len() / head_dim;
+        let n_pad = n_ctx.div_ceil(16) * 16;
+        // V transposed and zero padded: vt[d][j]
+        let mut vt = vec![0f32; head_dim * n_pad];
+        for j in 0..n_ctx {
+            for d in 0..head_dim {
+                vt[d * n_pad + j] = vf[j * head_dim + d];
+            }
+        }
+        let qrow = |i: usize, g: usize| {
+            let h = kvh * group + g;
+            &q[(i * n_head + h) * head_dim..(i * n_head + h + 1) * head_dim]
+        };
+        // Probabilities of the block's rows, row (i - i0) * group + g.
+        let mut p = vec![0f32; QB.min(pos.len()) * group * n_pad];
+        for i0 in (0..pos.len()).step_by(QB) {
+            let i1 = (i0 + QB).min(pos.len());
+            // 1. scores, keys outer
+            for j0 in (0..n_ctx).step_by(KB) {
+                let j1 = (j0 + KB).min(n_ctx);
+                for i in i0..i1 {
+                    let n = pos[i] as usize + 1;
+                    if j0 >= n {
+                        continue;
+                    }
+                    for g in 0..group {
+                        let qh = qrow(i, g);
+                        let r = ((i - i0) * group + g) * n_pad;
+                        for j in j0..j1.min(n) {
+                            p[r + j] =
+                                dot_one_acc(qh, &kf[j * head_dim..(j + 1) * head_dim]) * scale;
+                        }
+                    }
+                }
+            }
+            // 2. softmax of each row
+            for i in i0..i1 {
+                let n = pos[i] as usize + 1;
+                let m = n.div_ceil(16) * 16;
+                for g in 0..group {
+                    let r = ((i - i0) * group + g) * n_pad;
+                    let pr = &mut p[r..r + m];
+                    let max = pr[..n].iter().fold(f32::NEG_INFINITY, |a, &s| a.max(s));
+                    for v in pr[..n].iter_mut() {
+                        *v -= max;
+                    }
+                    for v in &mut pr[n..m] {
+                        *v = f32::NEG_INFINITY;
+                    }
+                    crate::vexp::exp_inplace(pr);
+                    let mut sum = 0f64;
+                    for c in pr.chunks_exact(16) {
+                        // SAFETY: the chunk holds exactly 16 f32.
+                        sum += _mm512_reduce_add_ps(unsafe { _mm512_loadu_ps(c.as_ptr()) }) as f64;
+                    }
+                    let inv = (1.0 / sum) as f32;
+                    for v in pr.iter_mut() {
+                        *v *= inv;
+                    }
+                }
+            }
+            // 3. P·V, output dims outer
+            for d0 in (0..head_dim).step_by(DB) {
+                let d1 = (d0 + DB).min(head_dim);
+                for i in i0..i1 {
+                    let m = (pos[i] as usize + 1).div_ceil(16) * 16;
+                    for g in 0..group {
+                        let r = ((i - i0) * group + g) * n_pad;
+                        let o = (i * group + g) * head_dim;
+                        for d in d0..d1 {
+                            res[o + d] = dot_one_acc(&vt[d * n_pad..d * n_pad + m], &p[r..r + m]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`head_group`] one query row at a time (the order the blocked form must reproduce
+    /// bit for bit).
+    ///
+    /// # Safety
+    /// AVX-512F and DQ must be available; `head_dim % 16 == 0`; `kf`/`vf` hold
+    /// `max(pos)+1` rows of `head_dim`; `q` and `res` as in [`super::attention`].
+    #[cfg(test)]
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512dq")]
+    pub unsafe fn head_group_rowwise(
         kf: &[f32],
         vf: &[f32],
         q: &[f32],
@@ -473,6 +585,49 @@ mod tests {
             );
             for (a, b) in got.iter().zip(&want) {
                 assert!((a - b).abs() < 5e-3, "{a} vs {b}");
+            }
+        }
+    }
+
+    /// The blocked AVX-512 head-group kernel equals its one-row-at-a-time twin bit for bit:
+    /// several query blocks (n_tok > 16), partial key and dim blocks, causal rows of
+    /// different lengths, GQA groups of 1 and 8.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn blocked_head_group_equals_rowwise_bitwise() {
+        if !kapitsa_base::CpuFeatures::get().avx512 {
+            return;
+        }
+        for &(group, n_head_kv, head_dim, n_ctx, n_tok) in &[
+            (8usize, 2usize, 64usize, 203usize, 37usize),
+            (1, 1, 16, 40, 40),
+            (8, 1, 256, 75, 1),
+            (4, 2, 48, 18, 17),
+        ] {
+            let n_head = group * n_head_kv;
+            let kf = rnd(n_ctx * head_dim, 21);
+            let vf = rnd(n_ctx * head_dim, 22);
+            let q = rnd(n_tok * n_head * head_dim, 23);
+            let pos: Vec<u32> = ((n_ctx - n_tok) as u32..n_ctx as u32).collect();
+            for kvh in 0..n_head_kv {
+                let mut want = vec![0f32; n_tok * group * head_dim];
+                let mut got = want.clone();
+                // SAFETY: AVX-512F/DQ checked above (DQ comes with every AVX-512 CPU this
+                // engine dispatches to); head_dim % 16 == 0; kf/vf hold n_ctx rows.
+                unsafe {
+                    x86::head_group_rowwise(
+                        &kf, &vf, &q, &pos, kvh, group, n_head, head_dim, 0.2, &mut want,
+                    );
+                    x86::head_group(
+                        &kf, &vf, &q, &pos, kvh, group, n_head, head_dim, 0.2, &mut got,
+                    );
+                }
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "group {group} head_dim {head_dim} n_ctx {n_ctx}"
+                );
             }
         }
     }
