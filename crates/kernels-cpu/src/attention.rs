@@ -333,8 +333,8 @@ mod x86 {
             // 1. scores, keys outer
             for j0 in (0..n_ctx).step_by(KB) {
                 let j1 = (j0 + KB).min(n_ctx);
-                for i in i0..i1 {
-                    let n = pos[i] as usize + 1;
+                for (i, &pi) in pos.iter().enumerate().take(i1).skip(i0) {
+                    let n = pi as usize + 1;
                     if j0 >= n {
                         continue;
                     }
@@ -349,8 +349,8 @@ mod x86 {
                 }
             }
             // 2. softmax of each row
-            for i in i0..i1 {
-                let n = pos[i] as usize + 1;
+            for (i, &pi) in pos.iter().enumerate().take(i1).skip(i0) {
+                let n = pi as usize + 1;
                 let m = n.div_ceil(16) * 16;
                 for g in 0..group {
                     let r = ((i - i0) * group + g) * n_pad;
@@ -377,8 +377,8 @@ mod x86 {
             // 3. P·V, output dims outer
             for d0 in (0..head_dim).step_by(DB) {
                 let d1 = (d0 + DB).min(head_dim);
-                for i in i0..i1 {
-                    let m = (pos[i] as usize + 1).div_ceil(16) * 16;
+                for (i, &pi) in pos.iter().enumerate().take(i1).skip(i0) {
+                    let m = (pi as usize + 1).div_ceil(16) * 16;
                     for g in 0..group {
                         let r = ((i - i0) * group + g) * n_pad;
                         let o = (i * group + g) * head_dim;
