@@ -283,6 +283,28 @@ mod x86 {
         _mm512_reduce_add_ps(acc)
     }
 
+    /// Four [`dot_one_acc`]s of `rows[k]` with `b` at once: four independent accumulator
+    /// chains (the loads of `b` shared), each the same operation sequence as `dot_one_acc`,
+    /// so each result is bit-identical to it. One chain alone waits on its FMA latency;
+    /// four keep the FMA units busy.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn dot_four(rows: [&[f32]; 4], b: &[f32]) -> [f32; 4] {
+        let n = b.len() / 16 * 16;
+        let mut acc = [_mm512_setzero_ps(); 4];
+        for o in (0..n).step_by(16) {
+            // SAFETY: `o + 16 <= n <= b.len()`, and every row is at least as long as `b`
+            // (asserted by the callers' shapes: rows and `b` have the same length).
+            unsafe {
+                let y = _mm512_loadu_ps(b.as_ptr().add(o));
+                for (a, r) in acc.iter_mut().zip(rows) {
+                    *a = _mm512_fmadd_ps(_mm512_loadu_ps(r.as_ptr().add(o)), y, *a);
+                }
+            }
+        }
+        acc.map(|a| _mm512_reduce_add_ps(a))
+    }
+
     /// Query tokens per block: their scores and probabilities (`group` rows each) stay in
     /// memory together, so every K row and every row of `Vᵀ` is read once per block instead
     /// of once per query row.
@@ -341,9 +363,18 @@ mod x86 {
                     for g in 0..group {
                         let qh = qrow(i, g);
                         let r = ((i - i0) * group + g) * n_pad;
-                        for j in j0..j1.min(n) {
-                            p[r + j] =
-                                dot_one_acc(qh, &kf[j * head_dim..(j + 1) * head_dim]) * scale;
+                        let je = j1.min(n);
+                        let krow = |j: usize| &kf[j * head_dim..(j + 1) * head_dim];
+                        let mut j = j0;
+                        while j + 4 <= je {
+                            let s4 = dot_four([krow(j), krow(j + 1), krow(j + 2), krow(j + 3)], qh);
+                            for (k, v) in s4.iter().enumerate() {
+                                p[r + j + k] = v * scale;
+                            }
+                            j += 4;
+                        }
+                        for j in j..je {
+                            p[r + j] = dot_one_acc(qh, krow(j)) * scale;
                         }
                     }
                 }
@@ -382,8 +413,16 @@ mod x86 {
                     for g in 0..group {
                         let r = ((i - i0) * group + g) * n_pad;
                         let o = (i * group + g) * head_dim;
-                        for d in d0..d1 {
-                            res[o + d] = dot_one_acc(&vt[d * n_pad..d * n_pad + m], &p[r..r + m]);
+                        let vrow = |d: usize| &vt[d * n_pad..d * n_pad + m];
+                        let pr = &p[r..r + m];
+                        let mut d = d0;
+                        while d + 4 <= d1 {
+                            let o4 = dot_four([vrow(d), vrow(d + 1), vrow(d + 2), vrow(d + 3)], pr);
+                            res[o + d..o + d + 4].copy_from_slice(&o4);
+                            d += 4;
+                        }
+                        for d in d..d1 {
+                            res[o + d] = dot_one_acc(vrow(d), pr);
                         }
                     }
                 }
