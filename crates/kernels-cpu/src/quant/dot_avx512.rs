@@ -92,6 +92,25 @@ mod imp {
         unsafe { _mm512_loadu_si512(p.as_ptr().add(o).cast()) }
     }
 
+    /// How far ahead of the block being read the dot kernels prefetch weights.
+    /// Rows of a matrix are contiguous, so this runs ahead across rows too. Measured on the
+    /// 248k x 2048 Q6_K output head (1 thread): the hardware prefetcher alone left the GEMV
+    /// at about 63 ms; with this, about 40 ms.
+    const PF_DIST: usize = 4096;
+
+    /// Prefetches `lines` cache lines starting `PF_DIST` bytes after `p` into L1. A hint:
+    /// it never faults (the address may be past the end of the weights), and it changes no
+    /// result.
+    #[inline(always)]
+    fn prefetch_ahead(p: *const u8, lines: usize) {
+        let pf = p.wrapping_add(PF_DIST);
+        for k in 0..lines {
+            // SAFETY: prefetching is a hint that never dereferences or faults, whatever the
+            // address; SSE is baseline on x86-64.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * k).cast()) };
+        }
+    }
+
     /// The Q4_K/Q5_K 12-byte scale field as 16 bytes: 8 scales then 8 mins (6 bits each).
     #[inline(always)]
     pub(in crate::quant) fn k4_scales(s: &[u8]) -> [u32; 4] {
@@ -165,6 +184,7 @@ mod imp {
                     });
                     let mut i = 0;
                     while i + 8 <= nb {
+                        prefetch_ahead(w[i * ts..].as_ptr(), (8 * ts).div_ceil(64));
                         let dw = scales8(&w[i * ts..(i + 8) * ts]);
                         // (explicit loops, not `array::from_fn`: its closure is not always inlined
                         // into this target-feature function)
@@ -295,6 +315,7 @@ mod imp {
                     });
                     for i in 0..nb {
                         let b = &w[i * ts..(i + 1) * ts];
+                        prefetch_ahead(b.as_ptr(), 3);
                         let u = k4_scales(&b[4..16]);
                         let sm = _mm_set_epi32(u[3] as i32, u[2] as i32, u[1] as i32, u[0] as i32);
                         let sc16 = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm));
@@ -356,6 +377,7 @@ mod imp {
                     let mut acc_o = [_mm256_setzero_ps(); T];
                     for i in 0..nb {
                         let b = &w[i * 210..(i + 1) * 210];
+                        prefetch_ahead(b.as_ptr(), 4);
                         // SAFETY: scales are bytes 192..208 of the block.
                         let sc8 = unsafe { ld128(b, 192) };
                         let sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
