@@ -5,8 +5,8 @@ with the disk tier after a server restart (restart).
 
 Usage:
     python bench/multiturn.py --kapitsa BIN --model FILE [--turns 8] [--first-words 3400]
-        [--turn-words 200] [--max-tokens 256] [--ctx 9216] [--threads 0] [--label NAME]
-        [--json OUT]
+        [--turn-words 200] [--max-tokens 256] [--ctx 9216] [--threads 0] [--steer-words]
+        [--label NAME] [--json OUT]
 
 The chat has the shape of a long-document chat or an agent loop with a large system prompt:
 the first turn is a document of about `--first-words` words (~4.5K tokens) and a question;
@@ -34,6 +34,14 @@ the generated tokens exactly: on models with attention only, blocks hit as far a
 match; on hybrid models a hit resumes at a checkpoint, the end of the previous prompt or of
 the previous generation (the previous answer is recomputed when its re-tokenisation differs,
 as it always is with chat templates that drop earlier reasoning).
+
+--steer-words is for models with random weights (`kapitsa synth` files): their greedy answers
+are random tokens, which almost never re-tokenise to themselves once the answer is text in
+the next prompt, so every turn would recompute the previous answer -- something a trained
+model's answers do not cause (see the 1.5B run in BENCHMARKS.md). The flag adds
+`logit_bias` +100 to the single-token words " the", " of", ... (ids from the server's
+`/tokenize`), so the answers are runs of whole words, which re-tokenise exactly like a
+trained model's text. The computation per token is unchanged; only which token wins.
 
 Prints a markdown table (TTFT per turn and pass, the uncached/cached ratio) and, with
 --json, writes the raw numbers. Needs only the Python standard library. To keep the numbers
@@ -106,11 +114,32 @@ def model_name(url: str) -> str:
         return json.load(r)["data"][0]["id"]
 
 
-def ttft(url: str, prompt: str, max_tokens: int):
+def post(url: str, path: str, body: dict):
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.load(r)
+
+
+def word_bias(url: str) -> dict:
+    """`logit_bias` favouring the words of WORDS that are one token with a leading space."""
+    bias = {}
+    for w in WORDS:
+        ids = post(url, "/tokenize", {"prompt": " " + w, "add_special_tokens": False})["tokens"]
+        if len(ids) == 1:
+            bias[str(ids[0])] = 100
+    if len(bias) < 20:
+        raise SystemExit(f"--steer-words: only {len(bias)} single-token words")
+    return bias
+
+
+def ttft(url: str, prompt: str, max_tokens: int, bias=None):
     """Stream one completion; returns (ttft seconds, text, usage)."""
-    body = json.dumps({"model": model_name(url), "prompt": prompt, "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}}).encode()
+    req_body = {"model": model_name(url), "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if bias:
+        req_body["logit_bias"] = bias
+    body = json.dumps(req_body).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     t0 = time.time()
@@ -155,7 +184,8 @@ def run_pass(a, name, extra, prompts=None, max_tokens=None, restart_each_turn=Fa
                 p = prompt
             else:
                 p = prompts[t]
-            s, text, usage = ttft(srv.url, p, max_tokens)
+            bias = word_bias(srv.url) if a.steer_words and max_tokens > 1 else None
+            s, text, usage = ttft(srv.url, p, max_tokens, bias)
             n = usage["prompt_tokens"] if usage else None
             cached = (usage or {}).get("prompt_tokens_details", {}) or {}
             cached = cached.get("cached_tokens")
@@ -185,6 +215,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--ctx", type=int, default=9216)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--steer-words", action="store_true",
+                    help="bias the answers to whole words (random-weight models, see above)")
     ap.add_argument("--label", default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()

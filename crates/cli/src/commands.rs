@@ -87,6 +87,7 @@ impl SampleArgs {
             frequency_penalty: self.frequency_penalty,
             penalty_last_n: self.repeat_last_n,
             seed: self.seed,
+            logit_bias: Vec::new(),
         }
     }
 }

@@ -28,6 +28,9 @@ pub struct SamplingParams {
     pub penalty_last_n: usize,
     /// Seed of the draw.
     pub seed: u64,
+    /// Added to the logits of these tokens before everything else (OpenAI `logit_bias`;
+    /// ids past the vocabulary are ignored).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -42,6 +45,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             penalty_last_n: 64,
             seed: 0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -73,6 +77,9 @@ impl SamplingParams {
         if !self.presence_penalty.is_finite() || !self.frequency_penalty.is_finite() {
             return bad("presence/frequency penalties must be finite");
         }
+        if self.logit_bias.iter().any(|&(_, b)| !b.is_finite()) {
+            return bad("logit_bias values must be finite");
+        }
         Ok(())
     }
 }
@@ -102,6 +109,11 @@ impl Sampler {
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let p = &self.params;
         let mut l = logits.to_vec();
+        for &(t, b) in &p.logit_bias {
+            if let Some(v) = l.get_mut(t as usize) {
+                *v += b;
+            }
+        }
         apply_penalties(&mut l, history, p);
         if p.temperature <= 0.0 {
             return kapitsa_kernels_cpu::ops::argmax(&l) as u32;
@@ -196,6 +208,17 @@ mod tests {
 
     fn logits() -> Vec<f32> {
         vec![1.0, 3.0, 2.0, 0.5, 2.9, -1.0]
+    }
+
+    #[test]
+    fn logit_bias_moves_the_choice() {
+        let mut p = SamplingParams::greedy();
+        p.logit_bias = vec![(3, 10.0), (99, 50.0)];
+        assert_eq!(Sampler::new(p.clone()).unwrap().sample(&logits(), &[]), 3);
+        p.logit_bias = vec![(1, -100.0)];
+        assert_eq!(Sampler::new(p.clone()).unwrap().sample(&logits(), &[]), 4);
+        p.logit_bias = vec![(1, f32::NAN)];
+        assert!(Sampler::new(p).is_err());
     }
 
     #[test]

@@ -17,7 +17,10 @@
 
 use half::f16;
 use kapitsa_base::ThreadPool;
+use std::cell::RefCell;
 use std::sync::Mutex;
+
+use half::slice::HalfFloatSliceExt;
 
 use crate::ops::{axpy, dot_f32};
 
@@ -65,11 +68,8 @@ impl KvSlice<'_> {
         let n = dst.len();
         match self {
             KvSlice::F32(s) => dst.copy_from_slice(&s[src..src + n]),
-            KvSlice::F16(s) => {
-                for (o, h) in dst.iter_mut().zip(&s[src..src + n]) {
-                    *o = h.to_f32();
-                }
-            }
+            // exact conversion, vectorised (F16C) where the CPU has it
+            KvSlice::F16(s) => s[src..src + n].convert_to_f32_slice(dst),
             KvSlice::Q8_0(s) => {
                 assert!(
                     src.is_multiple_of(Q8_0_BLOCK) && n.is_multiple_of(Q8_0_BLOCK),
@@ -177,6 +177,11 @@ pub struct AttnShape {
     pub scale: f32,
 }
 
+thread_local! {
+    /// Per-worker buffers of [`attention`]: the gathered K and V columns of one KV head.
+    static GATHER: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
 /// Causal attention for one sequence; see the module docs for layouts.
 ///
 /// # Panics
@@ -195,7 +200,7 @@ pub fn attention(
         n_head,
         n_head_kv,
         head_dim,
-        scale,
+        ..
     } = shape;
     let n_tok = pos.len();
     assert!(n_head_kv > 0 && n_head % n_head_kv == 0);
@@ -207,40 +212,17 @@ pub fn attention(
 
     let results: Vec<Mutex<Vec<f32>>> = (0..n_head_kv).map(|_| Mutex::new(Vec::new())).collect();
     pool.run(n_head_kv, &|kvh| {
-        let mut kf = vec![0f32; n_ctx * head_dim];
-        let mut vf = vec![0f32; n_ctx * head_dim];
+        // The gathered K/V columns live in this worker's scratch, reused across calls (a
+        // fresh multi-MiB allocation per call and head costs page faults at every token).
+        // The buffers are taken out for the task (no borrow is held while computing).
+        let (mut kf, mut vf) =
+            GATHER.with_borrow_mut(|(a, b)| (std::mem::take(a), std::mem::take(b)));
+        kf.resize(n_ctx * head_dim, 0.0);
+        vf.resize(n_ctx * head_dim, 0.0);
         k.gather_head(n_ctx, n_head_kv, head_dim, kvh, &mut kf);
         v.gather_head(n_ctx, n_head_kv, head_dim, kvh, &mut vf);
-        // [n_tok, group, head_dim]
-        let mut res = vec![0f32; n_tok * group * head_dim];
-        #[cfg(target_arch = "x86_64")]
-        if kapitsa_base::CpuFeatures::get().avx512 && head_dim % 16 == 0 {
-            // SAFETY: AVX-512F/DQ available (checked); shapes checked at entry.
-            unsafe {
-                x86::head_group(
-                    &kf, &vf, q, pos, kvh, group, n_head, head_dim, scale, &mut res,
-                )
-            };
-            *results[kvh].lock().unwrap_or_else(|e| e.into_inner()) = res;
-            return;
-        }
-        let mut scores = vec![0f32; n_ctx];
-        for (i, &p) in pos.iter().enumerate() {
-            let n = p as usize + 1;
-            for g in 0..group {
-                let h = kvh * group + g;
-                let qh = &q[(i * n_head + h) * head_dim..(i * n_head + h + 1) * head_dim];
-                let s = &mut scores[..n];
-                for (j, sj) in s.iter_mut().enumerate() {
-                    *sj = dot_f32(qh, &kf[j * head_dim..(j + 1) * head_dim]) * scale;
-                }
-                crate::ops::softmax(s);
-                let o = &mut res[(i * group + g) * head_dim..(i * group + g + 1) * head_dim];
-                for (j, &pj) in s.iter().enumerate() {
-                    axpy(pj, &vf[j * head_dim..(j + 1) * head_dim], o);
-                }
-            }
-        }
+        let res = head_task(&kf, &vf, q, pos, kvh, shape);
+        GATHER.with_borrow_mut(|g| *g = (kf, vf));
         // A poisoned lock can only come from a panic in another task, which already aborts
         // the whole `run`; recover the data either way.
         *results[kvh].lock().unwrap_or_else(|e| e.into_inner()) = res;
@@ -256,6 +238,57 @@ pub fn attention(
             }
         }
     }
+}
+
+/// One KV head's share of [`attention`]: `kf`/`vf` its gathered K/V columns
+/// (`[n_ctx, head_dim]` f32); returns `[n_tok, group, head_dim]`.
+fn head_task(
+    kf: &[f32],
+    vf: &[f32],
+    q: &[f32],
+    pos: &[u32],
+    kvh: usize,
+    shape: AttnShape,
+) -> Vec<f32> {
+    let AttnShape {
+        n_head,
+        n_head_kv,
+        head_dim,
+        scale,
+    } = shape;
+    let n_tok = pos.len();
+    let n_ctx = kf.len() / head_dim;
+    let group = n_head / n_head_kv;
+    // [n_tok, group, head_dim]
+    let mut res = vec![0f32; n_tok * group * head_dim];
+    #[cfg(target_arch = "x86_64")]
+    if kapitsa_base::CpuFeatures::get().avx512 && head_dim % 16 == 0 {
+        // SAFETY: AVX-512F/DQ available (checked); shapes checked at entry.
+        unsafe {
+            x86::head_group(
+                kf, vf, q, pos, kvh, group, n_head, head_dim, scale, &mut res,
+            )
+        };
+        return res;
+    }
+    let mut scores = vec![0f32; n_ctx];
+    for (i, &p) in pos.iter().enumerate() {
+        let n = p as usize + 1;
+        for g in 0..group {
+            let h = kvh * group + g;
+            let qh = &q[(i * n_head + h) * head_dim..(i * n_head + h + 1) * head_dim];
+            let s = &mut scores[..n];
+            for (j, sj) in s.iter_mut().enumerate() {
+                *sj = dot_f32(qh, &kf[j * head_dim..(j + 1) * head_dim]) * scale;
+            }
+            crate::ops::softmax(s);
+            let o = &mut res[(i * group + g) * head_dim..(i * group + g + 1) * head_dim];
+            for (j, &pj) in s.iter().enumerate() {
+                axpy(pj, &vf[j * head_dim..(j + 1) * head_dim], o);
+            }
+        }
+    }
+    res
 }
 
 /// AVX-512 attention of one KV head group, with ggml's operation order (see
@@ -305,6 +338,96 @@ mod x86 {
         acc.map(|a| _mm512_reduce_add_ps(a))
     }
 
+    /// Sixteen horizontal sums at once. Lane `4q + k` of the result is the sum of the 16
+    /// lanes of `v[4k + q]`, added in exactly the tree `_mm512_reduce_add_ps` uses (lanes
+    /// `i` and `i + 8`, then `i` and `i + 4`, `i` and `i + 2`, `i` and `i + 1`), so each
+    /// sum is bit-identical to reducing that vector alone; about 1 shuffle + 1 add per sum
+    /// instead of ~8 operations.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn reduce16(v: &[__m512; 16]) -> __m512 {
+        // t[m]: lanes 0-7 the 8-lane partials of v[2m], lanes 8-15 those of v[2m + 1]
+        let mut t = [_mm512_setzero_ps(); 8];
+        for m in 0..8 {
+            let (a, b) = (v[2 * m], v[2 * m + 1]);
+            t[m] = _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+            );
+        }
+        // u[m]: 128-bit chunk q holds the 4-lane partials of v[4m + q]
+        let mut u = [_mm512_setzero_ps(); 4];
+        for m in 0..4 {
+            let (a, b) = (t[2 * m], t[2 * m + 1]);
+            u[m] = _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+            );
+        }
+        // w[m]: chunk q holds the 2-lane partials of v[8m + q] (lanes 0-1) and
+        // v[8m + 4 + q] (lanes 2-3)
+        let mut w = [_mm512_setzero_ps(); 2];
+        for m in 0..2 {
+            let (a, b) = (u[2 * m], u[2 * m + 1]);
+            w[m] = _mm512_add_ps(
+                _mm512_shuffle_ps::<0b01_00_01_00>(a, b),
+                _mm512_shuffle_ps::<0b11_10_11_10>(a, b),
+            );
+        }
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0b10_00_10_00>(w[0], w[1]),
+            _mm512_shuffle_ps::<0b11_01_11_01>(w[0], w[1]),
+        )
+    }
+
+    /// The 16 dot products of 4 rows `a[k]` with 4 rows `b[q]`, each the operation sequence
+    /// of [`dot_one_acc`] (one 16-lane FMA chain, then the reduction tree): lane `4q + k`
+    /// of the result is `a[k] · b[q]`. Row `a[k]` runs over its first `len[k]` elements
+    /// (multiples of 16): the chains run together up to the shortest, then each row's four
+    /// chains continue alone to its own length, so every chain is exactly its own.
+    ///
+    /// # Safety
+    /// AVX-512F; every `a[k]` is readable for `len[k]` f32 and every `b[q]` for
+    /// `max(len)` f32.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn dots_4x4(a: [*const f32; 4], len: [usize; 4], b: [*const f32; 4]) -> __m512 {
+        let mut acc = [_mm512_setzero_ps(); 16];
+        let common = len.iter().copied().min().unwrap_or(0);
+        let mut o = 0;
+        while o < common {
+            // SAFETY: o + 16 <= len[k] for every k and <= max(len) (caller's contract).
+            unsafe {
+                let mut bv = [_mm512_setzero_ps(); 4];
+                for q in 0..4 {
+                    bv[q] = _mm512_loadu_ps(b[q].add(o));
+                }
+                for k in 0..4 {
+                    let av = _mm512_loadu_ps(a[k].add(o));
+                    for q in 0..4 {
+                        acc[4 * k + q] = _mm512_fmadd_ps(av, bv[q], acc[4 * k + q]);
+                    }
+                }
+            }
+            o += 16;
+        }
+        for k in 0..4 {
+            let mut o = common;
+            while o < len[k] {
+                // SAFETY: as above, o + 16 <= len[k] <= max(len).
+                unsafe {
+                    let av = _mm512_loadu_ps(a[k].add(o));
+                    for q in 0..4 {
+                        acc[4 * k + q] =
+                            _mm512_fmadd_ps(av, _mm512_loadu_ps(b[q].add(o)), acc[4 * k + q]);
+                    }
+                }
+                o += 16;
+            }
+        }
+        reduce16(&acc)
+    }
+
     /// Query tokens per block: their scores and probabilities (`group` rows each) stay in
     /// memory together, so every K row and every row of `Vᵀ` is read once per block instead
     /// of once per query row.
@@ -320,7 +443,8 @@ mod x86 {
     ///
     /// Every score, probability and output is computed by exactly the operations of the
     /// one-row-at-a-time form ([`head_group_rowwise`], kept for the tests); only the loop
-    /// order is blocked (queries x keys for the scores, queries x output dims for `P·V`).
+    /// order is blocked (queries x keys for the scores, queries x output dims for `P·V`),
+    /// with 4 x 4 register tiles ([`dots_4x4`]) inside the blocks.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512dq")]
     pub unsafe fn head_group(
@@ -337,93 +461,176 @@ mod x86 {
     ) {
         let n_ctx = kf.len() / head_dim;
         let n_pad = n_ctx.div_ceil(16) * 16;
+        // This worker's buffers, reused across calls (taken out while computing).
+        let (mut vt, mut p) = BUFS.with_borrow_mut(|(a, b)| (std::mem::take(a), std::mem::take(b)));
         // V transposed and zero padded: vt[d][j]
-        let mut vt = vec![0f32; head_dim * n_pad];
+        vt.resize(head_dim * n_pad, 0.0);
+        for d in 0..head_dim {
+            vt[d * n_pad + n_ctx..(d + 1) * n_pad].fill(0.0);
+        }
         for j in 0..n_ctx {
             for d in 0..head_dim {
                 vt[d * n_pad + j] = vf[j * head_dim + d];
             }
         }
-        let qrow = |i: usize, g: usize| {
-            let h = kvh * group + g;
-            &q[(i * n_head + h) * head_dim..(i * n_head + h + 1) * head_dim]
-        };
-        // Probabilities of the block's rows, row (i - i0) * group + g.
-        let mut p = vec![0f32; QB.min(pos.len()) * group * n_pad];
+        // Probabilities of the block's rows, row (i - i0) * group + g; every entry a row
+        // reads is written first.
+        p.resize(QB.min(pos.len()) * group * n_pad, 0.0);
+        blocked(
+            &vt, &mut p, kf, q, pos, kvh, group, n_head, head_dim, scale, res,
+        );
+        BUFS.with_borrow_mut(|b| *b = (vt, p));
+    }
+
+    thread_local! {
+        /// `Vᵀ` and the probabilities of [`head_group`].
+        static BUFS: std::cell::RefCell<(Vec<f32>, Vec<f32>)> =
+            const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    }
+
+    /// The body of [`head_group`] over its buffers: `vt` is `Vᵀ` (`[head_dim, n_pad]`, zero
+    /// padded), `p` room for `QB * group` rows of `n_pad` probabilities.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512dq")]
+    fn blocked(
+        vt: &[f32],
+        p: &mut [f32],
+        kf: &[f32],
+        q: &[f32],
+        pos: &[u32],
+        kvh: usize,
+        group: usize,
+        n_head: usize,
+        head_dim: usize,
+        scale: f32,
+        res: &mut [f32],
+    ) {
+        let n_ctx = kf.len() / head_dim;
+        let n_pad = n_ctx.div_ceil(16) * 16;
+        let krow = |j: usize| &kf[j * head_dim..(j + 1) * head_dim];
+        let vrow = |d: usize| &vt[d * n_pad..(d + 1) * n_pad];
+        let mut lanes = [0f32; 16];
         for i0 in (0..pos.len()).step_by(QB) {
             let i1 = (i0 + QB).min(pos.len());
-            // 1. scores, keys outer
+            let nr = (i1 - i0) * group;
+            // row r of the block: token i0 + r / group, query head kvh * group + r % group
+            let n_of = |r: usize| pos[i0 + r / group] as usize + 1;
+            let m_of = |r: usize| n_of(r).div_ceil(16) * 16;
+            let q_of = |r: usize| {
+                let (i, h) = (i0 + r / group, kvh * group + r % group);
+                &q[(i * n_head + h) * head_dim..(i * n_head + h + 1) * head_dim]
+            };
+            let quads = nr / 4 * 4;
+            // 1. scores, keys outer; rows in fours (the last nr % 4 one at a time)
             for j0 in (0..n_ctx).step_by(KB) {
                 let j1 = (j0 + KB).min(n_ctx);
-                for (i, &pi) in pos.iter().enumerate().take(i1).skip(i0) {
-                    let n = pi as usize + 1;
-                    if j0 >= n {
-                        continue;
-                    }
-                    for g in 0..group {
-                        let qh = qrow(i, g);
-                        let r = ((i - i0) * group + g) * n_pad;
-                        let je = j1.min(n);
-                        let krow = |j: usize| &kf[j * head_dim..(j + 1) * head_dim];
-                        let mut j = j0;
-                        while j + 4 <= je {
-                            let s4 = dot_four([krow(j), krow(j + 1), krow(j + 2), krow(j + 3)], qh);
-                            for (k, v) in s4.iter().enumerate() {
-                                p[r + j + k] = v * scale;
+                for r in (0..quads).step_by(4) {
+                    // keys any of the four rows needs; the others' extra scores are
+                    // overwritten by the softmax's padding and never read
+                    let je = j1.min((r..r + 4).map(n_of).max().unwrap_or(0));
+                    let a: [*const f32; 4] = std::array::from_fn(|k| q_of(r + k).as_ptr());
+                    let mut j = j0;
+                    while j + 4 <= je {
+                        let b: [*const f32; 4] = std::array::from_fn(|c| krow(j + c).as_ptr());
+                        // SAFETY: query rows and K rows hold head_dim f32 each.
+                        let z = unsafe { dots_4x4(a, [head_dim; 4], b) };
+                        // SAFETY: `lanes` holds 16 f32.
+                        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), z) };
+                        for k in 0..4 {
+                            for c in 0..4 {
+                                p[(r + k) * n_pad + j + c] = lanes[4 * c + k] * scale;
                             }
-                            j += 4;
                         }
-                        for j in j..je {
-                            p[r + j] = dot_one_acc(qh, krow(j)) * scale;
+                        j += 4;
+                    }
+                    for j in j..je {
+                        for k in 0..4 {
+                            p[(r + k) * n_pad + j] = dot_one_acc(q_of(r + k), krow(j)) * scale;
                         }
+                    }
+                }
+                for r in quads..nr {
+                    let je = j1.min(n_of(r));
+                    let qh = q_of(r);
+                    let mut j = j0;
+                    while j + 4 <= je {
+                        let s4 = dot_four([krow(j), krow(j + 1), krow(j + 2), krow(j + 3)], qh);
+                        for (k, v) in s4.iter().enumerate() {
+                            p[r * n_pad + j + k] = v * scale;
+                        }
+                        j += 4;
+                    }
+                    for j in j..je {
+                        p[r * n_pad + j] = dot_one_acc(qh, krow(j)) * scale;
                     }
                 }
             }
             // 2. softmax of each row
-            for (i, &pi) in pos.iter().enumerate().take(i1).skip(i0) {
-                let n = pi as usize + 1;
-                let m = n.div_ceil(16) * 16;
-                for g in 0..group {
-                    let r = ((i - i0) * group + g) * n_pad;
-                    let pr = &mut p[r..r + m];
-                    let max = pr[..n].iter().fold(f32::NEG_INFINITY, |a, &s| a.max(s));
-                    for v in pr[..n].iter_mut() {
-                        *v -= max;
-                    }
-                    for v in &mut pr[n..m] {
-                        *v = f32::NEG_INFINITY;
-                    }
-                    crate::vexp::exp_inplace(pr);
-                    let mut sum = 0f64;
-                    for c in pr.chunks_exact(16) {
-                        // SAFETY: the chunk holds exactly 16 f32.
-                        sum += _mm512_reduce_add_ps(unsafe { _mm512_loadu_ps(c.as_ptr()) }) as f64;
-                    }
-                    let inv = (1.0 / sum) as f32;
-                    for v in pr.iter_mut() {
-                        *v *= inv;
-                    }
+            for r in 0..nr {
+                let (n, m) = (n_of(r), m_of(r));
+                let pr = &mut p[r * n_pad..r * n_pad + m];
+                let max = pr[..n].iter().fold(f32::NEG_INFINITY, |a, &s| a.max(s));
+                for v in pr[..n].iter_mut() {
+                    *v -= max;
+                }
+                for v in &mut pr[n..m] {
+                    *v = f32::NEG_INFINITY;
+                }
+                crate::vexp::exp_inplace(pr);
+                let mut sum = 0f64;
+                for c in pr.chunks_exact(16) {
+                    // SAFETY: the chunk holds exactly 16 f32.
+                    sum += _mm512_reduce_add_ps(unsafe { _mm512_loadu_ps(c.as_ptr()) }) as f64;
+                }
+                let inv = (1.0 / sum) as f32;
+                for v in pr.iter_mut() {
+                    *v *= inv;
                 }
             }
-            // 3. P·V, output dims outer
+            // 3. P·V, output dims outer; rows in fours, each over its own padded length
             for d0 in (0..head_dim).step_by(DB) {
                 let d1 = (d0 + DB).min(head_dim);
-                for (i, &pi) in pos.iter().enumerate().take(i1).skip(i0) {
-                    let m = (pi as usize + 1).div_ceil(16) * 16;
-                    for g in 0..group {
-                        let r = ((i - i0) * group + g) * n_pad;
-                        let o = (i * group + g) * head_dim;
-                        let vrow = |d: usize| &vt[d * n_pad..d * n_pad + m];
-                        let pr = &p[r..r + m];
-                        let mut d = d0;
-                        while d + 4 <= d1 {
-                            let o4 = dot_four([vrow(d), vrow(d + 1), vrow(d + 2), vrow(d + 3)], pr);
-                            res[o + d..o + d + 4].copy_from_slice(&o4);
-                            d += 4;
+                for r in (0..quads).step_by(4) {
+                    let a: [*const f32; 4] = std::array::from_fn(|k| p[(r + k) * n_pad..].as_ptr());
+                    let len: [usize; 4] = std::array::from_fn(|k| m_of(r + k));
+                    for d in (d0..d1).step_by(4) {
+                        let b: [*const f32; 4] = std::array::from_fn(|c| vrow(d + c).as_ptr());
+                        // SAFETY: p row r + k holds n_pad >= len[k] f32 from its start, and
+                        // every Vᵀ row n_pad >= max(len); d + 3 < head_dim (head_dim and DB
+                        // are multiples of 16).
+                        let z = unsafe { dots_4x4(a, len, b) };
+                        // SAFETY: `lanes` holds 16 f32.
+                        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), z) };
+                        for k in 0..4 {
+                            let (i, g) = (i0 + (r + k) / group, (r + k) % group);
+                            let o = (i * group + g) * head_dim;
+                            for c in 0..4 {
+                                res[o + d + c] = lanes[4 * c + k];
+                            }
                         }
-                        for d in d..d1 {
-                            res[o + d] = dot_one_acc(vrow(d), pr);
-                        }
+                    }
+                }
+                for r in quads..nr {
+                    let m = m_of(r);
+                    let (i, g) = (i0 + r / group, r % group);
+                    let o = (i * group + g) * head_dim;
+                    let pr = &p[r * n_pad..r * n_pad + m];
+                    let mut d = d0;
+                    while d + 4 <= d1 {
+                        let o4 = dot_four(
+                            [
+                                &vrow(d)[..m],
+                                &vrow(d + 1)[..m],
+                                &vrow(d + 2)[..m],
+                                &vrow(d + 3)[..m],
+                            ],
+                            pr,
+                        );
+                        res[o + d..o + d + 4].copy_from_slice(&o4);
+                        d += 4;
+                    }
+                    for d in d..d1 {
+                        res[o + d] = dot_one_acc(&vrow(d)[..m], pr);
                     }
                 }
             }
@@ -642,6 +849,11 @@ mod tests {
             (1, 1, 16, 40, 40),
             (8, 1, 256, 75, 1),
             (4, 2, 48, 18, 17),
+            // groups that are not multiples of 4: register tiles span two query tokens
+            // of different causal lengths
+            (6, 2, 128, 300, 45),
+            (7, 2, 64, 90, 19),
+            (3, 1, 32, 33, 33),
         ] {
             let n_head = group * n_head_kv;
             let kf = rnd(n_ctx * head_dim, 21);
@@ -669,6 +881,48 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// `reduce16` gives each vector's sum bit for bit as `_mm512_reduce_add_ps`, on values
+    /// whose sums depend on the addition order (mixed magnitudes and cancellations).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn reduce16_equals_reduce_add_bitwise() {
+        use std::arch::x86_64::*;
+        if !kapitsa_base::CpuFeatures::get().avx512 {
+            return;
+        }
+        let mut diff_orders = 0;
+        for seed in 0..2000u64 {
+            let x = rnd(256, seed);
+            let x: Vec<f32> = x
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v * [1.0, 1e4, 1e-3, 3e7][(i * 7 + seed as usize) % 4])
+                .collect();
+            // SAFETY: AVX-512F checked above; every load reads 16 f32 inside `x`.
+            let (got, want) = unsafe {
+                let v: [__m512; 16] =
+                    std::array::from_fn(|k| _mm512_loadu_ps(x[16 * k..].as_ptr()));
+                let mut got = [0f32; 16];
+                _mm512_storeu_ps(got.as_mut_ptr(), x86::reduce16(&v));
+                let want: [f32; 16] = std::array::from_fn(|k| _mm512_reduce_add_ps(v[k]));
+                (got, want)
+            };
+            for q in 0..4 {
+                for k in 0..4 {
+                    assert_eq!(
+                        got[4 * q + k].to_bits(),
+                        want[4 * k + q].to_bits(),
+                        "seed {seed}"
+                    );
+                }
+            }
+            // the data must be able to tell summation orders apart
+            let seq: f32 = x[..16].iter().sum();
+            diff_orders += usize::from(seq.to_bits() != want[0].to_bits());
+        }
+        assert!(diff_orders > 100, "{diff_orders}");
     }
 
     /// Rows scattered over shuffled blocks of a bigger pool give bit-identical results to the

@@ -29,6 +29,7 @@ pub mod metrics;
 pub mod openai;
 pub mod params;
 pub mod response_format;
+pub mod tokenize;
 pub mod tool_choice;
 
 use std::future::Future;
@@ -460,6 +461,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models/{id}", get(openai::model))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route("/health", get(health))
         .route("/metrics", get(prometheus))
         .fallback(not_found)

@@ -56,8 +56,9 @@ pub struct GenOpts {
 }
 
 /// Read the sampling and generation fields common to OpenAI requests. `chat`: logprobs is a
-/// boolean plus `top_logprobs` (chat), else an integer (completions).
-pub fn gen_opts(f: &Fields, chat: bool) -> ApiResult<GenOpts> {
+/// boolean plus `top_logprobs` (chat), else an integer (completions). `n_vocab`: the
+/// tokenizer's vocabulary size (`logit_bias` keys must be below it).
+pub fn gen_opts(f: &Fields, chat: bool, n_vocab: usize) -> ApiResult<GenOpts> {
     let mut s = SamplingParams::default();
     if let Some(t) = f.f32_in("temperature", 0.0, 2.0)? {
         s.temperature = t;
@@ -126,9 +127,7 @@ pub fn gen_opts(f: &Fields, chat: bool) -> ApiResult<GenOpts> {
         None => false,
     };
     if let Some(b) = f.object("logit_bias")? {
-        if !b.is_empty() {
-            return Err(f.error("logit_bias", "'logit_bias' is not supported"));
-        }
+        s.logit_bias = logit_bias(b, n_vocab)?;
     }
     Ok(GenOpts {
         sampling: s,
@@ -141,6 +140,45 @@ pub fn gen_opts(f: &Fields, chat: bool) -> ApiResult<GenOpts> {
         include_usage,
         constraint: None,
     })
+}
+
+/// Most entries of `logit_bias` (OpenAI's limit).
+pub const MAX_LOGIT_BIAS: usize = 300;
+
+/// OpenAI `logit_bias`: token id (a decimal string) -> bias in [-100, 100].
+fn logit_bias(b: &Map<String, Value>, n_vocab: usize) -> ApiResult<Vec<(u32, f32)>> {
+    if b.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::bad_param(
+            "logit_bias",
+            format!("'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens"),
+        ));
+    }
+    b.iter()
+        .map(|(k, v)| {
+            let id = k
+                .parse::<u32>()
+                .ok()
+                .filter(|&t| (t as usize) < n_vocab)
+                .ok_or_else(|| {
+                    ApiError::bad_param(
+                        "logit_bias",
+                        format!(
+                            "'logit_bias' key '{k}' is not a token id (an integer below {n_vocab})"
+                        ),
+                    )
+                })?;
+            let bias = v
+                .as_f64()
+                .filter(|x| (-100.0..=100.0).contains(x))
+                .ok_or_else(|| {
+                    ApiError::bad_param(
+                        "logit_bias",
+                        format!("'logit_bias' value of token {k} must be a number in [-100, 100]"),
+                    )
+                })?;
+            Ok((id, bias as f32))
+        })
+        .collect()
 }
 
 /// The engine requests of one prompt: `n` of them, seeds `seed + i`.
@@ -442,7 +480,7 @@ async fn chat_inner(st: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> A
     if json_format.is_some() || policy.choice.forces_call() {
         response_format::no_thinking(&mut extra);
     }
-    let mut o = gen_opts(&f, true)?;
+    let mut o = gen_opts(&f, true, st.model.tokenizer.vocab_size())?;
     st.check_open()?;
     let text = st.render(messages, prompt_tools, extra.as_ref())?;
     let prompt = st.encode(&text)?;
@@ -738,7 +776,7 @@ async fn completions_inner(
     let map = parse_body(&body)?;
     let f = Fields::new(&map);
     st.check_model(f.str("model")?)?;
-    let o = gen_opts(&f, false)?;
+    let o = gen_opts(&f, false, st.model.tokenizer.vocab_size())?;
     let echo = f.bool("echo")?.unwrap_or(false);
     if let Some(s) = f.str("suffix")? {
         if !s.is_empty() {
@@ -961,11 +999,16 @@ mod tests {
     #[test]
     fn options_are_checked() {
         let ok = json!({"temperature": 0, "top_k": -1, "n": 2, "stop": "x", "seed": 5, "logprobs": true, "top_logprobs": 3});
-        let o = gen_opts(&Fields::new(ok.as_object().unwrap()), true).unwrap();
+        let o = gen_opts(&Fields::new(ok.as_object().unwrap()), true, 100).unwrap();
         assert_eq!(o.sampling.temperature, 0.0);
         assert_eq!(o.sampling.top_k, 0);
         assert_eq!(o.n, 2);
         assert_eq!(o.top_logprobs, Some(3));
+        let b = json!({"logit_bias": {"7": -100, "99": 2.5}});
+        let o = gen_opts(&Fields::new(b.as_object().unwrap()), false, 100).unwrap();
+        let mut lb = o.sampling.logit_bias;
+        lb.sort_by_key(|x| x.0);
+        assert_eq!(lb, vec![(7, -100.0), (99, 2.5)]);
         for bad in [
             json!({"temperature": 3}),
             json!({"temperature": "hot"}),
@@ -975,10 +1018,15 @@ mod tests {
             json!({"top_logprobs": 2}),
             json!({"repetition_penalty": 0}),
             json!({"stop": [1]}),
-            json!({"logit_bias": {"1": 5}}),
+            json!({"logit_bias": {"100": 5}}),
+            json!({"logit_bias": {"x": 5}}),
+            json!({"logit_bias": {"-1": 5}}),
+            json!({"logit_bias": {"1": 101}}),
+            json!({"logit_bias": {"1": "5"}}),
+            json!({"logit_bias": [1]}),
         ] {
             assert!(
-                gen_opts(&Fields::new(bad.as_object().unwrap()), true).is_err(),
+                gen_opts(&Fields::new(bad.as_object().unwrap()), true, 100).is_err(),
                 "{bad}"
             );
         }

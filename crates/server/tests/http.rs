@@ -299,6 +299,86 @@ async fn completions_match_the_reference() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_detokenize_and_logit_bias() {
+    let s = default_server().await;
+    let tok = s.state.model.tokenizer.clone();
+    let text = "fn main() { println!(\"hi\"); }";
+    let v = s
+        .post("/tokenize", &json!({"model": "tiny", "prompt": text}))
+        .await
+        .json();
+    let ids: Vec<u32> = v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(ids, tok.encode(text, true, true).unwrap());
+    assert_eq!(v["count"], ids.len());
+    assert_eq!(v["max_model_len"], 512);
+    let v = s.post("/detokenize", &json!({"tokens": ids})).await.json();
+    assert_eq!(v["prompt"], text);
+    assert_openai_error(
+        &s.post("/tokenize", &json!({"text": text})).await,
+        400,
+        "invalid_request_error",
+    );
+    assert_openai_error(
+        &s.post("/detokenize", &json!({"tokens": [-1]})).await,
+        400,
+        "invalid_request_error",
+    );
+    assert_openai_error(
+        &s.post("/tokenize", &json!({"model": "other", "prompt": "x"}))
+            .await,
+        404,
+        "invalid_request_error",
+    );
+
+    // Greedy first token, then the same request with that token banned: the choice moves.
+    let body =
+        json!({"model": "tiny", "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1});
+    let first = |v: &Value| {
+        v["choices"][0]["logprobs"]["tokens"][0]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let free = first(&s.post("/v1/completions", &body).await.json());
+    let t0 = tok.encode(&free, false, false).unwrap();
+    assert_eq!(t0.len(), 1, "{free:?}");
+    let mut banned = body.clone();
+    banned["logit_bias"] = json!({ t0[0].to_string(): -100 });
+    assert_ne!(
+        first(&s.post("/v1/completions", &banned).await.json()),
+        free
+    );
+    // Steered: every generated token is one of the favoured ones.
+    let favoured = tok.encode(" alpha beta gamma", false, false).unwrap();
+    let mut steer = body.clone();
+    steer["max_tokens"] = 12.into();
+    steer["ignore_eos"] = true.into();
+    steer["logit_bias"] = favoured
+        .iter()
+        .map(|t| (t.to_string(), json!(100)))
+        .collect::<serde_json::Map<_, _>>()
+        .into();
+    let v = s.post("/v1/completions", &steer).await.json();
+    let allowed: Vec<String> = favoured
+        .iter()
+        .map(|&t| tok.decode(&[t], false).unwrap())
+        .collect();
+    let got = v["choices"][0]["logprobs"]["tokens"].as_array().unwrap();
+    assert_eq!(got.len(), 12);
+    for t in got {
+        assert!(
+            allowed.contains(&t.as_str().unwrap().to_string()),
+            "{t} not in {allowed:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn anthropic_messages() {
     let s = default_server().await;
     let body = json!({"model": "tiny", "max_tokens": 16, "temperature": 0, "system": "Be terse.",

@@ -473,7 +473,9 @@ fn chat_cases() -> Vec<Case> {
             ("presence_penalty", json!(2.5)),
             ("frequency_penalty", json!(-2.5)),
             ("repetition_penalty", json!(0)),
-            ("logit_bias", json!({"1": 5})),
+            ("logit_bias", json!({"99999999": 5})),
+            ("logit_bias", json!({"1": 150})),
+            ("logit_bias", json!({"one": 5})),
         ],
     ));
     for k in [json!(21), json!(-1)] {
