@@ -343,3 +343,41 @@ def test_json_schema_parse_helper(openai_client, model):
     )
     city = r.choices[0].message.parsed
     assert isinstance(city, City) and city.name and city.country, r
+
+
+def _post(base_url, api_key, path, body):
+    import urllib.request
+
+    req = urllib.request.Request(
+        base_url + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.load(r)
+
+
+def test_logit_bias_and_tokenize(openai_client, model, base_url, api_key):
+    prompt = "def fibonacci(n):"
+    ids = _post(base_url, api_key, "/tokenize", {"prompt": prompt, "add_special_tokens": False})["tokens"]
+    assert _post(base_url, api_key, "/detokenize", {"tokens": ids})["prompt"] == prompt
+    free = openai_client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=1)
+    first = free.choices[0].logprobs.tokens[0]
+    first_ids = _post(base_url, api_key, "/tokenize", {"prompt": first, "add_special_tokens": False})["tokens"]
+    assert len(first_ids) == 1, (first, first_ids)
+    # The greedy token banned: the choice moves to another token.
+    banned = openai_client.completions.create(
+        model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, logit_bias={str(first_ids[0]): -100}
+    )
+    assert banned.choices[0].logprobs.tokens[0] != first
+    # Steered to one word: every generated token is that word.
+    word = _post(base_url, api_key, "/tokenize", {"prompt": " banana", "add_special_tokens": False})["tokens"]
+    assert len(word) == 1
+    steered = openai_client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=6, temperature=0, logit_bias={str(word[0]): 100}
+    )
+    # (chat content starts after the reply's leading whitespace)
+    assert steered.choices[0].message.content.split() == ["banana"] * 6
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client.completions.create(model=model, prompt=prompt, max_tokens=1, logit_bias={"99999999": 1})
+    assert e.value.body["param"] == "logit_bias"
