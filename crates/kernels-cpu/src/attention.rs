@@ -349,35 +349,37 @@ mod x86 {
         // t[m]: lanes 0-7 the 8-lane partials of v[2m], lanes 8-15 those of v[2m + 1]
         let mut t = [_mm512_setzero_ps(); 8];
         for m in 0..8 {
-            let (a, b) = (v[2 * m], v[2 * m + 1]);
-            t[m] = _mm512_add_ps(
-                _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
-                _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
-            );
+            t[m] = fold_f32x4::<0b01_00_01_00, 0b11_10_11_10>(v[2 * m], v[2 * m + 1]);
         }
         // u[m]: 128-bit chunk q holds the 4-lane partials of v[4m + q]
         let mut u = [_mm512_setzero_ps(); 4];
         for m in 0..4 {
-            let (a, b) = (t[2 * m], t[2 * m + 1]);
-            u[m] = _mm512_add_ps(
-                _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
-                _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
-            );
+            u[m] = fold_f32x4::<0b10_00_10_00, 0b11_01_11_01>(t[2 * m], t[2 * m + 1]);
         }
         // w[m]: chunk q holds the 2-lane partials of v[8m + q] (lanes 0-1) and
         // v[8m + 4 + q] (lanes 2-3)
-        let mut w = [_mm512_setzero_ps(); 2];
-        for m in 0..2 {
-            let (a, b) = (u[2 * m], u[2 * m + 1]);
-            w[m] = _mm512_add_ps(
-                _mm512_shuffle_ps::<0b01_00_01_00>(a, b),
-                _mm512_shuffle_ps::<0b11_10_11_10>(a, b),
-            );
-        }
+        let w0 = fold_ps::<0b01_00_01_00, 0b11_10_11_10>(u[0], u[1]);
+        let w1 = fold_ps::<0b01_00_01_00, 0b11_10_11_10>(u[2], u[3]);
+        fold_ps::<0b10_00_10_00, 0b11_01_11_01>(w0, w1)
+    }
+
+    /// One step of [`reduce16`]: `shuffle_f32x4(a, b, LO) + shuffle_f32x4(a, b, HI)`
+    /// (128-bit chunks of `a` and `b` paired by the two selections).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn fold_f32x4<const LO: i32, const HI: i32>(a: __m512, b: __m512) -> __m512 {
         _mm512_add_ps(
-            _mm512_shuffle_ps::<0b10_00_10_00>(w[0], w[1]),
-            _mm512_shuffle_ps::<0b11_01_11_01>(w[0], w[1]),
+            _mm512_shuffle_f32x4::<LO>(a, b),
+            _mm512_shuffle_f32x4::<HI>(a, b),
         )
+    }
+
+    /// One step of [`reduce16`] inside each 128-bit chunk: `shuffle_ps(a, b, LO) +
+    /// shuffle_ps(a, b, HI)`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn fold_ps<const LO: i32, const HI: i32>(a: __m512, b: __m512) -> __m512 {
+        _mm512_add_ps(_mm512_shuffle_ps::<LO>(a, b), _mm512_shuffle_ps::<HI>(a, b))
     }
 
     /// The 16 dot products of 4 rows `a[k]` with 4 rows `b[q]`, each the operation sequence

@@ -20,7 +20,7 @@ use crate::gen::{
     cancelled, chat_logprobs, completion_logprobs, new_id, openai_finish, random_u64, submit_all,
     submit_all_for, unix_now, Choice, Merged,
 };
-use crate::params::{parse_body, type_name, Fields};
+use crate::params::{parse_body, token_ids, type_name, Fields};
 use crate::{body_bytes, response_format, tool_choice, AppState};
 
 /// Most choices (`n`) one request may ask for.
@@ -700,21 +700,6 @@ async fn stream_chat(
 /// The prompts of a completions request: (token ids, prompt text).
 fn completion_prompts(st: &AppState, v: &Value) -> ApiResult<Vec<(Vec<u32>, String)>> {
     let tok = &st.model.tokenizer;
-    let ids = |a: &[Value], p: &str| -> ApiResult<Vec<u32>> {
-        a.iter()
-            .map(|x| {
-                x.as_u64()
-                    .filter(|&t| t <= u64::from(u32::MAX))
-                    .map(|t| t as u32)
-                    .ok_or_else(|| {
-                        ApiError::bad_param(
-                            p,
-                            format!("'{p}' must hold token ids (non-negative integers)"),
-                        )
-                    })
-            })
-            .collect()
-    };
     let from_ids = |t: Vec<u32>| -> ApiResult<(Vec<u32>, String)> {
         let text = tok
             .decode(&t, false)
@@ -728,7 +713,9 @@ fn completion_prompts(st: &AppState, v: &Value) -> ApiResult<Vec<(Vec<u32>, Stri
         Value::Array(a) if a.is_empty() => {
             Err(ApiError::bad_param("prompt", "'prompt' must not be empty"))
         }
-        Value::Array(a) if a.iter().all(Value::is_number) => Ok(vec![from_ids(ids(a, "prompt")?)?]),
+        Value::Array(a) if a.iter().all(Value::is_number) => {
+            Ok(vec![from_ids(token_ids(a, "prompt")?)?])
+        }
         Value::Array(a) => a
             .iter()
             .enumerate()
@@ -736,7 +723,7 @@ fn completion_prompts(st: &AppState, v: &Value) -> ApiResult<Vec<(Vec<u32>, Stri
                 let p = format!("prompt[{i}]");
                 match x {
                     Value::String(s) => from_text(s),
-                    Value::Array(t) => from_ids(ids(t, &p)?),
+                    Value::Array(t) => from_ids(token_ids(t, &p)?),
                     other => Err(ApiError::bad_param(
                         &p,
                         format!(

@@ -5,6 +5,24 @@ use serde_json::{Map, Value};
 
 use crate::error::{ApiError, ApiResult};
 
+/// A JSON array of token ids (non-negative integers that fit in `u32`); `param` names the
+/// field in the error.
+pub fn token_ids(a: &[Value], param: &str) -> ApiResult<Vec<u32>> {
+    a.iter()
+        .map(|x| {
+            x.as_u64()
+                .filter(|&t| t <= u64::from(u32::MAX))
+                .map(|t| t as u32)
+                .ok_or_else(|| {
+                    ApiError::bad_param(
+                        param,
+                        format!("'{param}' must hold token ids (non-negative integers)"),
+                    )
+                })
+        })
+        .collect()
+}
+
 /// Parse a request body as a JSON object.
 pub fn parse_body(body: &[u8]) -> ApiResult<Map<String, Value>> {
     let v: Value = serde_json::from_slice(body).map_err(|e| {

@@ -9,10 +9,10 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::json;
+use serde_json::{json, Map, Value};
 
 use crate::error::{Api, ApiError, ApiResult};
-use crate::params::{parse_body, Fields};
+use crate::params::{parse_body, token_ids, Fields};
 use crate::{body_bytes, AppState};
 
 /// `POST /tokenize`: `{"prompt": TEXT, "add_special_tokens": bool (default true), "model":
@@ -22,13 +22,7 @@ pub async fn tokenize(
     State(st): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let r = (|| -> ApiResult<Response> {
-        let body = body_bytes(&st, body)?;
-        let map = parse_body(&body)?;
-        let f = Fields::new(&map);
-        if let Some(m) = f.str("model")? {
-            st.check_model(Some(m))?;
-        }
+    answer(&st, body, |f| {
         let text = f
             .str("prompt")?
             .ok_or_else(|| ApiError::bad_param("prompt", "'prompt' is a required property"))?;
@@ -38,14 +32,8 @@ pub async fn tokenize(
             .tokenizer
             .encode(text, special, true)
             .map_err(|e| ApiError::bad(format!("cannot tokenize the prompt: {e}")))?;
-        Ok(Json(json!({
-            "tokens": ids,
-            "count": ids.len(),
-            "max_model_len": st.engine.n_ctx(),
-        }))
-        .into_response())
-    })();
-    r.unwrap_or_else(|e| e.into_response_for(Api::OpenAi))
+        Ok(json!({"tokens": ids, "count": ids.len(), "max_model_len": st.engine.n_ctx()}))
+    })
 }
 
 /// `POST /detokenize`: `{"tokens": [ids], "model": optional}` -> `{"prompt": TEXT}` (special
@@ -54,35 +42,37 @@ pub async fn detokenize(
     State(st): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let r = (|| -> ApiResult<Response> {
-        let body = body_bytes(&st, body)?;
-        let map = parse_body(&body)?;
+    answer(&st, body, |f| {
+        let list = f
+            .array("tokens")?
+            .ok_or_else(|| ApiError::bad_param("tokens", "'tokens' is a required property"))?;
+        let text = st
+            .model
+            .tokenizer
+            .decode(&token_ids(list, "tokens")?, false)
+            .map_err(|e| ApiError::bad_param("tokens", format!("bad token id in 'tokens': {e}")))?;
+        Ok(json!({ "prompt": text }))
+    })
+}
+
+/// Parse the body, check the optional `model`, and answer `make`'s JSON (or the error in
+/// OpenAI's shape).
+fn answer(
+    st: &AppState,
+    body: Result<Bytes, BytesRejection>,
+    make: impl FnOnce(&Fields) -> ApiResult<Value>,
+) -> Response {
+    let r = (|| -> ApiResult<Value> {
+        let body = body_bytes(st, body)?;
+        let map: Map<String, Value> = parse_body(&body)?;
         let f = Fields::new(&map);
         if let Some(m) = f.str("model")? {
             st.check_model(Some(m))?;
         }
-        let list = f
-            .array("tokens")?
-            .ok_or_else(|| ApiError::bad_param("tokens", "'tokens' is a required property"))?;
-        let ids = list
-            .iter()
-            .map(|x| {
-                x.as_u64()
-                    .filter(|&t| t <= u64::from(u32::MAX))
-                    .map(|t| t as u32)
-                    .ok_or_else(|| {
-                        ApiError::bad_param(
-                            "tokens",
-                            "'tokens' must hold token ids (non-negative integers)",
-                        )
-                    })
-            })
-            .collect::<ApiResult<Vec<u32>>>()?;
-        let text =
-            st.model.tokenizer.decode(&ids, false).map_err(|e| {
-                ApiError::bad_param("tokens", format!("bad token id in 'tokens': {e}"))
-            })?;
-        Ok(Json(json!({ "prompt": text })).into_response())
+        make(&f)
     })();
-    r.unwrap_or_else(|e| e.into_response_for(Api::OpenAi))
+    match r {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response_for(Api::OpenAi),
+    }
 }
