@@ -10,6 +10,7 @@ use kapitsa_kernels_cpu::gdn::{self, GdnShape};
 use kapitsa_kernels_cpu::mamba2::{self, Mamba2Shape};
 use kapitsa_kernels_cpu::matmul::{self, QMatrix};
 use kapitsa_kernels_cpu::ops;
+use kapitsa_kernels_cpu::{KernelError, SimdLevel};
 
 /// Errors from backend ops: shape or type problems found at an op boundary.
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +30,21 @@ pub trait Backend: Send + Sync {
 
     /// `y[n_tok, w.n_out] = x[n_tok, w.n_in] @ w^T`.
     fn matmul(&self, w: &QMatrix<'_>, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()>;
+
+    /// [`Backend::matmul`] for weights that calls meet with few tokens: a routed expert (a
+    /// small share of the batch) or the output head (logits of a few rows): the backend may
+    /// use kernels suited to small batches. Every call on the same weights must still compute
+    /// the same operation sequence per output (batch invariance), so the choice may depend on
+    /// the matrix, never on `n_tok`.
+    fn matmul_small_batch(
+        &self,
+        w: &QMatrix<'_>,
+        x: &[f32],
+        n_tok: usize,
+        y: &mut [f32],
+    ) -> Result<()> {
+        self.matmul(w, x, n_tok, y)
+    }
 
     /// Embedding gather: `out[i, :] = dequant(w[ids[i], :])`, out `[ids.len(), w.n_in]`.
     fn get_rows(&self, w: &QMatrix<'_>, ids: &[u32], out: &mut [f32]) -> Result<()>;
@@ -104,12 +120,36 @@ pub trait Backend: Send + Sync {
 /// The CPU backend: kernels from `kapitsa-kernels-cpu` on a thread pool.
 pub struct CpuBackend {
     pool: Box<dyn ThreadPool + Send>,
+    /// The most capable kernel level the matrix multiplications may use.
+    level: SimdLevel,
 }
 
 impl CpuBackend {
-    /// A CPU backend running on `pool`.
+    /// A CPU backend running on `pool` with the fastest kernels of this CPU.
     pub fn new(pool: Box<dyn ThreadPool + Send>) -> CpuBackend {
-        CpuBackend { pool }
+        CpuBackend {
+            pool,
+            level: SimdLevel::detect(),
+        }
+    }
+
+    /// A CPU backend whose matrix multiplications use kernels of at most `level`; errors if
+    /// the CPU lacks `level`. `SimdLevel::Avx512Vnni` on an AMX machine keeps ggml's exact
+    /// summation order for the K formats (what llama.cpp's CPU backend computes), at the cost
+    /// of the tile GEMM.
+    pub fn with_level(
+        pool: Box<dyn ThreadPool + Send>,
+        level: SimdLevel,
+    ) -> std::result::Result<CpuBackend, KernelError> {
+        if !level.is_available() {
+            return Err(KernelError::SimdUnavailable(level));
+        }
+        Ok(CpuBackend { pool, level })
+    }
+
+    /// The kernel level the matrix multiplications use at most.
+    pub fn level(&self) -> SimdLevel {
+        self.level
     }
 
     /// The pool this backend runs on.
@@ -120,15 +160,42 @@ impl CpuBackend {
 
 impl Backend for CpuBackend {
     fn describe(&self) -> String {
+        let capped = if self.level < SimdLevel::detect() {
+            format!(", matmul kernels capped at {:?}", self.level)
+        } else {
+            String::new()
+        };
         format!(
-            "cpu {}, {} threads",
+            "cpu {}, {} threads{capped}",
             CpuFeatures::get().describe(),
             self.pool.n_threads()
         )
     }
 
     fn matmul(&self, w: &QMatrix<'_>, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()> {
-        Ok(matmul::matmul(&*self.pool, w, x, n_tok, y)?)
+        Ok(matmul::matmul_with(
+            self.level,
+            &*self.pool,
+            w,
+            x,
+            n_tok,
+            y,
+        )?)
+    }
+
+    /// These weights stay below the AMX level: a call carries a few tokens (an expert gets
+    /// about 16 of a 512-token prefill, the head one row per sequence), too few to pay for the
+    /// tile GEMM's weight decoding, and the AVX-512 kernels' order is the cheaper one for
+    /// decode.
+    fn matmul_small_batch(
+        &self,
+        w: &QMatrix<'_>,
+        x: &[f32],
+        n_tok: usize,
+        y: &mut [f32],
+    ) -> Result<()> {
+        let level = self.level.min(SimdLevel::Avx512Vnni);
+        Ok(matmul::matmul_with(level, &*self.pool, w, x, n_tok, y)?)
     }
 
     fn get_rows(&self, w: &QMatrix<'_>, ids: &[u32], out: &mut [f32]) -> Result<()> {

@@ -13,11 +13,15 @@ pub struct CpuFeatures {
     pub avx512_vnni: bool,
     /// AVX-512 BF16 (`vdpbf16ps`).
     pub avx512_bf16: bool,
+    /// AMX-TILE + AMX-INT8 (`tdpbsud`), with the kernel's permission to use the tile data
+    /// state granted to this process (requested once, at detection).
+    pub amx_int8: bool,
 }
 
 impl CpuFeatures {
     /// Features of the running CPU, detected on first call. Setting the environment variable
-    /// `KAPITSA_CPU=scalar` (or `avx2`) caps what is reported, to test the fallbacks.
+    /// `KAPITSA_CPU=scalar` (or `avx2`, or `noamx`) caps what is reported, to test the
+    /// fallbacks.
     pub fn get() -> CpuFeatures {
         static F: OnceLock<CpuFeatures> = OnceLock::new();
         *F.get_or_init(|| {
@@ -28,7 +32,9 @@ impl CpuFeatures {
                     f.avx512 = false;
                     f.avx512_vnni = false;
                     f.avx512_bf16 = false;
+                    f.amx_int8 = false;
                 }
+                Ok("noamx") => f.amx_int8 = false,
                 _ => {}
             }
             f
@@ -51,6 +57,9 @@ impl CpuFeatures {
         if self.avx512_bf16 {
             parts.push("bf16");
         }
+        if self.amx_int8 {
+            parts.push("amx");
+        }
         parts.join(" ")
     }
 }
@@ -70,6 +79,59 @@ fn detect() -> CpuFeatures {
         avx512,
         avx512_vnni: avx512 && is_x86_feature_detected!("avx512vnni"),
         avx512_bf16: avx512 && is_x86_feature_detected!("avx512bf16"),
+        amx_int8: avx512 && amx::enable(),
+    }
+}
+
+/// AMX detection and the Linux permission request.
+#[cfg(target_arch = "x86_64")]
+mod amx {
+    use std::arch::x86_64::__cpuid_count;
+
+    /// `arch_prctl` on x86-64 Linux.
+    const SYS_ARCH_PRCTL: usize = 158;
+    /// `ARCH_REQ_XCOMP_PERM`: ask for permission to use an extended state component.
+    const ARCH_REQ_XCOMP_PERM: usize = 0x1023;
+    /// `XFEATURE_XTILEDATA`: the AMX tile registers.
+    const XFEATURE_XTILEDATA: usize = 18;
+
+    /// Whether the CPU has AMX-TILE and AMX-INT8 and the kernel lets this process use them
+    /// (Linux needs an explicit request per process; without it the first tile instruction
+    /// faults). Requests the permission as a side effect.
+    pub(super) fn enable() -> bool {
+        // (CPUID leaf 7 exists on any CPU with AVX-512, which the caller checked first.)
+        let l7 = __cpuid_count(7, 0);
+        let tile = l7.edx & (1 << 24) != 0;
+        let int8 = l7.edx & (1 << 25) != 0;
+        if !(tile && int8 && cfg!(target_os = "linux")) {
+            return false;
+        }
+        request_permission()
+    }
+
+    #[cfg(target_os = "linux")]
+    fn request_permission() -> bool {
+        let ret: isize;
+        // SAFETY: a plain `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)` system call:
+        // it takes two integers, touches no memory of ours, and only changes which extended
+        // states this process may use. The `syscall` instruction clobbers rcx and r11.
+        unsafe {
+            std::arch::asm!(
+                "syscall",
+                inlateout("rax") SYS_ARCH_PRCTL => ret,
+                in("rdi") ARCH_REQ_XCOMP_PERM,
+                in("rsi") XFEATURE_XTILEDATA,
+                lateout("rcx") _,
+                lateout("r11") _,
+                options(nostack),
+            );
+        }
+        ret == 0
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn request_permission() -> bool {
+        false
     }
 }
 

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use kapitsa_backend::{Backend, CpuBackend};
 use kapitsa_base::pool::RayonPool;
 use kapitsa_engine::loader::{chat_template_for, tokenizer_for};
+use kapitsa_kernels_cpu::SimdLevel;
 use kapitsa_models::{load_model, BatchInputs, CausalLm, KvCache, KvType, LoadOptions};
 
 fn fixtures() -> PathBuf {
@@ -98,17 +99,34 @@ fn top_k(row: &[f32], k: usize) -> Vec<u32> {
 /// this in the logits (a near tie); anything else is a failure.
 const TIE: f32 = 0.5;
 
-/// `min_exact`: how many prompts must reproduce all of llama.cpp's greedy tokens. The target
-/// of issue #2 is 10 of 12 for both models; the 1.5B model reaches 8 today (its other four
-/// diverge at near ties, which the checks above still require), so its floor is 8: a guard
-/// against regressions, not the goal.
-fn check_model(name: &str, file: &str, min_exact: usize) {
+/// How a run is judged: the kernel level of the matrix multiplications, how many prompts must
+/// reproduce all of llama.cpp's greedy tokens, and the largest accepted prompt-logit difference.
+struct Bar {
+    level: SimdLevel,
+    min_exact: usize,
+    max_logit_d: f32,
+}
+
+/// The level that keeps ggml's exact summation order (what llama.cpp's CPU backend computes):
+/// everything below the AMX tiles.
+fn ggml_order() -> SimdLevel {
+    SimdLevel::detect().min(SimdLevel::Avx512Vnni)
+}
+
+/// `bar.min_exact`: the target of issue #2 is 10 of 12 for both models in ggml's order; the
+/// 1.5B model reaches 8 today (its other four diverge at near ties, which the checks above
+/// still require), so its floor is 8: a guard against regressions, not the goal. At the AMX
+/// level the K formats use another (equally exact) float order, so greedy paths part from
+/// llama.cpp's at more near ties; see `fast_order_*`.
+fn check_model(name: &str, file: &str, bar: Bar) {
     let Some(path) = model_path(file) else { return };
     let fx: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(fixtures().join(format!("{name}.json"))).unwrap(),
     )
     .unwrap();
-    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(Box::new(RayonPool::new(0).unwrap())));
+    let pool = Box::new(RayonPool::new(0).unwrap());
+    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::with_level(pool, bar.level).unwrap());
+    println!("{name}: matmul kernels at {:?}", bar.level);
     let m = load_model(&path, backend, &LoadOptions::default()).unwrap();
     let model = &*m.model;
     let tok = tokenizer_for(&m.source).unwrap();
@@ -205,7 +223,7 @@ fn check_model(name: &str, file: &str, min_exact: usize) {
             100.0 * top5_agree as f64 / (5 * n) as f64,
             100.0 * top1_agree as f64 / n as f64
         );
-        if max_d > 1.0 || last_d > 1.0 {
+        if max_d > bar.max_logit_d || last_d > bar.max_logit_d {
             failures.push(format!(
                 "{pname}: logits differ by up to {max_d} (last row {last_d})"
             ));
@@ -246,9 +264,10 @@ fn check_model(name: &str, file: &str, min_exact: usize) {
         "{name}: {n_exact}/{} prompts with all greedy tokens equal",
         prompts.len()
     );
-    if n_exact < min_exact {
+    if n_exact < bar.min_exact {
         failures.push(format!(
-            "only {n_exact} prompts have all greedy tokens equal to llama.cpp's (need {min_exact})"
+            "only {n_exact} prompts have all greedy tokens equal to llama.cpp's (need {})",
+            bar.min_exact
         ));
     }
     assert!(failures.is_empty(), "{name}:\n{}", failures.join("\n"));
@@ -259,7 +278,11 @@ fn qwen2_5_coder_0_5b_matches_llama_cpp() {
     check_model(
         "qwen2.5-coder-0.5b",
         "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-        10,
+        Bar {
+            level: ggml_order(),
+            min_exact: 10,
+            max_logit_d: 1.0,
+        },
     );
 }
 
@@ -268,6 +291,50 @@ fn qwen2_5_coder_1_5b_matches_llama_cpp() {
     check_model(
         "qwen2.5-coder-1.5b",
         "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-        8,
+        Bar {
+            level: ggml_order(),
+            min_exact: 8,
+            max_logit_d: 1.0,
+        },
+    );
+}
+
+// The default kernels of an AMX machine: the K formats sum each super-block exactly and then
+// accumulate in one f32 chain (`quant::dot_sb`) instead of ggml's 16 lanes. Every output is as
+// exact, but last-bit differences reach the 8-bit activation quantisation and move near ties:
+// measured 5/12 (0.5B) and 6/12 (1.5B) prompts with all 64 greedy tokens equal, every other
+// prompt parting at a logit gap under 0.2, top-1 agreement above 90%, and prompt logits within
+// 1.31 of llama.cpp's. The floors and the bound below guard those numbers; the near-tie rule
+// and the top-1 agreement are the same as above.
+
+#[test]
+fn fast_order_0_5b_stays_within_near_ties_of_llama_cpp() {
+    if !SimdLevel::Amx.is_available() {
+        return;
+    }
+    check_model(
+        "qwen2.5-coder-0.5b",
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        Bar {
+            level: SimdLevel::Amx,
+            min_exact: 5,
+            max_logit_d: 1.5,
+        },
+    );
+}
+
+#[test]
+fn fast_order_1_5b_stays_within_near_ties_of_llama_cpp() {
+    if !SimdLevel::Amx.is_available() {
+        return;
+    }
+    check_model(
+        "qwen2.5-coder-1.5b",
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        Bar {
+            level: SimdLevel::Amx,
+            min_exact: 6,
+            max_logit_d: 1.5,
+        },
     );
 }

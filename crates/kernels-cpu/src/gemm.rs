@@ -43,11 +43,11 @@ struct Line([u8; 64]);
 
 /// A reusable, 64-byte-aligned byte buffer.
 #[derive(Default)]
-struct Buf(Vec<Line>);
+pub(crate) struct Buf(Vec<Line>);
 
 impl Buf {
     /// The first `n` bytes, growing the buffer if needed (contents are left as they were).
-    fn bytes(&mut self, n: usize) -> &mut [u8] {
+    pub(crate) fn bytes(&mut self, n: usize) -> &mut [u8] {
         let lines = n.div_ceil(64);
         if self.0.len() < lines {
             self.0.resize(lines, Line([0; 64]));
@@ -67,7 +67,7 @@ thread_local! {
 
 /// Runs `f` with this thread's buffer `key` (or a fresh one if it is already borrowed, which
 /// only re-entrant use could cause).
-fn with_buf<R>(
+pub(crate) fn with_buf<R>(
     key: &'static std::thread::LocalKey<RefCell<Buf>>,
     f: impl FnOnce(&mut Buf) -> R,
 ) -> R {

@@ -7,6 +7,7 @@ pub mod attention;
 pub mod conv;
 pub mod gdn;
 mod gemm;
+mod gemm_amx;
 pub mod mamba2;
 pub mod matmul;
 pub mod ops;

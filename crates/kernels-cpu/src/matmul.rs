@@ -10,7 +10,8 @@
 //!
 //! * Prefill, `n_tok >= GEMM_MIN_TOKENS`, weight types with a tiled GEMM at the chosen SIMD
 //!   level (AVX-512: Q4_K, Q5_K, Q6_K; with VNNI also Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4): the
-//!   GEMM of `crate::gemm` (weights decoded once per call, 8-token micro-kernels).
+//!   GEMM of `crate::gemm` (weights decoded once per call, 8-token micro-kernels); at
+//!   [`SimdLevel::Amx`] the K formats take the tile GEMM of `crate::gemm_amx` instead.
 //! * Otherwise ([`matmul_dot_with`]): outputs are cut into tiles of (a chunk of weight rows) x
 //!   (a block of up to [`TOK_BLOCK`] tokens); each tile is one pool task, looping rows outer
 //!   and tokens inner, so a weight row is streamed from memory once per token block and then
@@ -189,6 +190,13 @@ fn matmul_impl(
         y.fill(0.0);
         return Ok(());
     }
+    if allow_gemm
+        && n_tok >= GEMM_MIN_TOKENS
+        && kernel.level() == SimdLevel::Amx
+        && crate::gemm_amx::supports(w.dtype)
+    {
+        return crate::gemm_amx::gemm(pool, w, x, n_tok, y);
+    }
     if allow_gemm && n_tok >= GEMM_MIN_TOKENS && n_in >= crate::quant::gemm_avx512::GROUP {
         if let Some(gk) = crate::quant::gemm_avx512::kernel(w.dtype, kernel.level()) {
             return crate::gemm::gemm(&gk, pool, w, x, n_tok, y);
@@ -236,9 +244,9 @@ fn matmul_impl(
         let (rc, tb) = (task % row_chunks, task / row_chunks);
         let rows = rc * chunk..((rc + 1) * chunk).min(n_out);
         let toks = tb * TOK_BLOCK..((tb + 1) * TOK_BLOCK).min(n_tok);
+        let xrow = |t: usize| &xq[t * xrb..(t + 1) * xrb];
         for r in rows {
             let wr = &w.data[r * rb..(r + 1) * rb];
-            let xrow = |t: usize| &xq[t * xrb..(t + 1) * xrb];
             let mut t = toks.start;
             if kernel.has_dot4() {
                 // Fused 4-token kernel: decodes the weight row once per 4 tokens; each result

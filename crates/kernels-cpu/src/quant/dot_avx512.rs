@@ -73,6 +73,9 @@ pub(super) fn kernel(_ty: GgmlType, _max: SimdLevel, _bf16: bool) -> Option<Chos
 /// Helpers the AVX-512 GEMM kernels share with the dot products.
 #[cfg(target_arch = "x86_64")]
 pub(super) use imp::{k4_scales, ld512};
+/// The super-block-order K-format dot kernels (see `dot_sb`).
+#[cfg(target_arch = "x86_64")]
+pub(super) use imp::{q4_k_sb, q5_k_sb, q6_k_sb};
 
 #[cfg(target_arch = "x86_64")]
 mod imp {
@@ -128,6 +131,21 @@ mod imp {
             b & M1,
             ((c >> 4) & M2) | (((b >> 6) & M3) << 4),
         ]
+    }
+
+    /// Up to 8 super-blocks of one row awaiting their reduction in the super-block order:
+    /// `u` from `sb_pack`, `f` the scale products `(d * yd, dmin * yd)`.
+    #[derive(Clone, Copy)]
+    struct SbBatch {
+        u: [__m512i; 8],
+        f: [(f32, f32); 8],
+    }
+
+    impl Default for SbBatch {
+        fn default() -> Self {
+            // SAFETY: all-zero bits are a valid `__m512i` (plain integer lanes) and f32 pair.
+            unsafe { std::mem::zeroed() }
+        }
     }
 
     macro_rules! avx512_kernels {
@@ -292,128 +310,299 @@ mod imp {
                     |b| _mm256_shuffle_epi8(table(&KVALUES_MXFP4), nibbles32(ld128(b, 1))),
                     |b: &[u8]| e8m0_to_f32_half(b[0]), |bl: &[u8]| e8m0x8(bl));
 
+                /// One super-block's integers for the super-block order: the 8-lane fold of
+                /// the main lane sums (`T` is the sum of lanes 0..8) and the 8 lanes of the
+                /// min / offset term (`M` is the sum of lanes 8..16).
+                #[inline]
+                #[target_feature(enable = $feat)]
+                fn sb_pack(sumi: __m512i, m: __m256i) -> __m512i {
+                    let s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64::<1>(sumi));
+                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(s8), m)
+                }
+
+                /// Reduces the first `n` packed super-blocks of `b` to their integers (one
+                /// transposing add tree for all of them: integer sums are exact in any order) and
+                /// continues the f32 chain `acc` over them in order: `acc = fma(f.0, T, acc)`,
+                /// then, for Q4_K/Q5_K, `acc = fma(-f.1, M, acc)`; for Q6_K (`q6`) the integer is
+                /// `T - 32 M` and there is no second step.
+                #[inline]
+                #[target_feature(enable = $feat)]
+                fn sb_flush(b: &SbBatch, n: usize, q6: bool, acc: &mut f32) {
+                    let u = &b.u;
+                    // Per 128-bit lane L: [sum_L u0, sum_L u1, sum_L u2, sum_L u3] (p: u0..u3,
+                    // q: u4..u7); lanes 0, 1 hold T parts, lanes 2, 3 M parts.
+                    let h = |a: __m512i, b: __m512i| _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+                    let g = |a: __m512i, b: __m512i| _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+                    let p = g(h(u[0], u[1]), h(u[2], u[3]));
+                    let q = g(h(u[4], u[5]), h(u[6], u[7]));
+                    // [T0..4, M0..4, T4..8, M4..8]
+                    let r = _mm512_add_epi32(_mm512_shuffle_i32x4::<0x88>(p, q), _mm512_shuffle_i32x4::<0xDD>(p, q));
+                    let mut v = [0i32; 16];
+                    // SAFETY: `v` holds 16 i32.
+                    unsafe { _mm512_storeu_si512(v.as_mut_ptr().cast(), r) };
+                    for (j, &(f, fm)) in b.f[..n].iter().enumerate() {
+                        let o = 8 * (j / 4) + j % 4;
+                        let (t, m) = (v[o], v[o + 4]);
+                        if q6 {
+                            *acc = f.mul_add((t - 32 * m) as f32, *acc);
+                        } else {
+                            *acc = f.mul_add(t as f32, *acc);
+                            *acc = (-fm).mul_add(m as f32, *acc);
+                        }
+                    }
+                }
+
+                /// A Q4_K/Q5_K block decoded for the integer part: the unsigned quants of each
+                /// 64-element chunk `c` (`wv[c]`), the chunk's two sub-block scales as i16 pairs
+                /// (`sv[c]`), the mins as i16 multipliers of the Q8_K `bsums`, and the scales.
+                #[derive(Clone, Copy)]
+                struct K45W {
+                    wv: [__m512i; 4],
+                    sv: [__m512i; 4],
+                    mins2: __m256i,
+                    d: f32,
+                    dmin: f32,
+                }
+
+                /// Shuffle masks picking scale 2c (low 256) and 2c+1 (high 256) as i16.
+                #[inline]
+                #[target_feature(enable = $feat)]
+                fn k45_smask() -> [__m512i; 4] {
+                    std::array::from_fn(|c| {
+                        let lo = (((4 * c + 1) << 8) | (4 * c)) as i16;
+                        let hi = (((4 * c + 3) << 8) | (4 * c + 2)) as i16;
+                        join(_mm256_set1_epi16(lo), _mm256_set1_epi16(hi))
+                    })
+                }
+
+                /// Decodes one Q4_K (`Q5`: Q5_K) block `b`.
+                ///
+                /// # Safety
+                /// Requires the features of this module; `b` holds one whole block.
+                #[inline]
+                #[target_feature(enable = $feat)]
+                unsafe fn k45_decode<const Q5: bool>(b: &[u8], smask: &[__m512i; 4]) -> K45W {
+                    // Q4_K: nibbles at 16..144; Q5_K: qh at 16..48, nibbles at 48..176.
+                    let qs_off = if Q5 { 48 } else { 16 };
+                    let m4 = _mm512_set1_epi8(0xF);
+                    let one = _mm256_set1_epi8(1);
+                    let u = k4_scales(&b[4..16]);
+                    let sm = _mm_set_epi32(u[3] as i32, u[2] as i32, u[1] as i32, u[0] as i32);
+                    let sc16 = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm));
+                    let mins2 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
+                    // SAFETY: qh (Q5_K only) is bytes 16..48 of the block.
+                    let mut qh = if Q5 { unsafe { ld256(b, 16) } } else { _mm256_setzero_si256() };
+                    let mut wv = [_mm512_setzero_si512(); 4];
+                    let mut sv = [_mm512_setzero_si512(); 4];
+                    for c in 0..4 {
+                        // SAFETY: nibbles at qs_off + 32c + 32 <= the block size.
+                        let q = unsafe { ld256(b, qs_off + 32 * c) };
+                        let mut v = _mm512_and_si512(join(q, _mm256_srli_epi16(q, 4)), m4);
+                        if Q5 {
+                            let hlo = _mm256_slli_epi16(_mm256_and_si256(qh, one), 4);
+                            let hhi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4);
+                            qh = _mm256_srli_epi16(qh, 2);
+                            v = _mm512_or_si512(v, join(hlo, hhi));
+                        }
+                        wv[c] = v;
+                        sv[c] = _mm512_shuffle_epi8(sc16, smask[c]);
+                    }
+                    K45W { wv, sv, mins2, d: f16c(b, 0), dmin: f16c(b, 2) }
+                }
+
+                /// The exact integer lanes of one decoded block against one Q8_K block `y`:
+                /// the scaled main lane sums and the 8 lanes of `bsums x mins`.
+                ///
+                /// # Safety
+                /// Requires the features of this module; `y` holds one whole Q8_K block.
+                #[inline]
+                #[target_feature(enable = $feat)]
+                unsafe fn k45_ints(kw: &K45W, y: &[u8]) -> (__m512i, __m256i) {
+                    // SAFETY: bsums are bytes 260..292 of the Q8_K block.
+                    let prod_m = _mm256_madd_epi16(unsafe { ld256(y, 260) }, kw.mins2);
+                    let mut sumi = _mm512_setzero_si512();
+                    for c in 0..4 {
+                        // SAFETY: q8 at 4 + 64c + 64 <= 260.
+                        let yv = unsafe { ld512(y, 4 + 64 * c) };
+                        sumi = wacc(sumi, _mm512_maddubs_epi16(kw.wv[c], yv), kw.sv[c]);
+                    }
+                    (sumi, prod_m)
+                }
+
                 /// Q4_K / Q5_K (`Q5`) share everything but the 5th bit. `T` activation rows; per row the
-                /// operation sequence does not depend on `T` (bit-identical results).
+                /// operation sequence does not depend on `T` (bit-identical results). `SB`: the
+                /// float part in the super-block order of `dot_sb` (the same lane integers, summed
+                /// per super-block, then one f32 chain) instead of ggml's per-lane order.
                 ///
                 /// # Safety
                 /// Requires the features of this module.
                 #[inline]
                 #[target_feature(enable = $feat)]
-                unsafe fn k45<const T: usize, const Q5: bool>(w: &[u8], xs: [&[u8]; T]) -> [f32; T] {
+                pub(in crate::quant) unsafe fn k45<const T: usize, const Q5: bool, const SB: bool>(w: &[u8], xs: [&[u8]; T]) -> [f32; T] {
                     // Q4_K: nibbles at 16..144; Q5_K: qh at 16..48, nibbles at 48..176.
-                    let (ts, qs_off) = if Q5 { (176, 48) } else { (144, 16) };
+                    let ts = if Q5 { 176 } else { 144 };
                     let nb = xs.iter().fold(w.len() / ts, |m, x| m.min(x.len() / 292));
-                    let m4 = _mm512_set1_epi8(0xF);
-                    let one = _mm256_set1_epi8(1);
                     let mut acc = [_mm512_setzero_ps(); T];
                     let mut acc_m = [_mm256_setzero_ps(); T];
-                    // shuffle masks picking scale 2c (low 256) and 2c+1 (high 256) as i16
-                    let smask: [__m512i; 4] = std::array::from_fn(|c| {
-                        let lo = (((4 * c + 1) << 8) | (4 * c)) as i16;
-                        let hi = (((4 * c + 3) << 8) | (4 * c + 2)) as i16;
-                        join(_mm256_set1_epi16(lo), _mm256_set1_epi16(hi))
-                    });
+                    let mut sb = [0f32; T];
+                    let mut sbb = [SbBatch::default(); T];
+                    let mut sbn = 0;
+                    let smask = k45_smask();
                     for i in 0..nb {
                         let b = &w[i * ts..(i + 1) * ts];
                         prefetch_ahead(b.as_ptr(), 3);
-                        let u = k4_scales(&b[4..16]);
-                        let sm = _mm_set_epi32(u[3] as i32, u[2] as i32, u[1] as i32, u[0] as i32);
-                        let sc16 = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm));
-                        let mins2 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
-                        // SAFETY: qh (Q5_K only) is bytes 16..48 of the block.
-                        let mut qh = if Q5 { unsafe { ld256(b, 16) } } else { _mm256_setzero_si256() };
-                        let (d, dmin) = (f16c(b, 0), f16c(b, 2));
-                        let mut wv = [_mm512_setzero_si512(); 4];
-                        let mut sv = [_mm512_setzero_si512(); 4];
-                        for c in 0..4 {
-                            // SAFETY: nibbles at qs_off + 32c + 32 <= ts.
-                            let q = unsafe { ld256(b, qs_off + 32 * c) };
-                            let mut v = _mm512_and_si512(join(q, _mm256_srli_epi16(q, 4)), m4);
-                            if Q5 {
-                                let hlo = _mm256_slli_epi16(_mm256_and_si256(qh, one), 4);
-                                let hhi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4);
-                                qh = _mm256_srli_epi16(qh, 2);
-                                v = _mm512_or_si512(v, join(hlo, hhi));
-                            }
-                            wv[c] = v;
-                            sv[c] = _mm512_shuffle_epi8(sc16, smask[c]);
-                        }
+                        // SAFETY: features present; `b` is one block.
+                        let kw = unsafe { k45_decode::<Q5>(b, &smask) };
+                        let (d, dmin) = (kw.d, kw.dmin);
                         for t in 0..T {
                             let y = &xs[t][i * 292..(i + 1) * 292];
-                            // SAFETY: bsums are bytes 260..292 of the Q8_K block.
-                            let prod_m = _mm256_madd_epi16(unsafe { ld256(y, 260) }, mins2);
-                            let mut sumi = _mm512_setzero_si512();
-                            for c in 0..4 {
-                                // SAFETY: q8 at 4 + 64c + 64 <= 260.
-                                let yv = unsafe { ld512(y, 4 + 64 * c) };
-                                sumi = wacc(sumi, _mm512_maddubs_epi16(wv[c], yv), sv[c]);
-                            }
+                            // SAFETY: features present; `y` is one Q8_K block.
+                            let (sumi, prod_m) = unsafe { k45_ints(&kw, y) };
                             let yd = yd(y);
+                            if SB {
+                                sbb[t].u[sbn] = sb_pack(sumi, prod_m);
+                                sbb[t].f[sbn] = (d * yd, dmin * yd);
+                                continue;
+                            }
                             acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * yd), _mm512_cvtepi32_ps(sumi), acc[t]);
                             acc_m[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * yd), _mm256_cvtepi32_ps(prod_m), acc_m[t]);
                         }
+                        if SB {
+                            sbn += 1;
+                            if sbn == 8 || i + 1 == nb {
+                                for t in 0..T {
+                                    sb_flush(&sbb[t], sbn, false, &mut sb[t]);
+                                }
+                                sbn = 0;
+                            }
+                        }
+                    }
+                    if SB {
+                        return sb;
                     }
                     std::array::from_fn(|t| _mm512_reduce_add_ps(acc[t]) - crate::quant::dot_avx2::hsum_ps(acc_m[t]))
                 }
 
+                /// A Q6_K block decoded for the integer part: the unsigned 6-bit quants of each
+                /// 64-element piece, the scales as i16 multipliers per piece, the 16 scales as
+                /// i16 (for the `- 32` offset via the `bsums`) and `d`.
+                #[derive(Clone, Copy)]
+                struct Q6W {
+                    wv: [__m512i; 4],
+                    sv: [__m512i; 4],
+                    sc16: __m256i,
+                    d: f32,
+                }
+
+                /// Permutation indices: 128-bit lane k of piece p gets scale 4p + k.
+                #[inline]
+                #[target_feature(enable = $feat)]
+                fn q6k_sidx() -> [__m512i; 4] {
+                    std::array::from_fn(|p| {
+                        let g = 4 * p as i64;
+                        let lane = |k: i64| (g + k) * 0x0001_0001_0001_0001;
+                        _mm512_set_epi64(lane(3), lane(3), lane(2), lane(2), lane(1), lane(1), lane(0), lane(0))
+                    })
+                }
+
+                /// Decodes one Q6_K block `b`.
+                ///
+                /// # Safety
+                /// Requires the features of this module; `b` holds one whole block.
+                #[inline]
+                #[target_feature(enable = $feat)]
+                unsafe fn q6k_decode(b: &[u8], sidx: &[__m512i; 4]) -> Q6W {
+                    let m4 = _mm512_set1_epi8(0xF);
+                    let m2 = _mm512_set1_epi8(3);
+                    // SAFETY: scales are bytes 192..208 of the block.
+                    let sc8 = unsafe { ld128(b, 192) };
+                    let sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
+                    // values of elements 64p .. 64p + 64 (p = 2h + k), unsigned 0..63
+                    let mut wv = [_mm512_setzero_si512(); 4];
+                    for h in 0..2 {
+                        // SAFETY: ql at 64h..64h+64, qh at 128+32h..+32 inside 210 bytes.
+                        let (ql, qh) = unsafe { (ld512(b, 64 * h), ld256(b, 128 + 32 * h)) };
+                        let h01 = join(qh, _mm256_srli_epi16(qh, 2));
+                        let h23 = join(_mm256_srli_epi16(qh, 4), _mm256_srli_epi16(qh, 6));
+                        wv[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(_mm512_and_si512(h01, m2), 4));
+                        wv[2 * h + 1] = _mm512_or_si512(
+                            _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                            _mm512_slli_epi16(_mm512_and_si512(h23, m2), 4),
+                        );
+                    }
+                    let mut sv = [_mm512_setzero_si512(); 4];
+                    for (p, v) in sv.iter_mut().enumerate() {
+                        *v = _mm512_permutexvar_epi16(sidx[p], sc16);
+                    }
+                    Q6W { wv, sv, sc16: _mm512_castsi512_si256(sc16), d: f16c(b, 208) }
+                }
+
+                /// The exact integer lanes of one decoded Q6_K block against one Q8_K block:
+                /// the scaled sums of the unsigned quants and the 8 lanes of `bsums x scales`
+                /// (the `- 32` offset is `-32` times their sum).
+                ///
+                /// # Safety
+                /// Requires the features of this module; `y` holds one whole Q8_K block.
+                #[inline]
+                #[target_feature(enable = $feat)]
+                unsafe fn q6k_ints(qw: &Q6W, y: &[u8]) -> (__m512i, __m256i) {
+                    // SAFETY: bsums are bytes 260..292 of the Q8_K block.
+                    let offs = _mm256_madd_epi16(unsafe { ld256(y, 260) }, qw.sc16);
+                    let mut sumi = _mm512_setzero_si512();
+                    for p in 0..4 {
+                        // SAFETY: q8 at 4 + 64p + 64 <= 260.
+                        let yv = unsafe { ld512(y, 4 + 64 * p) };
+                        sumi = wacc(sumi, _mm512_maddubs_epi16(qw.wv[p], yv), qw.sv[p]);
+                    }
+                    (sumi, offs)
+                }
+
                 /// Q6_K against `T` Q8_K rows; per row the operation sequence does not depend
-                /// on `T` (bit-identical results).
+                /// on `T` (bit-identical results). `SB` as in `k45`.
                 ///
                 /// # Safety
                 /// Requires the features of this module.
                 #[inline]
                 #[target_feature(enable = $feat)]
-                unsafe fn q6k<const T: usize>(w: &[u8], xs: [&[u8]; T]) -> [f32; T] {
+                pub(in crate::quant) unsafe fn q6k<const T: usize, const SB: bool>(w: &[u8], xs: [&[u8]; T]) -> [f32; T] {
                     let nb = xs.iter().fold(w.len() / 210, |m, x| m.min(x.len() / 292));
-                    let m4 = _mm512_set1_epi8(0xF);
-                    let m2 = _mm512_set1_epi8(3);
-                    // permutation indices: 128-bit lane k of piece p gets scale 4p + k
-                    let sidx: [__m512i; 4] = std::array::from_fn(|p| {
-                        let g = 4 * p as i64;
-                        let lane = |k: i64| (g + k) * 0x0001_0001_0001_0001;
-                        _mm512_set_epi64(lane(3), lane(3), lane(2), lane(2), lane(1), lane(1), lane(0), lane(0))
-                    });
+                    let sidx = q6k_sidx();
                     let mut acc = [_mm512_setzero_ps(); T];
                     let mut acc_o = [_mm256_setzero_ps(); T];
+                    let mut sb = [0f32; T];
+                    let mut sbb = [SbBatch::default(); T];
+                    let mut sbn = 0;
                     for i in 0..nb {
                         let b = &w[i * 210..(i + 1) * 210];
                         prefetch_ahead(b.as_ptr(), 4);
-                        // SAFETY: scales are bytes 192..208 of the block.
-                        let sc8 = unsafe { ld128(b, 192) };
-                        let sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
-                        let sc16_256 = _mm512_castsi512_si256(sc16);
-                        // values of elements 64p .. 64p + 64 (p = 2h + k), unsigned 0..63
-                        let mut wv = [_mm512_setzero_si512(); 4];
-                        for h in 0..2 {
-                            // SAFETY: ql at 64h..64h+64, qh at 128+32h..+32 inside 210 bytes.
-                            let (ql, qh) = unsafe { (ld512(b, 64 * h), ld256(b, 128 + 32 * h)) };
-                            let h01 = join(qh, _mm256_srli_epi16(qh, 2));
-                            let h23 = join(_mm256_srli_epi16(qh, 4), _mm256_srli_epi16(qh, 6));
-                            wv[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(_mm512_and_si512(h01, m2), 4));
-                            wv[2 * h + 1] = _mm512_or_si512(
-                                _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                                _mm512_slli_epi16(_mm512_and_si512(h23, m2), 4),
-                            );
-                        }
-                        let mut sv = [_mm512_setzero_si512(); 4];
-                        for (p, v) in sv.iter_mut().enumerate() {
-                            *v = _mm512_permutexvar_epi16(sidx[p], sc16);
-                        }
-                        let d = f16c(b, 208);
+                        // SAFETY: features present; `b` is one block.
+                        let qw = unsafe { q6k_decode(b, &sidx) };
+                        let d = qw.d;
                         for t in 0..T {
                             let y = &xs[t][i * 292..(i + 1) * 292];
-                            // SAFETY: bsums are bytes 260..292 of the Q8_K block.
-                            let offs = _mm256_madd_epi16(unsafe { ld256(y, 260) }, sc16_256);
-                            let mut sumi = _mm512_setzero_si512();
-                            for p in 0..4 {
-                                // SAFETY: q8 at 4 + 64p + 64 <= 260.
-                                let yv = unsafe { ld512(y, 4 + 64 * p) };
-                                sumi = wacc(sumi, _mm512_maddubs_epi16(wv[p], yv), sv[p]);
-                            }
+                            // SAFETY: features present; `y` is one Q8_K block.
+                            let (sumi, offs) = unsafe { q6k_ints(&qw, y) };
                             let dd = d * yd(y);
+                            if SB {
+                                sbb[t].u[sbn] = sb_pack(sumi, offs);
+                                sbb[t].f[sbn] = (dd, 0.0);
+                                continue;
+                            }
                             acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(sumi), acc[t]);
                             acc_o[t] = _mm256_fmadd_ps(_mm256_set1_ps(-32.0 * dd), _mm256_cvtepi32_ps(offs), acc_o[t]);
                         }
+                        if SB {
+                            sbn += 1;
+                            if sbn == 8 || i + 1 == nb {
+                                for t in 0..T {
+                                    sb_flush(&sbb[t], sbn, true, &mut sb[t]);
+                                }
+                                sbn = 0;
+                            }
+                        }
+                    }
+                    if SB {
+                        return sb;
                     }
                     std::array::from_fn(|t| _mm512_reduce_add_ps(acc[t]) + crate::quant::dot_avx2::hsum_ps(acc_o[t]))
                 }
@@ -423,7 +612,7 @@ mod imp {
                 #[target_feature(enable = $feat)]
                 pub(crate) unsafe fn q4_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
                     // SAFETY: features present; Q4_K nibbles at 16..144.
-                    unsafe { k45::<1, false>(w, [x])[0] }
+                    unsafe { k45::<1, false, false>(w, [x])[0] }
                 }
 
                 /// # Safety
@@ -431,7 +620,7 @@ mod imp {
                 #[target_feature(enable = $feat)]
                 pub(crate) unsafe fn q4_k_q8_k_x4(w: &[u8], xs: [&[u8]; 4]) -> [f32; 4] {
                     // SAFETY: features present; Q4_K nibbles at 16..144.
-                    unsafe { k45::<4, false>(w, xs) }
+                    unsafe { k45::<4, false, false>(w, xs) }
                 }
 
                 /// # Safety
@@ -439,7 +628,7 @@ mod imp {
                 #[target_feature(enable = $feat)]
                 pub(crate) unsafe fn q5_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
                     // SAFETY: features present; Q5_K qh at 16..48, nibbles at 48..176.
-                    unsafe { k45::<1, true>(w, [x])[0] }
+                    unsafe { k45::<1, true, false>(w, [x])[0] }
                 }
 
                 /// # Safety
@@ -447,7 +636,7 @@ mod imp {
                 #[target_feature(enable = $feat)]
                 pub(crate) unsafe fn q5_k_q8_k_x4(w: &[u8], xs: [&[u8]; 4]) -> [f32; 4] {
                     // SAFETY: features present; Q5_K qh at 16..48, nibbles at 48..176.
-                    unsafe { k45::<4, true>(w, xs) }
+                    unsafe { k45::<4, true, false>(w, xs) }
                 }
 
                 /// # Safety
@@ -455,7 +644,7 @@ mod imp {
                 #[target_feature(enable = $feat)]
                 pub(crate) unsafe fn q6_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
                     // SAFETY: features present.
-                    unsafe { q6k::<1>(w, [x])[0] }
+                    unsafe { q6k::<1, false>(w, [x])[0] }
                 }
 
                 /// # Safety
@@ -463,7 +652,7 @@ mod imp {
                 #[target_feature(enable = $feat)]
                 pub(crate) unsafe fn q6_k_q8_k_x4(w: &[u8], xs: [&[u8]; 4]) -> [f32; 4] {
                     // SAFETY: features present.
-                    unsafe { q6k::<4>(w, xs) }
+                    unsafe { q6k::<4, false>(w, xs) }
                 }
             }
         };
@@ -496,6 +685,36 @@ mod imp {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
     fn wacc_bw(acc: __m512i, p: __m512i, s: __m512i) -> __m512i {
         _mm512_add_epi32(acc, _mm512_madd_epi16(p, s))
+    }
+
+    /// Q4_K in the super-block order of `dot_sb` (AVX-512 VNNI).
+    ///
+    /// # Safety
+    /// Requires AVX-512F/BW/VL/DQ, VNNI and AVX2/FMA/F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    pub(in crate::quant) unsafe fn q4_k_sb(w: &[u8], x: &[u8]) -> f32 {
+        // SAFETY: features present.
+        unsafe { vn::k45::<1, false, true>(w, [x])[0] }
+    }
+
+    /// Q5_K in the super-block order of `dot_sb` (AVX-512 VNNI).
+    ///
+    /// # Safety
+    /// As [`q4_k_sb`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    pub(in crate::quant) unsafe fn q5_k_sb(w: &[u8], x: &[u8]) -> f32 {
+        // SAFETY: features present.
+        unsafe { vn::k45::<1, true, true>(w, [x])[0] }
+    }
+
+    /// Q6_K in the super-block order of `dot_sb` (AVX-512 VNNI).
+    ///
+    /// # Safety
+    /// As [`q4_k_sb`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    pub(in crate::quant) unsafe fn q6_k_sb(w: &[u8], x: &[u8]) -> f32 {
+        // SAFETY: features present.
+        unsafe { vn::q6k::<1, true>(w, [x])[0] }
     }
 
     avx512_kernels!(

@@ -36,6 +36,7 @@ pub mod blocks;
 mod dequant;
 mod dot_avx2;
 mod dot_avx512;
+pub(crate) mod dot_sb;
 mod dot_scalar;
 mod error;
 pub(crate) mod gemm_avx512;
@@ -54,13 +55,19 @@ pub enum SimdLevel {
     Avx512,
     /// AVX-512 plus VNNI (`vpdpbusd`) and, where used, BF16 (checked separately).
     Avx512Vnni,
+    /// AVX-512 VNNI plus AMX-INT8 tiles. The K formats (Q4_K, Q5_K, Q6_K) switch to the
+    /// super-block order of [`dot_sb`] at this level (their GEMM runs on the tiles); every
+    /// other type uses its AVX-512 VNNI kernels.
+    Amx,
 }
 
 impl SimdLevel {
     /// The best level the running CPU supports (honours `KAPITSA_CPU`, see [`CpuFeatures`]).
     pub fn detect() -> SimdLevel {
         let f = CpuFeatures::get();
-        if f.avx512 && f.avx512_vnni {
+        if f.avx512 && f.avx512_vnni && f.amx_int8 {
+            SimdLevel::Amx
+        } else if f.avx512 && f.avx512_vnni {
             SimdLevel::Avx512Vnni
         } else if f.avx512 {
             SimdLevel::Avx512
@@ -83,6 +90,7 @@ impl SimdLevel {
             SimdLevel::Avx2,
             SimdLevel::Avx512,
             SimdLevel::Avx512Vnni,
+            SimdLevel::Amx,
         ]
         .into_iter()
         .filter(|l| l.is_available())
@@ -244,7 +252,10 @@ impl DotKernel {
         }
         let dot_ty = vec_dot_type(ty)?;
         let mut chosen: Option<(SimdLevel, DotFn, Option<Dot4Fn>)> = None;
-        if max_level >= SimdLevel::Avx512 {
+        if max_level >= SimdLevel::Amx {
+            chosen = dot_sb::kernel(ty);
+        }
+        if chosen.is_none() && max_level >= SimdLevel::Avx512 {
             chosen = dot_avx512::kernel(ty, max_level, CpuFeatures::get().avx512_bf16);
         }
         if chosen.is_none() && max_level >= SimdLevel::Avx2 {

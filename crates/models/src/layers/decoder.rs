@@ -258,7 +258,7 @@ impl Decoder {
         let out_w = self.output.as_ref().unwrap_or(&self.tok_embd);
         let mut data = vec![0f32; rows.len() * n_vocab];
         if !rows.is_empty() {
-            be.matmul(&out_w.matrix()?, &hr, rows.len(), &mut data)?;
+            be.matmul_small_batch(&out_w.matrix()?, &hr, rows.len(), &mut data)?;
         }
         Ok(Logits {
             n_vocab,

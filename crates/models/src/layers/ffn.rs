@@ -57,6 +57,7 @@ impl Mlp {
         let gate = self.gate.as_ref().map(|g| g.matrix()).transpose()?;
         run_mlp(
             be,
+            false,
             gate.as_ref(),
             &self.up.matrix()?,
             &self.down.matrix()?,
@@ -68,10 +69,12 @@ impl Mlp {
     }
 }
 
-/// One MLP over borrowed matrices (dense layers and single experts alike).
+/// One MLP over borrowed matrices (dense layers and single experts alike; `expert` routes the
+/// products through [`Backend::matmul_small_batch`]).
 #[allow(clippy::too_many_arguments)]
 fn run_mlp(
     be: &dyn Backend,
+    expert: bool,
     gate: Option<&QMatrix<'_>>,
     up: &QMatrix<'_>,
     down: &QMatrix<'_>,
@@ -80,13 +83,20 @@ fn run_mlp(
     n: usize,
     out: &mut [f32],
 ) -> Result<()> {
+    let mm = |w: &QMatrix<'_>, x: &[f32], y: &mut [f32]| {
+        if expert {
+            be.matmul_small_batch(w, x, n, y)
+        } else {
+            be.matmul(w, x, n, y)
+        }
+    };
     let n_ff = up.n_out;
     let mut u = vec![0f32; n * n_ff];
-    be.matmul(up, x, n, &mut u)?;
+    mm(up, x, &mut u)?;
     match (act, gate) {
         (Act::SwiGlu, Some(g)) => {
             let mut gv = vec![0f32; n * n_ff];
-            be.matmul(g, x, n, &mut gv)?;
+            mm(g, x, &mut gv)?;
             be.silu_mul(&mut gv, &u);
             u = gv;
         }
@@ -102,7 +112,7 @@ fn run_mlp(
             ))
         }
     }
-    be.matmul(down, &u, n, out)?;
+    mm(down, &u, out)?;
     Ok(())
 }
 
@@ -404,6 +414,7 @@ impl Moe {
             let mats = self.experts.mats(e, self.n_ff)?;
             run_mlp(
                 be,
+                true,
                 mats.gate.as_ref(),
                 &mats.up,
                 &mats.down,
