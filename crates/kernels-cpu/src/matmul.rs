@@ -34,6 +34,13 @@ pub const TOK_BLOCK: usize = 32;
 /// SIMD level have one; below it the per-row dot kernels are as fast (no packing).
 pub const GEMM_MIN_TOKENS: usize = 4;
 
+/// Smallest token count that takes the AMX tile GEMM (`crate::gemm_amx`) at
+/// [`SimdLevel::Amx`]: it decodes every weight block into two byte planes per call, which
+/// smaller batches do not amortise. Measured on the 1.5B's FFN shapes, one thread: the tile
+/// GEMM is 6x slower than the AVX-512 GEMM at 4 tokens, about even at 64, 1.3x faster at 96
+/// and 1.7x at 256. Below it the same order runs on the AVX-512 GEMM (`kern_k_sb`).
+pub const AMX_MIN_TOKENS: usize = 80;
+
 /// A borrowed 2-D weight matrix in a ggml block format.
 #[derive(Debug, Clone, Copy)]
 pub struct QMatrix<'a> {
@@ -191,7 +198,7 @@ fn matmul_impl(
         return Ok(());
     }
     if allow_gemm
-        && n_tok >= GEMM_MIN_TOKENS
+        && n_tok >= AMX_MIN_TOKENS
         && kernel.level() == SimdLevel::Amx
         && crate::gemm_amx::supports(w.dtype)
     {

@@ -7,7 +7,7 @@
 
 use kapitsa_base::pool::{RayonPool, SerialPool};
 use kapitsa_base::{GgmlType, ThreadPool};
-use kapitsa_kernels_cpu::matmul::GEMM_MIN_TOKENS;
+use kapitsa_kernels_cpu::matmul::{AMX_MIN_TOKENS, GEMM_MIN_TOKENS};
 use kapitsa_kernels_cpu::quant::WEIGHT_TYPES;
 use kapitsa_kernels_cpu::{
     matmul_dot_with, matmul_with, quantize_row, vec_dot_type, DotKernel, QMatrix, SimdLevel,
@@ -219,5 +219,38 @@ fn gemm_long_batches_split_by_tokens_equal_per_row_dot() {
             &want,
             n_out,
         );
+    }
+}
+
+#[test]
+fn amx_tile_gemm_equals_per_row_dot() {
+    // Batches of at least `AMX_MIN_TOKENS` take the AMX tile GEMM at `SimdLevel::Amx`: odd
+    // row counts (partial row blocks of 16), odd token counts (a partial token tile, an odd
+    // tile count), one to 35 super-blocks (several activation chunks at 35 x 700 tokens).
+    if !SimdLevel::Amx.is_available() {
+        return;
+    }
+    let mut rng = Rng(29);
+    let pool2 = RayonPool::new(2).unwrap();
+    let pools: [&dyn ThreadPool; 2] = [&SerialPool, &pool2];
+    let level = SimdLevel::Amx;
+    for (ty, n_out, nb, n_tok) in [
+        (GgmlType::Q4_K, 19, 1, AMX_MIN_TOKENS),
+        (GgmlType::Q5_K, 33, 3, 97),
+        (GgmlType::Q6_K, 70, 6, 130),
+        (GgmlType::Q4_K, 5, 35, 700),
+        (GgmlType::Q6_K, 17, 2, 81),
+    ] {
+        let n_in = 256 * nb;
+        let data = random_matrix(ty, n_out, n_in, &mut rng);
+        let w = QMatrix::new(ty, n_out, n_in, &data).unwrap();
+        let x = random_x(n_tok, n_in, &mut rng);
+        let want = per_row(level, &w, &x, n_tok);
+        for pool in pools {
+            let mut got = vec![f32::NAN; n_tok * n_out];
+            matmul_with(level, pool, &w, &x, n_tok, &mut got).unwrap();
+            let what = format!("{n_out}x{n_in} n_tok={n_tok} threads={}", pool.n_threads());
+            assert_bitwise(ty, level, &what, &got, &want, n_out);
+        }
     }
 }

@@ -188,7 +188,27 @@ pub(crate) fn kernel(ty: GgmlType, level: SimdLevel) -> Option<GemmKernel> {
             }
         };
     }
+    macro_rules! kfam_sb {
+        ($q5:literal, $q6:literal) => {
+            GemmKernel {
+                kern: [
+                    kern_k_sb::<2, $q6>,
+                    kern_k_sb::<4, $q6>,
+                    kern_k_sb::<6, $q6>,
+                    kern_k_sb::<8, $q6>,
+                ],
+                ..kfam!(vn, $q5, $q6)
+            }
+        };
+    }
     match level {
+        // The super-block order (`dot_sb`), for batches below the tile GEMM's threshold.
+        SimdLevel::Amx => Some(match ty {
+            T::Q4_K => kfam_sb!(false, false),
+            T::Q5_K => kfam_sb!(true, false),
+            T::Q6_K => kfam_sb!(false, true),
+            _ => return None,
+        }),
         SimdLevel::Avx512Vnni => Some(match ty {
             T::Q4_K => kfam!(vn, false, false),
             T::Q5_K => kfam!(vn, true, false),
@@ -824,6 +844,113 @@ mod imp {
             }
             // SAFETY: features present.
             unsafe { end_k::<T, Q6>(&a, &m, acc, fin) };
+        }
+    }
+
+    /// K formats, VNNI, in the super-block order of `dot_sb` (the AMX level's order, for
+    /// batches too small for the tile GEMM): the same records, tiles and lane integers as
+    /// `vnk::kern_k`; per super-block each token's lanes are summed to `T` and `M` (one
+    /// transposing add tree for the tile) and the f32 chains of the `T` tokens run in lanes
+    /// `0..T` of `acc.0[0]`: `acc = fma(d * yd, T, acc)`, then `acc = fma(-(dmin * yd), M,
+    /// acc)` (Q6_K: `acc = fma(d * yd, T - 32 M, acc)`), as the dot kernel does per row.
+    ///
+    /// # Safety
+    /// As `vnk::kern_k`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn kern_k_sb<const T: usize, const Q6: bool>(
+        rec: &[u8],
+        act: &[u8],
+        acc: &mut Acc,
+        init: bool,
+        fin: Option<Fin<'_>>,
+    ) {
+        let n = rec.len() / REC_KV;
+        assert!(act.len() >= n * ACT_KV && T <= 8 && T.is_multiple_of(2));
+        let mut a = if init {
+            _mm256_setzero_ps()
+        } else {
+            _mm512_castps512_ps256(acc.0[0])
+        };
+        let zero = _mm512_setzero_si512();
+        let h = |a: __m512i, b: __m512i| {
+            _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
+        };
+        let g2 = |a: __m512i, b: __m512i| {
+            _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
+        };
+        let ti = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0);
+        let mi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0);
+        for g in 0..n {
+            // SAFETY: as in `vnk::kern_k`: record `g` and tile group `g` are inside `rec` and
+            // `act` (checked above) and every load reads inside them at the offsets of the
+            // module docs' layouts; the features are this function's.
+            unsafe {
+                let r = rec.as_ptr().add(g * REC_KV);
+                let x = act.as_ptr().add(g * ACT_KV);
+                let w: [__m512i; 4] = [ldp(r, 0), ldp(r, 64), ldp(r, 128), ldp(r, 192)];
+                let (s01, s23) = (ldp(r, 256), ldp(r, 320));
+                let mm = _mm512_broadcast_i64x4(_mm256_loadu_si256(r.add(384).cast()));
+                let (d, dm) = (f32p(r, 416), f32p(r, 420));
+                // Per token: [8-lane fold of the main lanes | its 8 lanes of the bsums term].
+                let mut u = [zero; 8];
+                for p in 0..T / 2 {
+                    let prod = _mm512_madd_epi16(ldp(x, 2048 + 64 * p), mm);
+                    for k in 0..2 {
+                        let t = 2 * p + k;
+                        let y = |c: usize| ldp(x, 256 * t + 64 * c);
+                        let p01 = _mm512_packs_epi32(
+                            _mm512_dpbusd_epi32(zero, w[0], y(0)),
+                            _mm512_dpbusd_epi32(zero, w[1], y(1)),
+                        );
+                        let p23 = _mm512_packs_epi32(
+                            _mm512_dpbusd_epi32(zero, w[2], y(2)),
+                            _mm512_dpbusd_epi32(zero, w[3], y(3)),
+                        );
+                        let sumi = _mm512_dpwssd_epi32(_mm512_madd_epi16(p01, s01), p23, s23);
+                        let s8 = _mm256_add_epi32(
+                            _mm512_castsi512_si256(sumi),
+                            _mm512_extracti64x4_epi64::<1>(sumi),
+                        );
+                        let m8 = if k == 0 {
+                            _mm512_castsi512_si256(prod)
+                        } else {
+                            _mm512_extracti64x4_epi64::<1>(prod)
+                        };
+                        u[t] = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(s8), m8);
+                    }
+                }
+                // 128-bit lane L of q[k]: the sums over lane L of u[4k] .. u[4k + 4]; then
+                // [T0..4, M0..4, T4..8, M4..8] (integer sums: any order is exact).
+                let q0 = g2(h(u[0], u[1]), h(u[2], u[3]));
+                let q1 = g2(h(u[4], u[5]), h(u[6], u[7]));
+                let rr = _mm512_add_epi32(
+                    _mm512_shuffle_i32x4::<0x88>(q0, q1),
+                    _mm512_shuffle_i32x4::<0xDD>(q0, q1),
+                );
+                let tv = _mm512_castsi512_si256(_mm512_permutexvar_epi32(ti, rr));
+                let mv = _mm512_castsi512_si256(_mm512_permutexvar_epi32(mi, rr));
+                let yd8 = _mm256_loadu_ps(x.add(2304).cast());
+                let dy = _mm256_mul_ps(_mm256_set1_ps(d), yd8);
+                if Q6 {
+                    let t6 = _mm256_sub_epi32(tv, _mm256_slli_epi32::<5>(mv));
+                    a = _mm256_fmadd_ps(dy, _mm256_cvtepi32_ps(t6), a);
+                } else {
+                    a = _mm256_fmadd_ps(dy, _mm256_cvtepi32_ps(tv), a);
+                    let dmy = _mm256_mul_ps(_mm256_set1_ps(dm), yd8);
+                    a = _mm256_fnmadd_ps(dmy, _mm256_cvtepi32_ps(mv), a);
+                }
+            }
+        }
+        match fin {
+            Some(f) => {
+                let mut v = [0f32; 8];
+                // SAFETY: `v` holds 8 f32.
+                unsafe { _mm256_storeu_ps(v.as_mut_ptr(), a) };
+                for (o, x) in f.out.iter_mut().zip(v) {
+                    *o = x;
+                }
+            }
+            None => acc.0[0] = _mm512_castps256_ps512(a),
         }
     }
 
