@@ -235,6 +235,7 @@ mod imp {
 
     use super::{ACT, REC, ROWS, TOKS};
     use crate::matmul::SharedMut;
+    use crate::quant::blocks::{f16_at, scale_min_k4};
     use crate::quant::dot_sb::{self, QK};
 
     /// The tile configuration: palette 1, tiles 0..8 all 16 rows of 64 bytes.
@@ -304,6 +305,103 @@ mod imp {
         c
     }
 
+    /// Splits 32 weights `v` (i16 `w'`) into their planes at `lo[o..o + 32]` and
+    /// `hi[o..o + 32]`: `w' & 63` and `w' >> 6`.
+    ///
+    /// # Safety
+    /// AVX-512F/BW present; `o + 32 <= lo.len(), hi.len()`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
+    unsafe fn store_planes(v: __m512i, lo: &mut [u8], hi: &mut [u8], o: usize) {
+        assert!(o + 32 <= lo.len() && o + 32 <= hi.len());
+        let l = _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(63)));
+        let h = _mm512_cvtepi16_epi8(_mm512_srai_epi16::<6>(v));
+        // SAFETY: 32 bytes at `o` inside both (checked).
+        unsafe {
+            _mm256_storeu_si256(lo.as_mut_ptr().add(o).cast(), l);
+            _mm256_storeu_si256(hi.as_mut_ptr().add(o).cast(), h);
+        }
+    }
+
+    /// `w'` of one Q4_K block (`b`: 144 bytes) into its planes, vectorised; the same integers
+    /// as `dot_sb::weights`. Returns `(d, dmin, mins)`.
+    ///
+    /// # Safety
+    /// AVX-512F/BW present.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
+    unsafe fn planes_q4k(b: &[u8], lo: &mut [u8], hi: &mut [u8]) -> (f32, f32, [u8; 8]) {
+        let b = &b[..144];
+        let (sc, mins) = scale_min_k4(&b[4..16]);
+        let m4 = _mm256_set1_epi8(0xF);
+        for c in 0..4 {
+            // SAFETY: 32 bytes at 16 + 32c <= 144 - 32.
+            let q = unsafe { _mm256_loadu_si256(b[16 + 32 * c..].as_ptr().cast()) };
+            let nib = [
+                _mm256_and_si256(q, m4),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4),
+            ];
+            for (k, v) in nib.into_iter().enumerate() {
+                let s = _mm512_set1_epi16(i16::from(sc[2 * c + k]));
+                let w = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(v), s);
+                // SAFETY: 64c + 32k + 32 <= 256.
+                unsafe { store_planes(w, lo, hi, 64 * c + 32 * k) };
+            }
+        }
+        (f16_at(b, 0), f16_at(b, 2), mins)
+    }
+
+    /// `w'` of one Q6_K block (`b`: 210 bytes) into its planes, vectorised; the same integers
+    /// as `dot_sb::weights`. Returns `(d, 0, zero mins)`.
+    ///
+    /// # Safety
+    /// AVX-512F/BW present.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
+    unsafe fn planes_q6k(b: &[u8], lo: &mut [u8], hi: &mut [u8]) -> (f32, f32, [u8; 8]) {
+        let b = &b[..210];
+        let m4 = _mm256_set1_epi8(0xF);
+        let m2 = _mm256_set1_epi8(3);
+        let bias = _mm512_set1_epi16(32);
+        for h in 0..2 {
+            // SAFETY: ql at 64h .. 64h + 64 and qh at 128 + 32h .. + 32, inside 210 bytes.
+            let (ql0, ql1, qh) = unsafe {
+                (
+                    _mm256_loadu_si256(b[64 * h..].as_ptr().cast()),
+                    _mm256_loadu_si256(b[64 * h + 32..].as_ptr().cast()),
+                    _mm256_loadu_si256(b[128 + 32 * h..].as_ptr().cast()),
+                )
+            };
+            // The 6-bit values of elements 128h + 32j .. + 32 (layout of `q6k_values`).
+            let hb = |sh: i32| {
+                let v = match sh {
+                    0 => qh,
+                    2 => _mm256_srli_epi16::<2>(qh),
+                    4 => _mm256_srli_epi16::<4>(qh),
+                    _ => _mm256_srli_epi16::<6>(qh),
+                };
+                _mm256_slli_epi16::<4>(_mm256_and_si256(v, m2))
+            };
+            let vals = [
+                _mm256_or_si256(_mm256_and_si256(ql0, m4), hb(0)),
+                _mm256_or_si256(_mm256_and_si256(ql1, m4), hb(2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4), hb(4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4), hb(6)),
+            ];
+            for (j, v) in vals.into_iter().enumerate() {
+                let g = 8 * h + 2 * j;
+                let s = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_set1_epi16(i16::from(b[192 + g] as i8))),
+                    _mm256_set1_epi16(i16::from(b[193 + g] as i8)),
+                );
+                let w = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_cvtepu8_epi16(v), bias), s);
+                // SAFETY: 128h + 32j + 32 <= 256.
+                unsafe { store_planes(w, lo, hi, 128 * h + 32 * j) };
+            }
+        }
+        (f16_at(b, 208), 0.0, [0; 8])
+    }
+
     /// Decodes one super-block of `n_rows <= 16` weight rows (`blocks(n)`: row `n`'s block)
     /// into `rec` (one record; rows past `n_rows` zero). `scratch`: 8192 bytes.
     ///
@@ -335,22 +433,27 @@ mod imp {
                 hi.fill(0);
                 continue;
             }
-            let blk = dot_sb::weights(ty, blocks(n));
-            for c in 0..QK / 32 {
-                // SAFETY: 32 i16 (64 bytes) at element 32c of the 256-element array; the
-                // 32-byte stores are inside the 256-byte rows.
-                unsafe {
-                    let v = _mm512_loadu_si512(blk.w.as_ptr().add(32 * c).cast());
-                    let l = _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(63)));
-                    let h = _mm512_cvtepi16_epi8(_mm512_srai_epi16::<6>(v));
-                    _mm256_storeu_si256(lo.as_mut_ptr().add(32 * c).cast(), l);
-                    _mm256_storeu_si256(hi.as_mut_ptr().add(32 * c).cast(), h);
+            let b = blocks(n);
+            let (d, dmin, mins) = match ty {
+                // SAFETY: features present; `b` is one whole block, `lo` / `hi` 256 bytes.
+                GgmlType::Q4_K => unsafe { planes_q4k(b, lo, hi) },
+                // SAFETY: as above.
+                GgmlType::Q6_K => unsafe { planes_q6k(b, lo, hi) },
+                _ => {
+                    let blk = dot_sb::weights(ty, b);
+                    for c in 0..QK / 32 {
+                        // SAFETY: 32 i16 at element 32c of the 256-element array.
+                        let v = unsafe { _mm512_loadu_si512(blk.w.as_ptr().add(32 * c).cast()) };
+                        // SAFETY: the 32-byte stores at 32c are inside the 256-byte rows.
+                        unsafe { store_planes(v, lo, hi, 32 * c) };
+                    }
+                    (blk.d, blk.dmin, blk.mins)
                 }
-            }
-            tail_d[4 * n..4 * n + 4].copy_from_slice(&blk.d.to_le_bytes());
-            tail_m[4 * n..4 * n + 4].copy_from_slice(&blk.dmin.to_le_bytes());
+            };
+            tail_d[4 * n..4 * n + 4].copy_from_slice(&d.to_le_bytes());
+            tail_m[4 * n..4 * n + 4].copy_from_slice(&dmin.to_le_bytes());
             for p in 0..4 {
-                let pair = u32::from(blk.mins[2 * p]) | (u32::from(blk.mins[2 * p + 1]) << 16);
+                let pair = u32::from(mins[2 * p]) | (u32::from(mins[2 * p + 1]) << 16);
                 let o = 64 * p + 4 * n;
                 tail_p[o..o + 4].copy_from_slice(&pair.to_le_bytes());
             }

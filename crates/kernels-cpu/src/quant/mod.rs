@@ -28,6 +28,11 @@
 //! IQ4_NL, MXFP4 (VNNI); `matmul` uses them for batches of 4+ tokens. Activation quantisation
 //! to Q8_0 / Q8_K has byte-identical AVX-512 versions (`act_avx512`).
 //!
+//! At [`SimdLevel::Amx`] the K formats use the super-block order of [`dot_sb`] instead (the
+//! only order AMX tiles can reproduce): VNNI dot kernels, an AVX-512 GEMM for small batches
+//! and the tile GEMM (`crate::gemm_amx`) for batches of `AMX_MIN_TOKENS`+, all bit-identical
+//! to each other and to the scalar twin `dot_sb::dot_scalar`.
+//!
 //! Block layouts are documented in [`blocks`].
 
 pub mod act;
