@@ -28,10 +28,13 @@
 //! # One step
 //! For a super-block, a record and two token tiles: four accumulator tiles are zeroed, 4
 //! K-steps each load both planes' tiles and the two activation tiles and run four `tdpbssd`;
-//! the 16 x 16 i32 results (row = token, lane = weight row) are stored and folded into the
-//! outputs with exactly the dot kernel's operations, `acc = fma(d * yd, T, acc)` then
-//! `acc = fma(-(dmin * yd), M, acc)`, where `acc` is the 16 outputs `y[t, r0 .. r0 + 16]`
-//! themselves (zero before the first super-block): the output is the accumulator.
+//! the 16 x 16 i32 results (row = token, lane = weight row) are stored and folded into 16
+//! f32 accumulators per token with exactly the dot kernel's operations,
+//! `acc = fma(d * yd, T, acc)` then `acc = fma(-(dmin * yd), M, acc)` (zero before the first
+//! super-block). The tiles of the next pair are issued before a pair is folded, so the
+//! vector work overlaps the tile work. The accumulators live in a contiguous per-task buffer
+//! and go to `y[t, r0 .. r0 + 16]` after the last super-block: accumulating in `y` itself
+//! (rows `n_out` floats apart, aliasing in the caches) made run times bimodal.
 //!
 //! # Blocking
 //! Activations are quantised and packed once per call (in parallel over token tiles). Row
