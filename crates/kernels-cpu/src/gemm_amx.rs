@@ -71,6 +71,23 @@ thread_local! {
     static WORK: RefCell<Buf> = RefCell::new(Buf::default());
 }
 
+/// Where one super-block's results go: rows `r0 .. r0 + n_rows` of `y` (`[n_tok, n_out]`).
+struct Out {
+    /// The row block's accumulators, `[n_tt * 16 tokens][16 rows]` f32, 64-aligned.
+    acc: *mut f32,
+    y: SharedMut<f32>,
+    n_out: usize,
+    r0: usize,
+    n_rows: usize,
+    n_tok: usize,
+    /// The first super-block: the accumulators start from zero (`acc` is not read).
+    first: bool,
+    /// The last super-block: the sums go to `y` (else back to `acc`).
+    last: bool,
+    /// The format has the min term (Q4_K, Q5_K).
+    mins: bool,
+}
+
 /// Whether this GEMM handles weights of `ty`.
 pub(crate) fn supports(ty: GgmlType) -> bool {
     dot_sb::block_bytes(ty).is_some()
@@ -193,7 +210,7 @@ pub(crate) fn gemm(
                             // SAFETY: as above.
                             unsafe { imp::decode_record(ty, rows.len(), &blocks, rec, scratch) };
                             let groups = &acts[sb * sb_bytes..(sb + 1) * sb_bytes];
-                            let out = imp::Out {
+                            let out = Out {
                                 // SAFETY: block `i % acc_rbs` of the accumulators is inside
                                 // `acc_bytes` (64-aligned: the buffer and every part before
                                 // it are multiples of 64 bytes).
@@ -236,8 +253,7 @@ mod imp {
 
     use kapitsa_base::GgmlType;
 
-    use super::{ACT, REC, ROWS, TOKS};
-    use crate::matmul::SharedMut;
+    use super::{Out, ACT, REC, ROWS, TOKS};
     use crate::quant::blocks::{f16_at, scale_min_k4};
     use crate::quant::dot_sb::{self, QK};
 
@@ -480,23 +496,6 @@ mod imp {
         }
     }
 
-    /// Where one super-block's results go: rows `r0 .. r0 + n_rows` of `y` (`[n_tok, n_out]`).
-    pub(super) struct Out {
-        /// The row block's accumulators, `[n_tt * 16 tokens][16 rows]` f32, 64-aligned.
-        pub(super) acc: *mut f32,
-        pub(super) y: SharedMut<f32>,
-        pub(super) n_out: usize,
-        pub(super) r0: usize,
-        pub(super) n_rows: usize,
-        pub(super) n_tok: usize,
-        /// The first super-block: the accumulators start from zero (`acc` is not read).
-        pub(super) first: bool,
-        /// The last super-block: the sums go to `y` (else back to `acc`).
-        pub(super) last: bool,
-        /// The format has the min term (Q4_K, Q5_K).
-        pub(super) mins: bool,
-    }
-
     /// The four 16 x 16 i32 products of one super-block with two token tiles, stored to `c`:
     /// lo x tile 0 at 0, hi x tile 0 at 256, lo x tile 1 at 512, hi x tile 1 at 768 (row =
     /// token, lane = weight row).
@@ -674,7 +673,7 @@ mod imp {
 mod imp {
     use kapitsa_base::GgmlType;
 
-    use crate::matmul::SharedMut;
+    use super::Out;
 
     pub(super) unsafe fn tile_config() {}
     pub(super) unsafe fn tile_release() {}
@@ -685,17 +684,6 @@ mod imp {
         _rec: &mut [u8],
         _scratch: &mut [u8],
     ) {
-    }
-    pub(super) struct Out {
-        pub(super) acc: *mut f32,
-        pub(super) y: SharedMut<f32>,
-        pub(super) n_out: usize,
-        pub(super) r0: usize,
-        pub(super) n_rows: usize,
-        pub(super) n_tok: usize,
-        pub(super) first: bool,
-        pub(super) last: bool,
-        pub(super) mins: bool,
     }
     pub(super) unsafe fn super_block(_rec: &[u8], _groups: &[u8], _n_tt: usize, _o: &Out) {}
 }

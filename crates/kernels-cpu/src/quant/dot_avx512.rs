@@ -72,7 +72,7 @@ pub(super) fn kernel(_ty: GgmlType, _max: SimdLevel, _bf16: bool) -> Option<Chos
 
 /// Helpers the AVX-512 GEMM kernels share with the dot products.
 #[cfg(target_arch = "x86_64")]
-pub(super) use imp::{k4_scales, ld512};
+pub(super) use imp::{k4_scales, ld512, sb_pack, sb_reduce8};
 /// The super-block-order K-format dot kernels (see `dot_sb`).
 #[cfg(target_arch = "x86_64")]
 pub(super) use imp::{q4_k_sb, q5_k_sb, q6_k_sb};
@@ -131,6 +131,47 @@ mod imp {
             b & M1,
             ((c >> 4) & M2) | (((b >> 6) & M3) << 4),
         ]
+    }
+
+    /// One super-block's integers for the super-block order, packed for [`sb_reduce8`]: the
+    /// 8-lane fold of the main lane sums `sumi` (`T` is the sum of lanes 0..8) and the 8 lanes
+    /// `m` of the min / offset term (`M` is the sum of lanes 8..16).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq")]
+    pub(in crate::quant) fn sb_pack(sumi: __m512i, m: __m256i) -> __m512i {
+        let s8 = _mm256_add_epi32(
+            _mm512_castsi512_si256(sumi),
+            _mm512_extracti64x4_epi64::<1>(sumi),
+        );
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(s8), m)
+    }
+
+    /// The integers `T` and `M` of 8 packed super-blocks ([`sb_pack`]), lane `j` from `u[j]`:
+    /// one transposing add tree (integer sums are exact in any order).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq")]
+    pub(in crate::quant) fn sb_reduce8(u: &[__m512i; 8]) -> (__m256i, __m256i) {
+        let h = |a: __m512i, b: __m512i| {
+            _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
+        };
+        let g = |a: __m512i, b: __m512i| {
+            _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
+        };
+        // Per 128-bit lane L: [sum_L u0, sum_L u1, sum_L u2, sum_L u3] (p: u0..u3, q: u4..u7);
+        // lanes 0, 1 hold T parts, lanes 2, 3 M parts.
+        let p = g(h(u[0], u[1]), h(u[2], u[3]));
+        let q = g(h(u[4], u[5]), h(u[6], u[7]));
+        // [T0..4, M0..4, T4..8, M4..8]
+        let r = _mm512_add_epi32(
+            _mm512_shuffle_i32x4::<0x88>(p, q),
+            _mm512_shuffle_i32x4::<0xDD>(p, q),
+        );
+        let ti = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0);
+        let mi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0);
+        (
+            _mm512_castsi512_si256(_mm512_permutexvar_epi32(ti, r)),
+            _mm512_castsi512_si256(_mm512_permutexvar_epi32(mi, r)),
+        )
     }
 
     /// Up to 8 super-blocks of one row awaiting their reduction in the super-block order:
@@ -310,44 +351,26 @@ mod imp {
                     |b| _mm256_shuffle_epi8(table(&KVALUES_MXFP4), nibbles32(ld128(b, 1))),
                     |b: &[u8]| e8m0_to_f32_half(b[0]), |bl: &[u8]| e8m0x8(bl));
 
-                /// One super-block's integers for the super-block order: the 8-lane fold of
-                /// the main lane sums (`T` is the sum of lanes 0..8) and the 8 lanes of the
-                /// min / offset term (`M` is the sum of lanes 8..16).
-                #[inline]
-                #[target_feature(enable = $feat)]
-                fn sb_pack(sumi: __m512i, m: __m256i) -> __m512i {
-                    let s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64::<1>(sumi));
-                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(s8), m)
-                }
-
-                /// Reduces the first `n` packed super-blocks of `b` to their integers (one
-                /// transposing add tree for all of them: integer sums are exact in any order) and
-                /// continues the f32 chain `acc` over them in order: `acc = fma(f.0, T, acc)`,
-                /// then, for Q4_K/Q5_K, `acc = fma(-f.1, M, acc)`; for Q6_K (`q6`) the integer is
-                /// `T - 32 M` and there is no second step.
+                /// Reduces the first `n` packed super-blocks of `b` to their integers
+                /// ([`sb_reduce8`]) and continues the f32 chain `acc` over them in order:
+                /// `acc = fma(f.0, T, acc)`, then, for Q4_K/Q5_K, `acc = fma(-f.1, M, acc)`; for
+                /// Q6_K (`q6`) the integer is `T - 32 M` and there is no second step.
                 #[inline]
                 #[target_feature(enable = $feat)]
                 fn sb_flush(b: &SbBatch, n: usize, q6: bool, acc: &mut f32) {
-                    let u = &b.u;
-                    // Per 128-bit lane L: [sum_L u0, sum_L u1, sum_L u2, sum_L u3] (p: u0..u3,
-                    // q: u4..u7); lanes 0, 1 hold T parts, lanes 2, 3 M parts.
-                    let h = |a: __m512i, b: __m512i| _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-                    let g = |a: __m512i, b: __m512i| _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
-                    let p = g(h(u[0], u[1]), h(u[2], u[3]));
-                    let q = g(h(u[4], u[5]), h(u[6], u[7]));
-                    // [T0..4, M0..4, T4..8, M4..8]
-                    let r = _mm512_add_epi32(_mm512_shuffle_i32x4::<0x88>(p, q), _mm512_shuffle_i32x4::<0xDD>(p, q));
-                    let mut v = [0i32; 16];
-                    // SAFETY: `v` holds 16 i32.
-                    unsafe { _mm512_storeu_si512(v.as_mut_ptr().cast(), r) };
+                    let (t, m) = sb_reduce8(&b.u);
+                    let (mut tv, mut mv) = ([0i32; 8], [0i32; 8]);
+                    // SAFETY: `tv` and `mv` hold 8 i32 each.
+                    unsafe {
+                        _mm256_storeu_si256(tv.as_mut_ptr().cast(), t);
+                        _mm256_storeu_si256(mv.as_mut_ptr().cast(), m);
+                    }
                     for (j, &(f, fm)) in b.f[..n].iter().enumerate() {
-                        let o = 8 * (j / 4) + j % 4;
-                        let (t, m) = (v[o], v[o + 4]);
                         if q6 {
-                            *acc = f.mul_add((t - 32 * m) as f32, *acc);
+                            *acc = f.mul_add((tv[j] - 32 * mv[j]) as f32, *acc);
                         } else {
-                            *acc = f.mul_add(t as f32, *acc);
-                            *acc = (-fm).mul_add(m as f32, *acc);
+                            *acc = f.mul_add(tv[j] as f32, *acc);
+                            *acc = (-fm).mul_add(mv[j] as f32, *acc);
                         }
                     }
                 }

@@ -305,7 +305,7 @@ mod imp {
     use super::{Acc, Fin, ACT_K, ACT_KV, ACT_Q, REC_K, REC_KV, REC_Q};
     use crate::quant::blocks::{KVALUES_IQ4NL, KVALUES_MXFP4};
     use crate::quant::dot_avx2::{bits_to_bytes, f16c, hsum_ps, ld128, ld256, nibbles32};
-    use crate::quant::dot_avx512::{k4_scales, ld512};
+    use crate::quant::dot_avx512::{k4_scales, ld512, sb_pack, sb_reduce8};
 
     pub(super) use super::{pack_q8_0, pack_q8k, pack_q8k_v};
 
@@ -773,6 +773,35 @@ mod imp {
             }
         }
 
+        /// Token `t`'s exact lane integers of one super-block, as the dot kernel forms them
+        /// (VNNI layout): `w` the record's permuted quants, `s01` / `s23` its scale pairs, `x`
+        /// the tile group.
+        ///
+        /// # Safety
+        /// Requires the features of this module; `x` points to a whole tile group and `t < 8`.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+        pub(in crate::quant) unsafe fn lane_ints(
+            w: &[__m512i; 4],
+            s01: __m512i,
+            s23: __m512i,
+            x: *const u8,
+            t: usize,
+        ) -> __m512i {
+            let zero = _mm512_setzero_si512();
+            // SAFETY: token t's quants are 256 bytes at 256t inside the group (caller).
+            let y = |k: usize| unsafe { ldp(x, 256 * t + 64 * k) };
+            let p01 = _mm512_packs_epi32(
+                _mm512_dpbusd_epi32(zero, w[0], y(0)),
+                _mm512_dpbusd_epi32(zero, w[1], y(1)),
+            );
+            let p23 = _mm512_packs_epi32(
+                _mm512_dpbusd_epi32(zero, w[2], y(2)),
+                _mm512_dpbusd_epi32(zero, w[3], y(3)),
+            );
+            wacc_vnni(_mm512_madd_epi16(p01, s01), p23, s23)
+        }
+
         /// K formats, VNNI: `acc += rec x act` for `T` tokens (even, <= 8); per token and
         /// super-block the same lane integers and f32 steps as the dot kernel (module docs).
         ///
@@ -795,7 +824,6 @@ mod imp {
                 load_k(&mut a, &mut m, acc);
             }
             let neg32 = _mm512_set1_ps(-32.0);
-            let zero = _mm512_setzero_si512();
             for g in 0..n {
                 // SAFETY: record `g` is bytes g*REC_KV..(g+1)*REC_KV of `rec` and tile group `g` bytes
                 // g*ACT_KV..(g+1)*ACT_KV of `act` (checked above); every load below reads inside them at
@@ -818,16 +846,7 @@ mod imp {
                         _mm256_mul_ps(_mm512_castps512_ps256(dv), yd8),
                     );
                     for (t, at) in a.iter_mut().enumerate() {
-                        let y = |k: usize| ldp(x, 256 * t + 64 * k);
-                        let p01 = _mm512_packs_epi32(
-                            _mm512_dpbusd_epi32(zero, w[0], y(0)),
-                            _mm512_dpbusd_epi32(zero, w[1], y(1)),
-                        );
-                        let p23 = _mm512_packs_epi32(
-                            _mm512_dpbusd_epi32(zero, w[2], y(2)),
-                            _mm512_dpbusd_epi32(zero, w[3], y(3)),
-                        );
-                        let sumi = wacc_vnni(_mm512_madd_epi16(p01, s01), p23, s23);
+                        let sumi = lane_ints(&w, s01, s23, x, t);
                         *at = fma_bcast(_mm512_cvtepi32_ps(sumi), dy.as_ptr().add(t), *at);
                     }
                     for (p, mp) in m.iter_mut().take(T / 2).enumerate() {
@@ -872,14 +891,6 @@ mod imp {
             _mm512_castps512_ps256(acc.0[0])
         };
         let zero = _mm512_setzero_si512();
-        let h = |a: __m512i, b: __m512i| {
-            _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
-        };
-        let g2 = |a: __m512i, b: __m512i| {
-            _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
-        };
-        let ti = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0);
-        let mi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0);
         for g in 0..n {
             // SAFETY: as in `vnk::kern_k`: record `g` and tile group `g` are inside `rec` and
             // `act` (checked above) and every load reads inside them at the offsets of the
@@ -897,38 +908,15 @@ mod imp {
                     let prod = _mm512_madd_epi16(ldp(x, 2048 + 64 * p), mm);
                     for k in 0..2 {
                         let t = 2 * p + k;
-                        let y = |c: usize| ldp(x, 256 * t + 64 * c);
-                        let p01 = _mm512_packs_epi32(
-                            _mm512_dpbusd_epi32(zero, w[0], y(0)),
-                            _mm512_dpbusd_epi32(zero, w[1], y(1)),
-                        );
-                        let p23 = _mm512_packs_epi32(
-                            _mm512_dpbusd_epi32(zero, w[2], y(2)),
-                            _mm512_dpbusd_epi32(zero, w[3], y(3)),
-                        );
-                        let sumi = _mm512_dpwssd_epi32(_mm512_madd_epi16(p01, s01), p23, s23);
-                        let s8 = _mm256_add_epi32(
-                            _mm512_castsi512_si256(sumi),
-                            _mm512_extracti64x4_epi64::<1>(sumi),
-                        );
                         let m8 = if k == 0 {
                             _mm512_castsi512_si256(prod)
                         } else {
                             _mm512_extracti64x4_epi64::<1>(prod)
                         };
-                        u[t] = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(s8), m8);
+                        u[t] = sb_pack(vnk::lane_ints(&w, s01, s23, x, t), m8);
                     }
                 }
-                // 128-bit lane L of q[k]: the sums over lane L of u[4k] .. u[4k + 4]; then
-                // [T0..4, M0..4, T4..8, M4..8] (integer sums: any order is exact).
-                let q0 = g2(h(u[0], u[1]), h(u[2], u[3]));
-                let q1 = g2(h(u[4], u[5]), h(u[6], u[7]));
-                let rr = _mm512_add_epi32(
-                    _mm512_shuffle_i32x4::<0x88>(q0, q1),
-                    _mm512_shuffle_i32x4::<0xDD>(q0, q1),
-                );
-                let tv = _mm512_castsi512_si256(_mm512_permutexvar_epi32(ti, rr));
-                let mv = _mm512_castsi512_si256(_mm512_permutexvar_epi32(mi, rr));
+                let (tv, mv) = sb_reduce8(&u);
                 let yd8 = _mm256_loadu_ps(x.add(2304).cast());
                 let dy = _mm256_mul_ps(_mm256_set1_ps(d), yd8);
                 if Q6 {
