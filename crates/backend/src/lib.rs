@@ -23,6 +23,20 @@ pub enum BackendError {
 /// Result of a backend op.
 pub type Result<T> = std::result::Result<T, BackendError>;
 
+/// One output buffer per matrix of a `matmul_many` call.
+fn check_outputs(n_w: usize, n_y: usize) -> Result<()> {
+    if n_w != n_y {
+        return Err(KernelError::BadLength {
+            op: "matmul_many",
+            what: "outputs",
+            expected: n_w,
+            got: n_y,
+        }
+        .into());
+    }
+    Ok(())
+}
+
 /// The ops a model forward pass needs. All activations are row-major f32.
 pub trait Backend: Send + Sync {
     /// Short description for logs (`"cpu avx512 vnni bf16, 2 threads"`).
@@ -44,6 +58,39 @@ pub trait Backend: Send + Sync {
         y: &mut [f32],
     ) -> Result<()> {
         self.matmul(w, x, n_tok, y)
+    }
+
+    /// `ys[i][n_tok, ws[i].n_out] = x @ ws[i]^T` for several matrices sharing the input (an
+    /// MLP's gate and up, attention's q, k and v): each output exactly as
+    /// [`Backend::matmul`] computes it; a backend may share the input's preparation and run
+    /// the products together.
+    fn matmul_many(
+        &self,
+        ws: &[QMatrix<'_>],
+        x: &[f32],
+        n_tok: usize,
+        ys: &mut [&mut [f32]],
+    ) -> Result<()> {
+        check_outputs(ws.len(), ys.len())?;
+        for (w, y) in ws.iter().zip(ys.iter_mut()) {
+            self.matmul(w, x, n_tok, y)?;
+        }
+        Ok(())
+    }
+
+    /// [`Backend::matmul_many`] with [`Backend::matmul_small_batch`]'s kernels.
+    fn matmul_small_batch_many(
+        &self,
+        ws: &[QMatrix<'_>],
+        x: &[f32],
+        n_tok: usize,
+        ys: &mut [&mut [f32]],
+    ) -> Result<()> {
+        check_outputs(ws.len(), ys.len())?;
+        for (w, y) in ws.iter().zip(ys.iter_mut()) {
+            self.matmul_small_batch(w, x, n_tok, y)?;
+        }
+        Ok(())
     }
 
     /// Embedding gather: `out[i, :] = dequant(w[ids[i], :])`, out `[ids.len(), w.n_in]`.
@@ -196,6 +243,41 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let level = self.level.min(SimdLevel::Avx512Vnni);
         Ok(matmul::matmul_with(level, &*self.pool, w, x, n_tok, y)?)
+    }
+
+    fn matmul_many(
+        &self,
+        ws: &[QMatrix<'_>],
+        x: &[f32],
+        n_tok: usize,
+        ys: &mut [&mut [f32]],
+    ) -> Result<()> {
+        Ok(matmul::matmul_many_with(
+            self.level,
+            &*self.pool,
+            ws,
+            x,
+            n_tok,
+            ys,
+        )?)
+    }
+
+    fn matmul_small_batch_many(
+        &self,
+        ws: &[QMatrix<'_>],
+        x: &[f32],
+        n_tok: usize,
+        ys: &mut [&mut [f32]],
+    ) -> Result<()> {
+        let level = self.level.min(SimdLevel::Avx512Vnni);
+        Ok(matmul::matmul_many_with(
+            level,
+            &*self.pool,
+            ws,
+            x,
+            n_tok,
+            ys,
+        )?)
     }
 
     fn get_rows(&self, w: &QMatrix<'_>, ids: &[u32], out: &mut [f32]) -> Result<()> {

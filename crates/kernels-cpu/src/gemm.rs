@@ -249,26 +249,41 @@ impl Ctx<'_> {
     }
 }
 
-/// `y[t, r] = dot(W[r], x[t])` for `t < n_tok` with the GEMM kernel `gk`. Shapes were
-/// validated by the caller (`matmul_with`): `x` is `[n_tok, n_in]`, `y` is `[n_tok, n_out]`,
-/// `n_in` is a valid row length for `w.dtype` (a multiple of 256 for the K formats), and
+/// `ys[i][t, r] = dot(ws[i][r], x[t])` for `t < n_tok`: one or more weight matrices of the
+/// same type and width multiplied by the same activations, with the GEMM kernel `gk`. Shapes
+/// were validated by the caller (`matmul_impl` / `matmul_many_impl`): `x` is `[n_tok, n_in]`,
+/// `ys[i]` is `[n_tok, ws[i].n_out]`, every `ws[i]` has `gk`'s type and `n_in` columns, `n_in`
+/// is a valid row length for that type (a multiple of 256 for the K formats), and
 /// `n_in >= 256`.
 ///
-/// One pool round per call: long batches are split by tokens (each task packs its own tiles,
-/// then computes every row for them), short ones are packed here and split by rows.
+/// One pool round per call, whatever the number of matrices (the activations are quantised
+/// and packed once for all of them): long batches are split by tokens (each task packs its
+/// own tiles, then computes every row of every matrix for them), short ones are packed here
+/// and split by rows of each matrix.
 pub(crate) fn gemm(
     gk: &GemmKernel,
     pool: &dyn ThreadPool,
-    w: &QMatrix<'_>,
+    ws: &[QMatrix<'_>],
     x: &[f32],
     n_tok: usize,
-    y: &mut [f32],
+    ys: &mut [&mut [f32]],
 ) -> Result<(), KernelError> {
     const OP: &str = "matmul";
-    let (n_in, n_out) = (w.n_in, w.n_out);
-    let dot_ty = quant::vec_dot_type(w.dtype)?;
+    let Some(w0) = ws.first() else {
+        return Ok(());
+    };
+    if ys.len() != ws.len() {
+        return Err(KernelError::BadLength {
+            op: OP,
+            what: "outputs",
+            expected: ws.len(),
+            got: ys.len(),
+        });
+    }
+    let n_in = w0.n_in;
+    let dot_ty = quant::vec_dot_type(w0.dtype)?;
     let xrb = quant::row_bytes(OP, dot_ty, n_in)?;
-    let wrb = quant::row_bytes(OP, w.dtype, n_in)?;
+    let wrb = quant::row_bytes(OP, w0.dtype, n_in)?;
     let ng = n_in.div_ceil(GROUP);
     let (xg, wg) = (ng * gk.x_group, ng * gk.w_group);
     let n_tiles = n_tok.div_ceil(TILE);
@@ -278,22 +293,26 @@ pub(crate) fn gemm(
         .ok_or(KernelError::Overflow { op: OP })?;
 
     with_buf(&TILES, |tiles| {
-        let buf = tiles.bytes(total);
-        let ctx = Ctx {
-            gk,
-            w,
-            x,
-            n_tok,
-            dot_ty,
-            xrb,
-            wrb,
-            ng,
-            xg,
-            wg,
-            tile_bytes,
-            buf: SharedMut(buf.as_mut_ptr()),
-            y: SharedMut(y.as_mut_ptr()),
-        };
+        let buf = SharedMut(tiles.bytes(total).as_mut_ptr());
+        let ctxs: Vec<Ctx<'_>> = ws
+            .iter()
+            .zip(ys.iter_mut())
+            .map(|(w, y)| Ctx {
+                gk,
+                w,
+                x,
+                n_tok,
+                dot_ty,
+                xrb,
+                wrb,
+                ng,
+                xg,
+                wg,
+                tile_bytes,
+                buf,
+                y: SharedMut(y.as_mut_ptr()),
+            })
+            .collect();
         let n_thr = pool.n_threads();
         let tok_tasks = (n_tok / TASK_TOKENS).min(2 * n_thr);
         if n_thr > 1 && tok_tasks >= 2 {
@@ -302,28 +321,40 @@ pub(crate) fn gemm(
             pool.run(n_tasks, &|task| {
                 let tiles = task * per..((task + 1) * per).min(n_tiles);
                 // SAFETY: task `task` alone packs, then reads, the tiles `tiles`, and alone
-                // writes those tokens' rows of `y`; `buf` and `y` outlive `run`.
+                // writes those tokens' rows of every `y`; `buf` and the `ys` outlive `run`.
                 unsafe {
-                    ctx.pack_tiles(tiles.clone());
-                    ctx.compute(tiles, 0..n_out);
+                    ctxs[0].pack_tiles(tiles.clone());
+                    for ctx in &ctxs {
+                        ctx.compute(tiles.clone(), 0..ctx.w.n_out);
+                    }
                 }
             });
         } else {
             // SAFETY: nothing else runs yet.
-            unsafe { ctx.pack_tiles(0..n_tiles) };
-            let n_tasks = (n_thr * 4).min(n_out.div_ceil(8)).max(1);
-            let per = n_out.div_ceil(n_tasks);
-            let n_tasks = n_out.div_ceil(per);
+            unsafe { ctxs[0].pack_tiles(0..n_tiles) };
+            // (matrix, rows) of every task: each matrix split as a lone call would be.
+            let mut tasks = Vec::new();
+            for (i, ctx) in ctxs.iter().enumerate() {
+                let n_out = ctx.w.n_out;
+                if n_out == 0 {
+                    continue;
+                }
+                let n_tasks = (n_thr * 4).min(n_out.div_ceil(8)).max(1);
+                let per = n_out.div_ceil(n_tasks);
+                tasks.extend(
+                    (0..n_out.div_ceil(per)).map(|t| (i, t * per..((t + 1) * per).min(n_out))),
+                );
+            }
             let row_task = |task: usize| {
-                let rows = task * per..((task + 1) * per).min(n_out);
+                let (i, rows) = tasks[task].clone();
                 // SAFETY: the tiles were packed above and are only read now; task `task`
-                // alone writes the columns `rows` of `y`, which outlives `run`.
-                unsafe { ctx.compute(0..n_tiles, rows) };
+                // alone writes the columns `rows` of matrix `i`'s `y`, which outlives `run`.
+                unsafe { ctxs[i].compute(0..n_tiles, rows) };
             };
-            if n_tasks == 1 || n_thr == 1 {
-                (0..n_tasks).for_each(row_task);
+            if tasks.len() <= 1 || n_thr == 1 {
+                (0..tasks.len()).for_each(row_task);
             } else {
-                pool.run(n_tasks, &row_task);
+                pool.run(tasks.len(), &row_task);
             }
         }
         Ok(())

@@ -169,6 +169,73 @@ pub fn matmul_dot_with(
     matmul_impl(level, pool, w, x, n_tok, y, false)
 }
 
+/// `ys[i] = x · ws[i]ᵀ` for several weight matrices multiplied by the same activations (an
+/// MLP's gate and up projections, attention's q, k and v), each output exactly as
+/// [`matmul_with`] computes it. Where the batch takes the AVX-512 GEMM, the matrices of one
+/// type and width are done together: the activations are quantised and packed once for them
+/// and all their products run in one pool round. Everything else is one [`matmul_with`] per
+/// matrix. `x` is `[n_tok, n_in]`, `ys[i]` is `[n_tok, ws[i].n_out]`.
+pub fn matmul_many_with(
+    level: SimdLevel,
+    pool: &dyn ThreadPool,
+    ws: &[QMatrix<'_>],
+    x: &[f32],
+    n_tok: usize,
+    ys: &mut [&mut [f32]],
+) -> Result<(), KernelError> {
+    const OP: &str = "matmul";
+    check_len(OP, "outputs", ws.len(), ys.len())?;
+    let mut done = vec![false; ws.len()];
+    for i in 0..ws.len() {
+        if done[i] {
+            continue;
+        }
+        let w0 = &ws[i];
+        let kernel = DotKernel::with_level(w0.dtype, level)?;
+        let amx = n_tok >= AMX_MIN_TOKENS
+            && kernel.level() == SimdLevel::Amx
+            && crate::gemm_amx::supports(w0.dtype);
+        let gk = (!amx && n_tok >= GEMM_MIN_TOKENS && w0.n_in >= crate::quant::gemm_avx512::GROUP)
+            .then(|| crate::quant::gemm_avx512::kernel(w0.dtype, kernel.level()))
+            .flatten();
+        let Some(gk) = gk else {
+            matmul_impl(level, pool, w0, x, n_tok, ys[i], true)?;
+            done[i] = true;
+            continue;
+        };
+        // This matrix and the later ones of its type and width.
+        let idx: Vec<usize> = (i..ws.len())
+            .filter(|&j| !done[j] && ws[j].dtype == w0.dtype && ws[j].n_in == w0.n_in)
+            .collect();
+        for &j in &idx {
+            let w = &ws[j];
+            w.check(OP)?;
+            let n_x = n_tok
+                .checked_mul(w.n_in)
+                .ok_or(KernelError::Overflow { op: OP })?;
+            let n_y = n_tok
+                .checked_mul(w.n_out)
+                .ok_or(KernelError::Overflow { op: OP })?;
+            check_len(OP, "x", n_x, x.len())?;
+            check_len(OP, "y", n_y, ys[j].len())?;
+            done[j] = true;
+        }
+        let group: Vec<QMatrix<'_>> = idx.iter().map(|&j| ws[j]).collect();
+        let mut outs: Vec<&mut [f32]> = Vec::with_capacity(idx.len());
+        // Disjoint mutable borrows of the chosen outputs, in `idx` order.
+        let mut rest: &mut [&mut [f32]] = ys;
+        let mut base = 0;
+        for &j in &idx {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(j - base + 1);
+            outs.push(&mut *head[j - base]);
+            rest = tail;
+            base = j + 1;
+        }
+        crate::gemm::gemm(&gk, pool, &group, x, n_tok, &mut outs)?;
+    }
+    Ok(())
+}
+
 fn matmul_impl(
     level: SimdLevel,
     pool: &dyn ThreadPool,
@@ -206,7 +273,7 @@ fn matmul_impl(
     }
     if allow_gemm && n_tok >= GEMM_MIN_TOKENS && n_in >= crate::quant::gemm_avx512::GROUP {
         if let Some(gk) = crate::quant::gemm_avx512::kernel(w.dtype, kernel.level()) {
-            return crate::gemm::gemm(&gk, pool, w, x, n_tok, y);
+            return crate::gemm::gemm(&gk, pool, std::slice::from_ref(w), x, n_tok, &mut [y]);
         }
     }
 

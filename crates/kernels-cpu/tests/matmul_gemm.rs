@@ -254,3 +254,62 @@ fn amx_tile_gemm_equals_per_row_dot() {
         }
     }
 }
+
+/// `matmul_many_with` (matrices sharing the input: one packing and pool round per type and
+/// width) gives every output bit for bit as a lone `matmul_with` does: mixed types and widths
+/// (which must be grouped, not mixed), both GEMM drivers (row split and token split), the
+/// AMX and per-row dot fallbacks, 1 and 2 threads.
+#[test]
+fn matmul_many_equals_one_matmul_per_matrix() {
+    use kapitsa_kernels_cpu::matmul_many_with;
+    let mut rng = Rng(77);
+    let pool2 = RayonPool::new(2).unwrap();
+    let pools: [&dyn ThreadPool; 2] = [&SerialPool, &pool2];
+    let n_in = 512;
+    // (type, n_out): a K-format pair, a 32-element format between them, a different width.
+    let mats: Vec<(GgmlType, usize, usize)> = vec![
+        (GgmlType::Q4_K, 40, n_in),
+        (GgmlType::Q8_0, 24, n_in),
+        (GgmlType::Q4_K, 9, n_in),
+        (GgmlType::Q6_K, 16, n_in),
+        (GgmlType::Q4_K, 8, 2 * n_in),
+        (GgmlType::Q8_0, 3, n_in),
+    ];
+    let data: Vec<Vec<u8>> = mats
+        .iter()
+        .map(|&(ty, n_out, k)| random_matrix(ty, n_out, k, &mut rng))
+        .collect();
+    for level in SimdLevel::available() {
+        for &n_tok in &[1usize, GEMM_MIN_TOKENS, 13, 40, AMX_MIN_TOKENS + 3, 300] {
+            for pool in pools {
+                // Matrices of width `n_in` only (they share `x`); the wide one gets its own x.
+                for wide in [false, true] {
+                    let sel: Vec<usize> = (0..mats.len())
+                        .filter(|&i| (mats[i].2 != n_in) == wide)
+                        .collect();
+                    let k = mats[sel[0]].2;
+                    let x = random_x(n_tok, k, &mut rng);
+                    let ws: Vec<QMatrix<'_>> = sel
+                        .iter()
+                        .map(|&i| QMatrix::new(mats[i].0, mats[i].1, k, &data[i]).unwrap())
+                        .collect();
+                    let mut got: Vec<Vec<f32>> =
+                        ws.iter().map(|w| vec![f32::NAN; n_tok * w.n_out]).collect();
+                    let mut outs: Vec<&mut [f32]> =
+                        got.iter_mut().map(|v| v.as_mut_slice()).collect();
+                    matmul_many_with(level, pool, &ws, &x, n_tok, &mut outs).unwrap();
+                    for (w, g) in ws.iter().zip(&got) {
+                        let mut want = vec![0f32; n_tok * w.n_out];
+                        matmul_with(level, pool, w, &x, n_tok, &mut want).unwrap();
+                        let what = format!("matmul_many n_tok={n_tok} n_out={}", w.n_out);
+                        assert_bitwise(w.dtype, level, &what, g, &want, w.n_out);
+                    }
+                }
+            }
+        }
+    }
+    // One output buffer per matrix.
+    let w = QMatrix::new(GgmlType::Q8_0, 3, n_in, &data[5]).unwrap();
+    let x = vec![0f32; n_in];
+    assert!(matmul_many_with(SimdLevel::Scalar, &SerialPool, &[w], &x, 1, &mut []).is_err());
+}

@@ -72,7 +72,7 @@ pub(super) fn kernel(_ty: GgmlType, _max: SimdLevel, _bf16: bool) -> Option<Chos
 
 /// Helpers the AVX-512 GEMM kernels share with the dot products.
 #[cfg(target_arch = "x86_64")]
-pub(super) use imp::{k4_scales, ld512, sb_pack, sb_reduce8};
+pub(super) use imp::{k4_scales, ld512, q5_0_plus16, sb_pack, sb_reduce8};
 /// The super-block-order K-format dot kernels (see `dot_sb`).
 #[cfg(target_arch = "x86_64")]
 pub(super) use imp::{q4_k_sb, q5_k_sb, q6_k_sb};
@@ -82,7 +82,7 @@ mod imp {
     use std::arch::x86_64::*;
 
     use crate::quant::blocks::{e8m0_to_f32_half, KVALUES_IQ4NL, KVALUES_MXFP4};
-    use crate::quant::dot_avx2::{bits_to_bytes, e8m0x8, f16c, f16x8, ld128, ld256, nibbles32, yd};
+    use crate::quant::dot_avx2::{e8m0x8, f16c, f16x8, ld128, ld256, nibbles32, yd};
 
     /// Loads 64 bytes from `p[o..o + 64]`.
     ///
@@ -112,6 +112,21 @@ mod imp {
             // address; SSE is baseline on x86-64.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * k).cast()) };
         }
+    }
+
+    /// A Q5_0 block's 32 values plus 16, as unsigned bytes (0..31): the nibble with the
+    /// block's 5th bit (`qh` bit `i` belongs to element `i`) as bit 4.
+    ///
+    /// # Safety
+    /// Requires AVX-512F/BW/VL and AVX2; `b` is one whole 22-byte block.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(in crate::quant) unsafe fn q5_0_plus16(b: &[u8]) -> __m256i {
+        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        // SAFETY: the quants are bytes 6..22 of the block (caller).
+        let q = nibbles32(unsafe { ld128(b, 6) });
+        // q | (high bit & 0x10)
+        _mm256_ternarylogic_epi32::<0xF8>(q, _mm256_movm_epi8(qh), _mm256_set1_epi8(0x10))
     }
 
     /// The Q4_K/Q5_K 12-byte scale field as 16 bytes: 8 scales then 8 mins (6 bits each).
@@ -217,8 +232,34 @@ mod imp {
                     bdot(aw, _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x))
                 }
 
+                /// Weights prepared for [`wdot`]: signed ones as `sprep` makes them;
+                /// unsigned ones (`U16`: the format's values plus 16, 0..31) as they are.
+                #[inline]
+                #[target_feature(enable = $feat)]
+                fn wprep<const U16: bool>(w: __m512i) -> (__m512i, __mmask64) {
+                    if U16 {
+                        (w, 0)
+                    } else {
+                        sprep(w)
+                    }
+                }
+
+                /// The lane sums `sum4(w * x)` from [`wprep`]'s weights: for `U16`,
+                /// `sum4(u * x) - sum4(16 * x)` with `u = w + 16` (exact: the same integers
+                /// as the signed form, without its sign juggling).
+                #[inline]
+                #[target_feature(enable = $feat)]
+                fn wdot<const U16: bool>(aw: __m512i, neg: __mmask64, x: __m512i) -> __m512i {
+                    if U16 {
+                        _mm512_sub_epi32(bdot(aw, x), bdot(_mm512_set1_epi8(16), x))
+                    } else {
+                        sdot(aw, neg, x)
+                    }
+                }
+
                 /// `T` activation rows against one weight row of a 32-element format, two
-                /// blocks per step; `decode` gives a block's 32 signed values, `scale` one
+                /// blocks per step; `decode` gives a block's 32 signed values (`U16`: its
+                /// values plus 16, unsigned), `scale` one
                 /// block's weight scale, `scales8` those of 8 consecutive blocks. The work for
                 /// each activation row is exactly the same sequence of operations whatever `T`
                 /// is, so results are bit-identical between the 1-row and multi-row forms.
@@ -227,7 +268,7 @@ mod imp {
                 /// Requires the features of this module; `decode` reads only inside its block.
                 #[inline]
                 #[target_feature(enable = $feat)]
-                unsafe fn q8_family<const T: usize>(
+                unsafe fn q8_family<const T: usize, const U16: bool>(
                     w: &[u8],
                     xs: [&[u8]; T],
                     ts: usize,
@@ -250,7 +291,7 @@ mod imp {
                         let mut wv = [(_mm512_setzero_si512(), 0 as __mmask64); 4];
                         for (j, v) in wv.iter_mut().enumerate() {
                             let k = i + 2 * j;
-                            *v = sprep(join(decode(&w[k * ts..(k + 1) * ts]), decode(&w[(k + 1) * ts..(k + 2) * ts])));
+                            *v = wprep::<U16>(join(decode(&w[k * ts..(k + 1) * ts]), decode(&w[(k + 1) * ts..(k + 2) * ts])));
                         }
                         for (x, a) in xs.iter().zip(acc.iter_mut()) {
                             let d = _mm512_castps256_ps512(_mm256_mul_ps(dw, f16x8(&x[i * 34..(i + 8) * 34], 34, 0)));
@@ -258,7 +299,7 @@ mod imp {
                                 let k = i + 2 * j;
                                 // SAFETY: qs is bytes 2..34 of the Q8_0 blocks k, k + 1 < nb.
                                 let xv = unsafe { join(ld256(x, k * 34 + 2), ld256(x, k * 34 + 36)) };
-                                let p = sdot(wv[j].0, wv[j].1, xv);
+                                let p = wdot::<U16>(wv[j].0, wv[j].1, xv);
                                 let dk = _mm512_permutexvar_ps(*ix, d);
                                 a[j & 1] = _mm512_fmadd_ps(dk, _mm512_cvtepi32_ps(p), a[j & 1]);
                             }
@@ -280,7 +321,8 @@ mod imp {
                         } else {
                             (_mm256_setzero_si256(), 0.0)
                         };
-                        let (aw, neg) = sprep(join(decode(b0), w1));
+                        // (U16: the padding half's lanes meet x = 0 and are 0 either way)
+                        let (aw, neg) = wprep::<U16>(join(decode(b0), w1));
                         let s0 = scale(b0);
                         for (x, a) in xs.iter().zip(acc.iter_mut()) {
                             // SAFETY: qs is bytes 2..34 of the Q8_0 blocks i (and i + 1 if
@@ -290,7 +332,7 @@ mod imp {
                             };
                             let d1 = if two { s1 * f16c(x, i * 34 + 34) } else { 0.0 };
                             let dk = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(s0 * f16c(x, i * 34))), _mm256_set1_ps(d1), 1);
-                            let p = sdot(aw, neg, join(x0, x1));
+                            let p = wdot::<U16>(aw, neg, join(x0, x1));
                             a[pair & 1] = _mm512_fmadd_ps(dk, _mm512_cvtepi32_ps(p), a[pair & 1]);
                         }
                         i += 2;
@@ -309,14 +351,14 @@ mod imp {
 
                 /// Defines the 1-row and 4-row entry points of a 32-element format.
                 macro_rules! q8_entry {
-                    ($one:ident, $four:ident, $ts:expr, |$b:ident| $decode:expr, $scale:expr, $scales8:expr) => {
+                    ($one:ident, $four:ident, $u16:literal, $ts:expr, |$b:ident| $decode:expr, $scale:expr, $scales8:expr) => {
                         /// # Safety
                         /// Requires the features of this module.
                         #[target_feature(enable = $feat)]
                         pub(crate) unsafe fn $one(w: &[u8], x: &[u8]) -> f32 {
                             // SAFETY: features present; the decoder's loads are inside its block
                             // (see the SAFETY note at the invocations).
-                            unsafe { q8_family::<1>(w, [x], $ts, |$b: &[u8]| $decode, $scale, $scales8)[0] }
+                            unsafe { q8_family::<1, $u16>(w, [x], $ts, |$b: &[u8]| $decode, $scale, $scales8)[0] }
                         }
 
                         /// # Safety
@@ -324,30 +366,25 @@ mod imp {
                         #[target_feature(enable = $feat)]
                         pub(crate) unsafe fn $four(w: &[u8], xs: [&[u8]; 4]) -> [f32; 4] {
                             // SAFETY: as in the 1-row form.
-                            unsafe { q8_family::<4>(w, xs, $ts, |$b: &[u8]| $decode, $scale, $scales8) }
+                            unsafe { q8_family::<4, $u16>(w, xs, $ts, |$b: &[u8]| $decode, $scale, $scales8) }
                         }
                     };
                 }
 
                 // SAFETY (each decoder): `ld128`/`ld256` read the quant bytes inside the block
                 // (Q8_0 qs at 2..34, Q4_0/IQ4_NL qs at 2..18, Q5_0 qs at 6..22, MXFP4 at 1..17).
-                q8_entry!(q8_0_q8_0, q8_0_q8_0_x4, 34, |b| ld256(b, 2),
+                q8_entry!(q8_0_q8_0, q8_0_q8_0_x4, false, 34, |b| ld256(b, 2),
                     |b: &[u8]| f16c(b, 0), |bl: &[u8]| f16x8(bl, 34, 0));
-                q8_entry!(q4_0_q8_0, q4_0_q8_0_x4, 18,
+                q8_entry!(q4_0_q8_0, q4_0_q8_0_x4, false, 18,
                     |b| _mm256_sub_epi8(nibbles32(ld128(b, 2)), _mm256_set1_epi8(8)),
                     |b: &[u8]| f16c(b, 0), |bl: &[u8]| f16x8(bl, 18, 0));
-                q8_entry!(q5_0_q8_0, q5_0_q8_0_x4, 22,
-                    |b| {
-                        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-                        let q = nibbles32(ld128(b, 6));
-                        // nibble | 0xF0 where the 5th bit is clear == nibble - 16 as i8
-                        _mm256_or_si256(q, _mm256_andnot_si256(bits_to_bytes(qh), _mm256_set1_epi8(0xF0u8 as i8)))
-                    },
+                q8_entry!(q5_0_q8_0, q5_0_q8_0_x4, true, 22,
+                    |b| q5_0_plus16(b),
                     |b: &[u8]| f16c(b, 0), |bl: &[u8]| f16x8(bl, 22, 0));
-                q8_entry!(iq4_nl_q8_0, iq4_nl_q8_0_x4, 18,
+                q8_entry!(iq4_nl_q8_0, iq4_nl_q8_0_x4, false, 18,
                     |b| _mm256_shuffle_epi8(table(&KVALUES_IQ4NL), nibbles32(ld128(b, 2))),
                     |b: &[u8]| f16c(b, 0), |bl: &[u8]| f16x8(bl, 18, 0));
-                q8_entry!(mxfp4_q8_0, mxfp4_q8_0_x4, 17,
+                q8_entry!(mxfp4_q8_0, mxfp4_q8_0_x4, false, 17,
                     |b| _mm256_shuffle_epi8(table(&KVALUES_MXFP4), nibbles32(ld128(b, 1))),
                     |b: &[u8]| e8m0_to_f32_half(b[0]), |bl: &[u8]| e8m0x8(bl));
 

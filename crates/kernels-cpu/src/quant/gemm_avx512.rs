@@ -304,8 +304,8 @@ mod imp {
 
     use super::{Acc, Fin, ACT_K, ACT_KV, ACT_Q, REC_K, REC_KV, REC_Q};
     use crate::quant::blocks::{KVALUES_IQ4NL, KVALUES_MXFP4};
-    use crate::quant::dot_avx2::{bits_to_bytes, f16c, hsum_ps, ld128, ld256, nibbles32};
-    use crate::quant::dot_avx512::{k4_scales, ld512, sb_pack, sb_reduce8};
+    use crate::quant::dot_avx2::{f16c, hsum_ps, ld128, ld256, nibbles32};
+    use crate::quant::dot_avx512::{k4_scales, ld512, q5_0_plus16, sb_pack, sb_reduce8};
 
     pub(super) use super::{pack_q8_0, pack_q8k, pack_q8k_v};
 
@@ -1109,15 +1109,7 @@ mod imp {
             decode_q5_0,
             kern_q5_0,
             22,
-            |b| {
-                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-                let q = nibbles32(ld128(b, 6));
-                // nibble | 0xF0 where the 5th bit is clear == nibble - 16 as i8
-                _mm256_or_si256(
-                    q,
-                    _mm256_andnot_si256(bits_to_bytes(qh), _mm256_set1_epi8(0xF0u8 as i8)),
-                )
-            },
+            |b| _mm256_sub_epi8(q5_0_plus16(b), _mm256_set1_epi8(16)),
             |bl: &[u8]| f16x8(bl, 22, 0)
         );
         q_entry!(

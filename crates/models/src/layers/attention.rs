@@ -114,9 +114,12 @@ impl Attention {
         let (q_dim, kv_dim) = (self.n_head * hd, self.n_head_kv * hd);
         let mut q = vec![0f32; n * q_dim];
         let mut gate = Vec::new();
+        let mut k = vec![0f32; n * kv_dim];
+        let mut v = vec![0f32; n * kv_dim];
+        let ws = [self.wq.matrix()?, self.wk.matrix()?, self.wv.matrix()?];
         if self.gated {
             let mut qg = vec![0f32; n * 2 * q_dim];
-            be.matmul(&self.wq.matrix()?, h, n, &mut qg)?;
+            be.matmul_many(&ws, h, n, &mut [&mut qg, &mut k, &mut v])?;
             gate = vec![0f32; n * q_dim];
             for ((src, qd), gd) in qg
                 .chunks_exact(2 * hd)
@@ -127,12 +130,8 @@ impl Attention {
                 gd.copy_from_slice(&src[hd..]);
             }
         } else {
-            be.matmul(&self.wq.matrix()?, h, n, &mut q)?;
+            be.matmul_many(&ws, h, n, &mut [&mut q, &mut k, &mut v])?;
         }
-        let mut k = vec![0f32; n * kv_dim];
-        let mut v = vec![0f32; n * kv_dim];
-        be.matmul(&self.wk.matrix()?, h, n, &mut k)?;
-        be.matmul(&self.wv.matrix()?, h, n, &mut v)?;
         add_bias(&mut q, self.bq.as_deref());
         add_bias(&mut k, self.bk.as_deref());
         add_bias(&mut v, self.bv.as_deref());

@@ -8,6 +8,8 @@
 //! References: transformers `Qwen3_5MoeSparseMoeBlock`, `Qwen3MoeSparseMoeBlock`,
 //! `NemotronHMoE` / `NemotronHTopkRouter`; llama.cpp `build_moe_ffn`.
 
+use std::cell::RefCell;
+
 use kapitsa_backend::Backend;
 use kapitsa_kernels_cpu::matmul::QMatrix;
 
@@ -54,6 +56,18 @@ impl Mlp {
 
     /// `out[n, n_out] = mlp(x[n, n_in])`.
     pub fn forward(&self, be: &dyn Backend, x: &[f32], n: usize, out: &mut [f32]) -> Result<()> {
+        with_scratch(|sc| self.forward_with(be, x, n, out, sc))
+    }
+
+    /// [`Mlp::forward`] on the caller's scratch.
+    fn forward_with(
+        &self,
+        be: &dyn Backend,
+        x: &[f32],
+        n: usize,
+        out: &mut [f32],
+        sc: &mut Scratch,
+    ) -> Result<()> {
         let gate = self.gate.as_ref().map(|g| g.matrix()).transpose()?;
         run_mlp(
             be,
@@ -65,12 +79,52 @@ impl Mlp {
             x,
             n,
             out,
+            sc,
         )
     }
 }
 
+/// Reusable buffers of the feed-forward blocks (one set per thread, grown to the largest
+/// batch seen): a prefill's MoE needs tens of MiB here, which fresh allocations would fault
+/// in and zero again for every layer.
+#[derive(Default)]
+struct Scratch {
+    /// MLP intermediates `[n, n_ff]`: up (then the activation) and gate.
+    u: Vec<f32>,
+    g: Vec<f32>,
+    /// MoE: an expert's gathered inputs `[m, d]` and outputs `[m, d]`, every (token, slot)
+    /// pair's expert output `[n * k, d]`, the routed sum `[n, d]`, the shared expert's output
+    /// `[n, d]`.
+    xin: Vec<f32>,
+    yout: Vec<f32>,
+    slot_out: Vec<f32>,
+    routed: Vec<f32>,
+    shared: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Runs `f` with this thread's scratch (a fresh one if it is already in use).
+fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    SCRATCH.with(|c| match c.try_borrow_mut() {
+        Ok(mut s) => f(&mut s),
+        Err(_) => f(&mut Scratch::default()),
+    })
+}
+
+/// The first `n` elements of `v`, grown if needed (contents unspecified: callers overwrite).
+fn grown(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
+}
+
 /// One MLP over borrowed matrices (dense layers and single experts alike; `expert` routes the
-/// products through [`Backend::matmul_small_batch`]).
+/// products through [`Backend::matmul_small_batch`]). Gate and up share their input, so they
+/// run as one [`Backend::matmul_many`] call.
 #[allow(clippy::too_many_arguments)]
 fn run_mlp(
     be: &dyn Backend,
@@ -82,7 +136,9 @@ fn run_mlp(
     x: &[f32],
     n: usize,
     out: &mut [f32],
+    sc: &mut Scratch,
 ) -> Result<()> {
+    let n_ff = up.n_out;
     let mm = |w: &QMatrix<'_>, x: &[f32], y: &mut [f32]| {
         if expert {
             be.matmul_small_batch(w, x, n, y)
@@ -90,29 +146,36 @@ fn run_mlp(
             be.matmul(w, x, n, y)
         }
     };
-    let n_ff = up.n_out;
-    let mut u = vec![0f32; n * n_ff];
-    mm(up, x, &mut u)?;
-    match (act, gate) {
+    let u = grown(&mut sc.u, n * n_ff);
+    // The down projection's input.
+    let hidden: &[f32] = match (act, gate) {
         (Act::SwiGlu, Some(g)) => {
-            let mut gv = vec![0f32; n * n_ff];
-            mm(g, x, &mut gv)?;
-            be.silu_mul(&mut gv, &u);
-            u = gv;
+            let gv = grown(&mut sc.g, n * n_ff);
+            let ws = [*g, *up];
+            let mut ys = [&mut *gv, &mut *u];
+            if expert {
+                be.matmul_small_batch_many(&ws, x, n, &mut ys)?;
+            } else {
+                be.matmul_many(&ws, x, n, &mut ys)?;
+            }
+            be.silu_mul(gv, u);
+            gv
         }
         (Act::Relu2, _) => {
+            mm(up, x, u)?;
             for v in u.iter_mut() {
                 let r = v.max(0.0);
                 *v = r * r;
             }
+            u
         }
         (Act::SwiGlu, None) => {
             return Err(ModelError::Config(
                 "SwiGLU MLP without a gate projection".into(),
             ))
         }
-    }
-    mm(down, &u, out)?;
+    };
+    mm(down, hidden, out)?;
     Ok(())
 }
 
@@ -351,8 +414,13 @@ impl Moe {
             }
             order.clear();
             order.extend(0..n_exp);
-            // Highest score first; ties go to the lower expert index.
-            order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
+            // Highest score first; ties go to the lower expert index (a total order, so
+            // selecting the top k and then sorting them equals sorting everything).
+            let better = |a: &usize, b: &usize| choice[*b].total_cmp(&choice[*a]).then(a.cmp(b));
+            if k < n_exp {
+                order.select_nth_unstable_by(k - 1, better);
+            }
+            order[..k].sort_by(better);
             let picked = &order[..k];
             let mut sum = 0f32;
             for &e in picked {
@@ -375,6 +443,17 @@ impl Moe {
 
     /// `out[n, d] = moe(x[n, d])`.
     pub fn forward(&self, be: &dyn Backend, x: &[f32], n: usize, out: &mut [f32]) -> Result<()> {
+        with_scratch(|sc| self.forward_with(be, x, n, out, sc))
+    }
+
+    fn forward_with(
+        &self,
+        be: &dyn Backend,
+        x: &[f32],
+        n: usize,
+        out: &mut [f32],
+        sc: &mut Scratch,
+    ) -> Result<()> {
         let d = x.len() / n.max(1);
         let k = self.top_k;
         let sel = self.route(be, x, n)?;
@@ -397,71 +476,91 @@ impl Moe {
         for (i, &(e, _)) in sel.iter().enumerate() {
             by_expert[e].push(i);
         }
-        let mut slot_out = vec![0f32; n * k * d_exp];
-        let mut xin = Vec::new();
-        let mut yout = Vec::new();
-        for (e, pairs) in by_expert.iter().enumerate() {
-            if pairs.is_empty() {
-                continue;
-            }
-            let m = pairs.len();
-            xin.clear();
-            for &i in pairs {
-                let t = i / k;
-                xin.extend_from_slice(&xe[t * d_exp..(t + 1) * d_exp]);
-            }
-            yout.resize(m * d_exp, 0.0);
-            let mats = self.experts.mats(e, self.n_ff)?;
-            run_mlp(
-                be,
-                true,
-                mats.gate.as_ref(),
-                &mats.up,
-                &mats.down,
-                self.act,
-                &xin,
-                m,
-                &mut yout,
-            )?;
-            for (j, &i) in pairs.iter().enumerate() {
-                slot_out[i * d_exp..(i + 1) * d_exp]
-                    .copy_from_slice(&yout[j * d_exp..(j + 1) * d_exp]);
-            }
-        }
-        // Weighted sum over each token's slots, in slot order.
-        let mut routed = vec![0f32; n * d_exp];
-        for t in 0..n {
-            let acc = &mut routed[t * d_exp..(t + 1) * d_exp];
-            for s in 0..k {
-                let i = t * k + s;
-                let w = sel[i].1;
-                for (a, &y) in acc.iter_mut().zip(&slot_out[i * d_exp..(i + 1) * d_exp]) {
-                    *a += w * y;
+        // Every (token, slot) pair belongs to exactly one expert, so every row is written.
+        let mut slot_out = std::mem::take(&mut sc.slot_out);
+        let mut xin = std::mem::take(&mut sc.xin);
+        let mut yout = std::mem::take(&mut sc.yout);
+        let res = (|| {
+            let slot_out = grown(&mut slot_out, n * k * d_exp);
+            for (e, pairs) in by_expert.iter().enumerate() {
+                if pairs.is_empty() {
+                    continue;
+                }
+                let m = pairs.len();
+                let xin = grown(&mut xin, m * d_exp);
+                for (row, &i) in xin.chunks_exact_mut(d_exp).zip(pairs) {
+                    let t = i / k;
+                    row.copy_from_slice(&xe[t * d_exp..(t + 1) * d_exp]);
+                }
+                let yout = grown(&mut yout, m * d_exp);
+                let mats = self.experts.mats(e, self.n_ff)?;
+                run_mlp(
+                    be,
+                    true,
+                    mats.gate.as_ref(),
+                    &mats.up,
+                    &mats.down,
+                    self.act,
+                    xin,
+                    m,
+                    yout,
+                    sc,
+                )?;
+                for (j, &i) in pairs.iter().enumerate() {
+                    slot_out[i * d_exp..(i + 1) * d_exp]
+                        .copy_from_slice(&yout[j * d_exp..(j + 1) * d_exp]);
                 }
             }
-        }
-        match &self.latent {
-            Some(l) => be.matmul(&l.up.matrix()?, &routed, n, out)?,
-            None => out.copy_from_slice(&routed),
-        }
+            // Weighted sum over each token's slots, in slot order, from zero.
+            let mut routed_buf = std::mem::take(&mut sc.routed);
+            let routed = match &self.latent {
+                Some(_) => grown(&mut routed_buf, n * d_exp),
+                None => &mut out[..n * d_exp],
+            };
+            routed.fill(0.0);
+            for (t, acc) in routed.chunks_exact_mut(d_exp).enumerate() {
+                for s in 0..k {
+                    let i = t * k + s;
+                    let w = sel[i].1;
+                    for (a, &y) in acc.iter_mut().zip(&slot_out[i * d_exp..(i + 1) * d_exp]) {
+                        *a += w * y;
+                    }
+                }
+            }
+            if let Some(l) = &self.latent {
+                be.matmul(&l.up.matrix()?, &routed_buf[..n * d_exp], n, out)?;
+            }
+            sc.routed = routed_buf;
+            Ok::<(), ModelError>(())
+        })();
+        sc.slot_out = slot_out;
+        sc.xin = xin;
+        sc.yout = yout;
+        res?;
 
         if let Some(sh) = &self.shared {
-            let mut s = vec![0f32; n * d];
-            sh.forward(be, x, n, &mut s)?;
-            for t in 0..n {
-                let g = match &self.shared_gate {
-                    Some(w) => {
-                        sigmoid(kapitsa_kernels_cpu::ops::dot_f32(&x[t * d..(t + 1) * d], w))
+            let mut s = std::mem::take(&mut sc.shared);
+            let res = (|| {
+                let s = grown(&mut s, n * d);
+                sh.forward_with(be, x, n, s, sc)?;
+                for t in 0..n {
+                    let g = match &self.shared_gate {
+                        Some(w) => {
+                            sigmoid(kapitsa_kernels_cpu::ops::dot_f32(&x[t * d..(t + 1) * d], w))
+                        }
+                        None => 1.0,
+                    };
+                    for (o, &v) in out[t * d..(t + 1) * d]
+                        .iter_mut()
+                        .zip(&s[t * d..(t + 1) * d])
+                    {
+                        *o += g * v;
                     }
-                    None => 1.0,
-                };
-                for (o, &v) in out[t * d..(t + 1) * d]
-                    .iter_mut()
-                    .zip(&s[t * d..(t + 1) * d])
-                {
-                    *o += g * v;
                 }
-            }
+                Ok::<(), ModelError>(())
+            })();
+            sc.shared = s;
+            res?;
         }
         Ok(())
     }

@@ -127,10 +127,17 @@ impl GatedDeltaNet {
         let mut z = vec![0f32; n * vd];
         let mut b = vec![0f32; n * nv];
         let mut a = vec![0f32; n * nv];
-        be.matmul(&self.w_qkv.matrix()?, h, n, &mut qkv)?;
-        be.matmul(&self.w_z.matrix()?, h, n, &mut z)?;
-        be.matmul(&self.w_b.matrix()?, h, n, &mut b)?;
-        be.matmul(&self.w_a.matrix()?, h, n, &mut a)?;
+        be.matmul_many(
+            &[
+                self.w_qkv.matrix()?,
+                self.w_z.matrix()?,
+                self.w_b.matrix()?,
+                self.w_a.matrix()?,
+            ],
+            h,
+            n,
+            &mut [&mut qkv, &mut z, &mut b, &mut a],
+        )?;
 
         // beta and log decay for every token.
         for v in b.iter_mut() {
