@@ -12,7 +12,9 @@
 //!    rows into weight records (each weight block is decoded once per call), then for every
 //!    tile runs the micro-kernel row by row over chunks of [`kc`] groups (a chunk of the tile
 //!    stays in L1 while every row of the panel meets it; the panel's records stay in L2), and
-//!    finally reduces each (row, token) accumulator to its output.
+//!    finally reduces each (row, token) accumulator to its output. A call of at most one tile
+//!    on a format with register-decoding kernels (`GemmKernel::direct`: the 32-element
+//!    formats, decode steps) skips the records and streams the raw rows.
 //!
 //! Buffers live in thread-locals and are reused across calls (no allocation per call once
 //! warm). Results depend neither on the thread count nor on the tiling: every (row, token)
@@ -23,7 +25,7 @@ use std::cell::RefCell;
 use kapitsa_base::ThreadPool;
 
 use crate::matmul::{QMatrix, SharedMut};
-use crate::quant::gemm_avx512::{Acc, Fin, GemmKernel, GROUP, TILE};
+use crate::quant::gemm_avx512::{Acc, Fin, GemmKernel, KernFn, GROUP, TILE};
 use crate::quant::{self, KernelError};
 
 /// Bytes of weight records a task keeps per panel (sized for the 2 MiB L2 next to the tiles).
@@ -121,7 +123,14 @@ impl Ctx<'_> {
                         self.tile_bytes,
                     )
                 };
-                for slot in 0..TILE {
+                // Slots past the micro-kernel's width are never read.
+                let n_real = TILE.min(self.n_tok - tile * TILE);
+                let width = if n_real == 1 && self.gk.direct.is_some() && self.n_tok == 1 {
+                    1
+                } else {
+                    n_real.next_multiple_of(2)
+                };
+                for slot in 0..width {
                     let t = tile * TILE + slot;
                     if t < self.n_tok {
                         let n_in = self.w.n_in;
@@ -140,6 +149,73 @@ impl Ctx<'_> {
         })
     }
 
+    /// `y[t, r]` for every token (at most one tile) and the weight rows `rows`, with the
+    /// kernels `direct` that decode raw weight groups in registers (no records). They read a
+    /// partial last group of whole block pairs in place.
+    ///
+    /// # Safety
+    /// `n_tok <= TILE`; tile 0 is packed and not written during the call; no other thread
+    /// writes `y` at the rows `rows`.
+    unsafe fn compute_direct(&self, direct: &[KernFn; 5], rows: std::ops::Range<usize>) {
+        let gk = self.gk;
+        let n_out = self.w.n_out;
+        let n_real = self.n_tok;
+        let kern = direct[if n_real == 1 { 0 } else { n_real.div_ceil(2) }];
+        let pad = self.wg > self.wrb;
+        let full = if pad { self.ng - 1 } else { self.ng };
+        // A partial last group of whole block pairs is read in place (the kernels stop at its
+        // end); an odd last block needs the zero-padded copy.
+        let bb = gk.w_group / 8;
+        let even_tail = pad && (self.wrb - full * gk.w_group).is_multiple_of(2 * bb);
+        // SAFETY: tile 0 is inside `buf`, packed, and only read now (caller's contract).
+        let tb =
+            unsafe { std::slice::from_raw_parts(self.buf.ptr() as *const u8, self.tile_bytes) };
+        with_buf(&WORK, |wb| {
+            let acc_bytes = std::mem::size_of::<Acc>();
+            let work = wb.bytes(acc_bytes + gk.w_group);
+            let (acc_raw, padded) = work.split_at_mut(acc_bytes);
+            // SAFETY: `acc_raw` starts at the buffer's 64-aligned start and holds one `Acc`
+            // (plain f32 arrays, any bit pattern valid).
+            let acc = unsafe { &mut *acc_raw.as_mut_ptr().cast::<Acc>() };
+            for r in rows {
+                let raw = &self.w.data[r * self.wrb..(r + 1) * self.wrb];
+                let mut out = [0f32; TILE];
+                let fin = Fin {
+                    out: &mut out[..n_real],
+                };
+                let (w_full, act_full) = (&raw[..full * gk.w_group], &tb[..full * gk.act]);
+                // Each call: the kernel was chosen for an available level (`matmul_with`);
+                // the weight slice holds whole groups (or whole block pairs: `even_tail`)
+                // and the tile slice as many (padded) tile groups; `fin` has n_real <= 8
+                // slots.
+                if even_tail {
+                    // SAFETY: as above.
+                    unsafe { kern(raw, tb, acc, true, Some(fin)) };
+                } else if pad {
+                    if full > 0 {
+                        // SAFETY: as above.
+                        unsafe { kern(w_full, act_full, acc, true, None) };
+                    }
+                    // The partial last group, padded with all-zero blocks.
+                    let rem = &raw[full * gk.w_group..];
+                    padded[..rem.len()].copy_from_slice(rem);
+                    padded[rem.len()..].fill(0);
+                    let act_last = &tb[full * gk.act..(full + 1) * gk.act];
+                    // SAFETY: as above.
+                    unsafe { kern(padded, act_last, acc, full == 0, Some(fin)) };
+                } else {
+                    // SAFETY: as above.
+                    unsafe { kern(w_full, act_full, acc, true, Some(fin)) };
+                }
+                for (k, v) in out[..n_real].iter().enumerate() {
+                    // SAFETY: element (k, r) is this call's alone (caller's contract);
+                    // k < n_tok and r < n_out, so it is inside `y`.
+                    unsafe { *self.y.ptr().add(k * n_out + r) = *v };
+                }
+            }
+        })
+    }
+
     /// `y[t, r]` for the tokens of `tiles` and the weight rows `rows`: panels of rows are
     /// decoded into records once, then every tile meets the panel row by row.
     ///
@@ -148,6 +224,10 @@ impl Ctx<'_> {
     /// `y` at (token of `tiles`, row of `rows`).
     unsafe fn compute(&self, tiles: std::ops::Range<usize>, rows: std::ops::Range<usize>) {
         let gk = self.gk;
+        if let (Some(direct), true) = (&gk.direct, self.n_tok <= TILE) {
+            // SAFETY: one tile (`n_tok <= TILE`); the rest is this function's contract.
+            return unsafe { self.compute_direct(direct, rows) };
+        }
         let (ng, n_out) = (self.ng, self.w.n_out);
         let rec_row = ng * gk.rec;
         let pr = (PANEL_BYTES / rec_row).clamp(1, rows.len().max(1));

@@ -1,4 +1,5 @@
-//! The tiled prefill GEMM (`matmul` with `n_tok >= GEMM_MIN_TOKENS`) against the per-row dot
+//! The tiled GEMM (`matmul` with `n_tok >= GEMM_MIN_TOKENS`, or from one token for the
+//! 32-element formats, whose single-tile kernels decode raw weights) against the per-row dot
 //! path, bit for bit (`f32::to_bits`), for every weight type and SIMD level this CPU has, on
 //! random shapes including odd row / token counts, K splits that leave tail blocks, and
 //! activation rows that are all zero or of extreme magnitude. Two references: an independent
@@ -120,6 +121,8 @@ fn gemm_equals_per_row_dot_bitwise_for_every_type_and_level() {
                 (5, 9, 8),
             ]
         } else {
+            // Below GEMM_MIN_TOKENS: the single-tile kernels that decode raw weights in
+            // registers (decode steps), also with a partial last group and 28 blocks (896).
             &[
                 (1, 8, 4),
                 (7, 11, 5),
@@ -128,11 +131,16 @@ fn gemm_equals_per_row_dot_bitwise_for_every_type_and_level() {
                 (19, 84, 13),
                 (3, 7, 6),
                 (9, 58, 11),
+                (13, 8, 1),
+                (21, 28, 1),
+                (5, 3, 1),
+                (17, 13, 2),
+                (8, 28, 3),
+                (6, 16, 7),
             ]
         };
         for &(n_out, blocks, n_tok) in shapes {
             let n_in = bs * blocks;
-            assert!(n_tok >= GEMM_MIN_TOKENS);
             let data = random_matrix(ty, n_out, n_in, &mut rng);
             let w = QMatrix::new(ty, n_out, n_in, &data).unwrap();
             let x = random_x(n_tok, n_in, &mut rng);

@@ -72,7 +72,7 @@ pub(super) fn kernel(_ty: GgmlType, _max: SimdLevel, _bf16: bool) -> Option<Chos
 
 /// Helpers the AVX-512 GEMM kernels share with the dot products.
 #[cfg(target_arch = "x86_64")]
-pub(super) use imp::{k4_scales, ld512, q5_0_plus16, sb_pack, sb_reduce8};
+pub(super) use imp::{k4_scales, ld512, prefetch_ahead, q5_0_plus16, sb_pack, sb_reduce8};
 /// The super-block-order K-format dot kernels (see `dot_sb`).
 #[cfg(target_arch = "x86_64")]
 pub(super) use imp::{q4_k_sb, q5_k_sb, q6_k_sb};
@@ -105,7 +105,7 @@ mod imp {
     /// it never faults (the address may be past the end of the weights), and it changes no
     /// result.
     #[inline(always)]
-    fn prefetch_ahead(p: *const u8, lines: usize) {
+    pub(in crate::quant) fn prefetch_ahead(p: *const u8, lines: usize) {
         let pf = p.wrapping_add(PF_DIST);
         for k in 0..lines {
             // SAFETY: prefetching is a hint that never dereferences or faults, whatever the

@@ -121,6 +121,11 @@ pub(crate) struct GemmKernel {
     pub(crate) pack: fn(x: &[u8], slot: usize, tile: &mut [u8]),
     /// Micro-kernels for tiles of 2, 4, 6 and 8 tokens (index `T / 2 - 1`).
     pub(crate) kern: [KernFn; 4],
+    /// The same micro-kernels reading raw weight groups (`w_group` bytes each) instead of
+    /// records, decoding them in registers, for tiles of 1, 2, 4, 6 and 8 tokens (index
+    /// `T.div_ceil(2)`): for calls with a single tile (decode steps), where a record would be
+    /// written and read back only once. Same operations per output.
+    pub(crate) direct: Option<[KernFn; 5]>,
 }
 
 /// The GEMM kernel reproducing `level`'s dot product for `ty`, if there is one.
@@ -147,6 +152,7 @@ pub(crate) fn kernel(ty: GgmlType, level: SimdLevel) -> Option<GemmKernel> {
                     bw::kern_k::<6, $q6>,
                     bw::kern_k::<8, $q6>,
                 ],
+                direct: None,
             }
         };
         (vn, $q5:literal, $q6:literal) => {
@@ -167,11 +173,12 @@ pub(crate) fn kernel(ty: GgmlType, level: SimdLevel) -> Option<GemmKernel> {
                     vnk::kern_k::<6, $q6>,
                     vnk::kern_k::<8, $q6>,
                 ],
+                direct: None,
             }
         };
     }
     macro_rules! qfam {
-        ($decode:ident, $kern:ident) => {
+        ($decode:ident, $kern:ident, $direct:ident) => {
             GemmKernel {
                 w_group: 8 * ty.type_size(),
                 x_group: 8 * 34,
@@ -185,6 +192,13 @@ pub(crate) fn kernel(ty: GgmlType, level: SimdLevel) -> Option<GemmKernel> {
                     vnq::$kern::<6>,
                     vnq::$kern::<8>,
                 ],
+                direct: Some([
+                    vnq::$direct::<1>,
+                    vnq::$direct::<2>,
+                    vnq::$direct::<4>,
+                    vnq::$direct::<6>,
+                    vnq::$direct::<8>,
+                ]),
             }
         };
     }
@@ -213,11 +227,11 @@ pub(crate) fn kernel(ty: GgmlType, level: SimdLevel) -> Option<GemmKernel> {
             T::Q4_K => kfam!(vn, false, false),
             T::Q5_K => kfam!(vn, true, false),
             T::Q6_K => kfam!(vn, false, true),
-            T::Q8_0 => qfam!(decode_q8_0, kern_q8_0),
-            T::Q4_0 => qfam!(decode_q4_0, kern_q4_0),
-            T::Q5_0 => qfam!(decode_q5_0, kern_q5_0),
-            T::IQ4_NL => qfam!(decode_iq4_nl, kern_iq4_nl),
-            T::MXFP4 => qfam!(decode_mxfp4, kern_mxfp4),
+            T::Q8_0 => qfam!(decode_q8_0, kern_q8_0, direct_q8_0),
+            T::Q4_0 => qfam!(decode_q4_0, kern_q4_0, direct_q4_0),
+            T::Q5_0 => qfam!(decode_q5_0, kern_q5_0, direct_q5_0),
+            T::IQ4_NL => qfam!(decode_iq4_nl, kern_iq4_nl, direct_iq4_nl),
+            T::MXFP4 => qfam!(decode_mxfp4, kern_mxfp4, direct_mxfp4),
             _ => return None,
         }),
         SimdLevel::Avx512 => Some(match ty {
@@ -305,7 +319,9 @@ mod imp {
     use super::{Acc, Fin, ACT_K, ACT_KV, ACT_Q, REC_K, REC_KV, REC_Q};
     use crate::quant::blocks::{KVALUES_IQ4NL, KVALUES_MXFP4};
     use crate::quant::dot_avx2::{f16c, hsum_ps, ld128, ld256, nibbles32};
-    use crate::quant::dot_avx512::{k4_scales, ld512, q5_0_plus16, sb_pack, sb_reduce8};
+    use crate::quant::dot_avx512::{
+        k4_scales, ld512, prefetch_ahead, q5_0_plus16, sb_pack, sb_reduce8,
+    };
 
     pub(super) use super::{pack_q8_0, pack_q8k, pack_q8k_v};
 
@@ -1006,7 +1022,60 @@ mod imp {
         /// 32-element formats: `acc += rec x act` for `T` tokens; per token, group and block
         /// pair `j` exactly the dot kernels' step `a[j & 1] = fma(dw * dx, cvt(sum4(w * x)),
         /// a[j & 1])`, token `t` using `acc.0[2t]` and `acc.0[2t + 1]`. With `fin`, the dot
-        /// kernels' end: `reduce(a0 + a1)`.
+        /// kernels' end: `reduce(a0 + a1)`. `n` groups, the last with only its first
+        /// `last_pairs` block pairs (the rest of a padded group: zero weights against zero
+        /// activations, whose steps `fma(0, 0, a)` leave `a` exactly as it was, since `a` is
+        /// never -0); `pair(g, j)` gives group `g`'s block pair `j` as the record holds it:
+        /// `(w + 128, [dw[2j] x 8, dw[2j+1] x 8])`.
+        ///
+        /// # Safety
+        /// Requires the features of this module; `act.len() >= n * ACT_Q`.
+        #[inline(always)]
+        unsafe fn kern_q_with<const T: usize>(
+            n: usize,
+            last_pairs: usize,
+            mut pair: impl FnMut(usize, usize) -> (__m512i, __m512),
+            act: &[u8],
+            acc: &mut Acc,
+            init: bool,
+            fin: Option<Fin<'_>>,
+        ) {
+            assert!(act.len() >= n * ACT_Q && T <= 8);
+            // SAFETY: always inlined into this module's kernels, which have its features
+            // (caller); tile group `g` is bytes g*ACT_Q..(g+1)*ACT_Q of `act` (checked above)
+            // and every load below reads inside it at the offsets of the module docs' layout.
+            unsafe {
+                let mut a = [[_mm512_setzero_ps(); 2]; T];
+                if !init {
+                    for (t, at) in a.iter_mut().enumerate() {
+                        *at = [acc.0[2 * t], acc.0[2 * t + 1]];
+                    }
+                }
+                for g in 0..n {
+                    let x = act.as_ptr().add(g * ACT_Q);
+                    for j in 0..if g + 1 == n { last_pairs } else { 4 } {
+                        let (wj, dwj) = pair(g, j);
+                        for (t, at) in a.iter_mut().enumerate() {
+                            let o = 256 * t + 64 * j;
+                            let p = _mm512_dpbusd_epi32(ldp(x, 2048 + o), wj, ldp(x, o));
+                            let dk = _mm512_mul_ps(dwj, _mm512_loadu_ps(x.add(4096 + o).cast()));
+                            at[j & 1] = _mm512_fmadd_ps(dk, _mm512_cvtepi32_ps(p), at[j & 1]);
+                        }
+                    }
+                }
+                let Some(f) = fin else {
+                    for (t, at) in a.iter().enumerate() {
+                        acc.0[2 * t..2 * t + 2].copy_from_slice(at);
+                    }
+                    return;
+                };
+                for (t, o) in f.out.iter_mut().take(T).enumerate() {
+                    *o = _mm512_reduce_add_ps(_mm512_add_ps(a[t][0], a[t][1]));
+                }
+            }
+        }
+
+        /// [`kern_q_with`] over records (`rec`: `n * REC_Q` bytes).
         ///
         /// # Safety
         /// Requires the features of this module; `rec.len() == n * REC_Q`,
@@ -1021,46 +1090,80 @@ mod imp {
             fin: Option<Fin<'_>>,
         ) {
             let n = rec.len() / REC_Q;
-            assert!(act.len() >= n * ACT_Q && T <= 8);
-            let mut a = [[_mm512_setzero_ps(); 2]; T];
-            if !init {
-                for (t, at) in a.iter_mut().enumerate() {
-                    *at = [acc.0[2 * t], acc.0[2 * t + 1]];
-                }
-            }
-            for g in 0..n {
-                // SAFETY: record `g` is bytes g*REC_Q..(g+1)*REC_Q of `rec` and tile group `g` bytes
-                // g*ACT_Q..(g+1)*ACT_Q of `act` (checked above); every load below reads inside them at
-                // the offsets of the module docs' layouts; the features are this function's.
+            let pair = |g: usize, j: usize| {
+                // SAFETY: record `g` is bytes g*REC_Q..(g+1)*REC_Q of `rec` (g < n); W'[j] is
+                // at 64j and DW[j] at 256 + 64j of it.
                 unsafe {
                     let r = rec.as_ptr().add(g * REC_Q);
-                    let x = act.as_ptr().add(g * ACT_Q);
-                    for j in 0..4 {
-                        let (wj, dwj) =
-                            (ldp(r, 64 * j), _mm512_loadu_ps(r.add(256 + 64 * j).cast()));
-                        for (t, at) in a.iter_mut().enumerate() {
-                            let o = 256 * t + 64 * j;
-                            let p = _mm512_dpbusd_epi32(ldp(x, 2048 + o), wj, ldp(x, o));
-                            let dk = _mm512_mul_ps(dwj, _mm512_loadu_ps(x.add(4096 + o).cast()));
-                            at[j & 1] = _mm512_fmadd_ps(dk, _mm512_cvtepi32_ps(p), at[j & 1]);
-                        }
-                    }
+                    (ldp(r, 64 * j), _mm512_loadu_ps(r.add(256 + 64 * j).cast()))
                 }
-            }
-            let Some(f) = fin else {
-                for (t, at) in a.iter().enumerate() {
-                    acc.0[2 * t..2 * t + 2].copy_from_slice(at);
-                }
-                return;
             };
-            for (t, o) in f.out.iter_mut().take(T).enumerate() {
-                *o = _mm512_reduce_add_ps(_mm512_add_ps(a[t][0], a[t][1]));
+            // SAFETY: features present; `act` as the caller guarantees.
+            unsafe { kern_q_with::<T>(n, 4, pair, act, acc, init, fin) }
+        }
+
+        /// [`kern_q_with`] over raw weights (`w`: whole groups of 8 `ts`-byte blocks, then
+        /// possibly a partial group of an even number of blocks, whose tile group is padded),
+        /// decoding each block pair in registers exactly as `decode_q` writes it into a
+        /// record.
+        ///
+        /// # Safety
+        /// Requires the features of this module; `w.len()` is a multiple of `2 * ts`,
+        /// `act.len() >= n * ACT_Q` for the `n` groups `w` starts; `decode` reads only inside
+        /// its block.
+        #[inline]
+        #[allow(clippy::too_many_arguments)]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+        unsafe fn direct_q<const T: usize>(
+            w: &[u8],
+            act: &[u8],
+            acc: &mut Acc,
+            init: bool,
+            fin: Option<Fin<'_>>,
+            ts: usize,
+            decode: impl Fn(&[u8]) -> __m256i,
+            scales8: impl Fn(&[u8]) -> __m256,
+        ) {
+            let pairs = w.len() / (2 * ts);
+            let (n, last_pairs) = (pairs.div_ceil(4), (pairs - 1) % 4 + 1);
+            let bias = _mm512_set1_epi8(0x80u8 as i8);
+            let idx: [__m512i; 4] = std::array::from_fn(|j| {
+                join(
+                    _mm256_set1_epi32(2 * j as i32),
+                    _mm256_set1_epi32(2 * j as i32 + 1),
+                )
+            });
+            let mut dw = _mm512_setzero_ps();
+            let pair = |g: usize, j: usize| {
+                let gw = &w[g * 8 * ts..((g + 1) * 8 * ts).min(w.len())];
+                if j == 0 {
+                    prefetch_ahead(gw.as_ptr(), (8 * ts).div_ceil(64));
+                    dw = if gw.len() == 8 * ts {
+                        _mm512_castps256_ps512(scales8(gw))
+                    } else {
+                        // A partial group: its blocks' scales, zero for the absent ones.
+                        let mut full = [0u8; 8 * 34];
+                        full[..gw.len()].copy_from_slice(gw);
+                        _mm512_castps256_ps512(scales8(&full[..8 * ts]))
+                    };
+                }
+                let v = join(
+                    decode(&gw[2 * j * ts..(2 * j + 1) * ts]),
+                    decode(&gw[(2 * j + 1) * ts..(2 * j + 2) * ts]),
+                );
+                (_mm512_xor_si512(v, bias), _mm512_permutexvar_ps(idx[j], dw))
+            };
+            if pairs == 0 {
+                // SAFETY: features present; no group is read.
+                return unsafe { kern_q_with::<T>(0, 4, pair, act, acc, init, fin) };
             }
+            // SAFETY: features present; `act` as the caller guarantees.
+            unsafe { kern_q_with::<T>(n, last_pairs, pair, act, acc, init, fin) }
         }
 
         /// Defines `decode_*` and `kern_*` of one 32-element format.
         macro_rules! q_entry {
-            ($dec:ident, $kern:ident, $ts:expr, |$b:ident| $decode:expr, $scales8:expr) => {
+            ($dec:ident, $kern:ident, $direct:ident, $ts:expr, |$b:ident| $decode:expr, $scales8:expr) => {
                 /// # Safety
                 /// Requires the features of this module; see `decode_q`.
                 #[target_feature(
@@ -1086,6 +1189,25 @@ mod imp {
                     // SAFETY: features present; the layouts are `kern_q`'s.
                     unsafe { kern_q::<T>(rec, act, acc, init, fin) }
                 }
+
+                /// # Safety
+                /// Requires the features of this module; see `direct_q` (`w`: whole raw
+                /// groups).
+                #[target_feature(
+                    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"
+                )]
+                pub(crate) unsafe fn $direct<const T: usize>(
+                    w: &[u8],
+                    act: &[u8],
+                    acc: &mut Acc,
+                    init: bool,
+                    fin: Option<Fin<'_>>,
+                ) {
+                    // SAFETY: features present; the decoder reads inside its block.
+                    unsafe {
+                        direct_q::<T>(w, act, acc, init, fin, $ts, |$b: &[u8]| $decode, $scales8)
+                    }
+                }
             };
         }
 
@@ -1094,6 +1216,7 @@ mod imp {
         q_entry!(
             decode_q8_0,
             kern_q8_0,
+            direct_q8_0,
             34,
             |b| ld256(b, 2),
             |bl: &[u8]| f16x8(bl, 34, 0)
@@ -1101,6 +1224,7 @@ mod imp {
         q_entry!(
             decode_q4_0,
             kern_q4_0,
+            direct_q4_0,
             18,
             |b| _mm256_sub_epi8(nibbles32(ld128(b, 2)), _mm256_set1_epi8(8)),
             |bl: &[u8]| f16x8(bl, 18, 0)
@@ -1108,6 +1232,7 @@ mod imp {
         q_entry!(
             decode_q5_0,
             kern_q5_0,
+            direct_q5_0,
             22,
             |b| _mm256_sub_epi8(q5_0_plus16(b), _mm256_set1_epi8(16)),
             |bl: &[u8]| f16x8(bl, 22, 0)
@@ -1115,6 +1240,7 @@ mod imp {
         q_entry!(
             decode_iq4_nl,
             kern_iq4_nl,
+            direct_iq4_nl,
             18,
             |b| _mm256_shuffle_epi8(table(&KVALUES_IQ4NL), nibbles32(ld128(b, 2))),
             |bl: &[u8]| f16x8(bl, 18, 0)
@@ -1122,6 +1248,7 @@ mod imp {
         q_entry!(
             decode_mxfp4,
             kern_mxfp4,
+            direct_mxfp4,
             17,
             |b| _mm256_shuffle_epi8(table(&KVALUES_MXFP4), nibbles32(ld128(b, 1))),
             |bl: &[u8]| e8m0x8(bl)
