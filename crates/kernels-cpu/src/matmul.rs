@@ -11,9 +11,9 @@
 //! * Prefill, `n_tok >= GEMM_MIN_TOKENS`, weight types with a tiled GEMM at the chosen SIMD
 //!   level (AVX-512: Q4_K, Q5_K, Q6_K; with VNNI also Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4): the
 //!   GEMM of `crate::gemm` (weights decoded once per call, 8-token micro-kernels); at
-//!   [`SimdLevel::Amx`] the K formats take the tile GEMM of `crate::gemm_amx` instead. The
-//!   32-element formats take the GEMM from one token: a call with a single tile (decode)
-//!   runs kernels that decode the raw weights in registers instead of into records.
+//!   [`SimdLevel::Amx`] the K formats take the tile GEMM of `crate::gemm_amx` instead. For
+//!   the 32-element formats a call with a single tile (a batched decode step) runs kernels
+//!   that decode the raw weights in registers instead of into records.
 //! * Otherwise ([`matmul_dot_with`]): outputs are cut into tiles of (a chunk of weight rows) x
 //!   (a block of up to [`TOK_BLOCK`] tokens); each tile is one pool task, looping rows outer
 //!   and tokens inner, so a weight row is streamed from memory once per token block and then
@@ -200,7 +200,7 @@ pub fn matmul_many_with(
         let gk = (!amx && n_tok > 0 && w0.n_in >= crate::quant::gemm_avx512::GROUP)
             .then(|| crate::quant::gemm_avx512::kernel(w0.dtype, kernel.level()))
             .flatten()
-            .filter(|gk| n_tok >= GEMM_MIN_TOKENS || gk.direct.is_some());
+            .filter(|_| n_tok >= GEMM_MIN_TOKENS);
         let Some(gk) = gk else {
             matmul_impl(level, pool, w0, x, n_tok, ys[i], true)?;
             done[i] = true;
@@ -276,8 +276,7 @@ fn matmul_impl(
     }
     if allow_gemm && n_in >= crate::quant::gemm_avx512::GROUP {
         if let Some(gk) = crate::quant::gemm_avx512::kernel(w.dtype, kernel.level()) {
-            // Formats with register-decoding kernels take the GEMM driver from one token.
-            if n_tok >= GEMM_MIN_TOKENS || gk.direct.is_some() {
+            if n_tok >= GEMM_MIN_TOKENS {
                 return crate::gemm::gemm(&gk, pool, std::slice::from_ref(w), x, n_tok, &mut [y]);
             }
         }
