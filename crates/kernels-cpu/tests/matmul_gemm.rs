@@ -1,5 +1,5 @@
-//! The tiled GEMM (`matmul` with `n_tok >= GEMM_MIN_TOKENS`, or from one token for the
-//! 32-element formats, whose single-tile kernels decode raw weights) against the per-row dot
+//! The tiled GEMM (`matmul` with `n_tok >= GEMM_MIN_TOKENS`; a single tile of a 32-element
+//! format runs kernels that decode the raw weights in registers) against the per-row dot
 //! path, bit for bit (`f32::to_bits`), for every weight type and SIMD level this CPU has, on
 //! random shapes including odd row / token counts, K splits that leave tail blocks, and
 //! activation rows that are all zero or of extreme magnitude. Two references: an independent
@@ -121,8 +121,9 @@ fn gemm_equals_per_row_dot_bitwise_for_every_type_and_level() {
                 (5, 9, 8),
             ]
         } else {
-            // Below GEMM_MIN_TOKENS: the single-tile kernels that decode raw weights in
-            // registers (decode steps), also with a partial last group and 28 blocks (896).
+            // Single tiles (4-8 tokens: the kernels that decode raw weights in registers),
+            // with whole and partial last groups (28 blocks = 896 wide, odd block counts),
+            // and batches below GEMM_MIN_TOKENS (the per-row path).
             &[
                 (1, 8, 4),
                 (7, 11, 5),
@@ -132,11 +133,12 @@ fn gemm_equals_per_row_dot_bitwise_for_every_type_and_level() {
                 (3, 7, 6),
                 (9, 58, 11),
                 (13, 8, 1),
-                (21, 28, 1),
-                (5, 3, 1),
+                (21, 28, 4),
+                (5, 3, 8),
                 (17, 13, 2),
-                (8, 28, 3),
-                (6, 16, 7),
+                (8, 28, 7),
+                (6, 16, 5),
+                (11, 29, 6),
             ]
         };
         for &(n_out, blocks, n_tok) in shapes {
