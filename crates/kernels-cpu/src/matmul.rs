@@ -197,10 +197,9 @@ pub fn matmul_many_with(
         let amx = n_tok >= AMX_MIN_TOKENS
             && kernel.level() == SimdLevel::Amx
             && crate::gemm_amx::supports(w0.dtype);
-        let gk = (!amx && n_tok > 0 && w0.n_in >= crate::quant::gemm_avx512::GROUP)
+        let gk = (!amx && n_tok >= GEMM_MIN_TOKENS && w0.n_in >= crate::quant::gemm_avx512::GROUP)
             .then(|| crate::quant::gemm_avx512::kernel(w0.dtype, kernel.level()))
-            .flatten()
-            .filter(|_| n_tok >= GEMM_MIN_TOKENS);
+            .flatten();
         let Some(gk) = gk else {
             matmul_impl(level, pool, w0, x, n_tok, ys[i], true)?;
             done[i] = true;
@@ -274,11 +273,9 @@ fn matmul_impl(
     {
         return crate::gemm_amx::gemm(pool, w, x, n_tok, y);
     }
-    if allow_gemm && n_in >= crate::quant::gemm_avx512::GROUP {
+    if allow_gemm && n_tok >= GEMM_MIN_TOKENS && n_in >= crate::quant::gemm_avx512::GROUP {
         if let Some(gk) = crate::quant::gemm_avx512::kernel(w.dtype, kernel.level()) {
-            if n_tok >= GEMM_MIN_TOKENS {
-                return crate::gemm::gemm(&gk, pool, std::slice::from_ref(w), x, n_tok, &mut [y]);
-            }
+            return crate::gemm::gemm(&gk, pool, std::slice::from_ref(w), x, n_tok, &mut [y]);
         }
     }
 
