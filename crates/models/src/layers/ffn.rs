@@ -89,12 +89,13 @@ impl Mlp {
 /// in and zero again for every layer.
 #[derive(Default)]
 struct Scratch {
-    /// MLP intermediates `[n, n_ff]`: up (then the activation) and gate.
+    /// MLP intermediates `[n, n_ff]`: `u` the up projection (squared ReLU: then its
+    /// activation), `g` the gate (SwiGLU: then `silu(gate) * up`).
     u: Vec<f32>,
     g: Vec<f32>,
     /// MoE: an expert's gathered inputs `[m, d]` and outputs `[m, d]`, every (token, slot)
-    /// pair's expert output `[n * k, d]`, the routed sum `[n, d]`, the shared expert's output
-    /// `[n, d]`.
+    /// pair's expert output `[n * k, d]`, the routed sum `[n, d]` (latent MoE only; otherwise
+    /// it goes straight to the output), the shared expert's output `[n, d]`.
     xin: Vec<f32>,
     yout: Vec<f32>,
     slot_out: Vec<f32>,
