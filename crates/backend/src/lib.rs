@@ -62,33 +62,24 @@ pub trait Backend: Send + Sync {
 
     /// `ys[i][n_tok, ws[i].n_out] = x @ ws[i]^T` for several matrices sharing the input (an
     /// MLP's gate and up, attention's q, k and v): each output exactly as
-    /// [`Backend::matmul`] computes it; a backend may share the input's preparation and run
-    /// the products together.
+    /// [`Backend::matmul`] computes it (with `small_batch`, as
+    /// [`Backend::matmul_small_batch`] does); a backend may share the input's preparation and
+    /// run the products together.
     fn matmul_many(
         &self,
         ws: &[QMatrix<'_>],
         x: &[f32],
         n_tok: usize,
         ys: &mut [&mut [f32]],
+        small_batch: bool,
     ) -> Result<()> {
         check_outputs(ws.len(), ys.len())?;
         for (w, y) in ws.iter().zip(ys.iter_mut()) {
-            self.matmul(w, x, n_tok, y)?;
-        }
-        Ok(())
-    }
-
-    /// [`Backend::matmul_many`] with [`Backend::matmul_small_batch`]'s kernels.
-    fn matmul_small_batch_many(
-        &self,
-        ws: &[QMatrix<'_>],
-        x: &[f32],
-        n_tok: usize,
-        ys: &mut [&mut [f32]],
-    ) -> Result<()> {
-        check_outputs(ws.len(), ys.len())?;
-        for (w, y) in ws.iter().zip(ys.iter_mut()) {
-            self.matmul_small_batch(w, x, n_tok, y)?;
+            if small_batch {
+                self.matmul_small_batch(w, x, n_tok, y)?;
+            } else {
+                self.matmul(w, x, n_tok, y)?;
+            }
         }
         Ok(())
     }
@@ -199,6 +190,11 @@ impl CpuBackend {
         self.level
     }
 
+    /// The kernel level of [`Backend::matmul_small_batch`]: at most AVX-512 VNNI (see there).
+    fn small_batch_level(&self) -> SimdLevel {
+        self.level.min(SimdLevel::Avx512Vnni)
+    }
+
     /// The pool this backend runs on.
     pub fn pool(&self) -> &dyn ThreadPool {
         &*self.pool
@@ -241,8 +237,14 @@ impl Backend for CpuBackend {
         n_tok: usize,
         y: &mut [f32],
     ) -> Result<()> {
-        let level = self.level.min(SimdLevel::Avx512Vnni);
-        Ok(matmul::matmul_with(level, &*self.pool, w, x, n_tok, y)?)
+        Ok(matmul::matmul_with(
+            self.small_batch_level(),
+            &*self.pool,
+            w,
+            x,
+            n_tok,
+            y,
+        )?)
     }
 
     fn matmul_many(
@@ -251,25 +253,13 @@ impl Backend for CpuBackend {
         x: &[f32],
         n_tok: usize,
         ys: &mut [&mut [f32]],
+        small_batch: bool,
     ) -> Result<()> {
-        Ok(matmul::matmul_many_with(
-            self.level,
-            &*self.pool,
-            ws,
-            x,
-            n_tok,
-            ys,
-        )?)
-    }
-
-    fn matmul_small_batch_many(
-        &self,
-        ws: &[QMatrix<'_>],
-        x: &[f32],
-        n_tok: usize,
-        ys: &mut [&mut [f32]],
-    ) -> Result<()> {
-        let level = self.level.min(SimdLevel::Avx512Vnni);
+        let level = if small_batch {
+            self.small_batch_level()
+        } else {
+            self.level
+        };
         Ok(matmul::matmul_many_with(
             level,
             &*self.pool,

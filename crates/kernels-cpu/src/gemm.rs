@@ -352,14 +352,7 @@ pub(crate) fn gemm(
     let Some(w0) = ws.first() else {
         return Ok(());
     };
-    if ys.len() != ws.len() {
-        return Err(KernelError::BadLength {
-            op: OP,
-            what: "outputs",
-            expected: ws.len(),
-            got: ys.len(),
-        });
-    }
+    quant::check_len(OP, "outputs", ws.len(), ys.len())?;
     let n_in = w0.n_in;
     let dot_ty = quant::vec_dot_type(w0.dtype)?;
     let xrb = quant::row_bytes(OP, dot_ty, n_in)?;

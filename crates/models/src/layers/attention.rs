@@ -119,7 +119,7 @@ impl Attention {
         let ws = [self.wq.matrix()?, self.wk.matrix()?, self.wv.matrix()?];
         if self.gated {
             let mut qg = vec![0f32; n * 2 * q_dim];
-            be.matmul_many(&ws, h, n, &mut [&mut qg, &mut k, &mut v])?;
+            be.matmul_many(&ws, h, n, &mut [&mut qg, &mut k, &mut v], false)?;
             gate = vec![0f32; n * q_dim];
             for ((src, qd), gd) in qg
                 .chunks_exact(2 * hd)
@@ -130,7 +130,7 @@ impl Attention {
                 gd.copy_from_slice(&src[hd..]);
             }
         } else {
-            be.matmul_many(&ws, h, n, &mut [&mut q, &mut k, &mut v])?;
+            be.matmul_many(&ws, h, n, &mut [&mut q, &mut k, &mut v], false)?;
         }
         add_bias(&mut q, self.bq.as_deref());
         add_bias(&mut k, self.bk.as_deref());

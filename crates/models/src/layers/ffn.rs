@@ -154,11 +154,7 @@ fn run_mlp(
             let gv = grown(&mut sc.g, n * n_ff);
             let ws = [*g, *up];
             let mut ys = [&mut *gv, &mut *u];
-            if expert {
-                be.matmul_small_batch_many(&ws, x, n, &mut ys)?;
-            } else {
-                be.matmul_many(&ws, x, n, &mut ys)?;
-            }
+            be.matmul_many(&ws, x, n, &mut ys, expert)?;
             be.silu_mul(gv, u);
             gv
         }

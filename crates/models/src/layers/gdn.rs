@@ -137,6 +137,7 @@ impl GatedDeltaNet {
             h,
             n,
             &mut [&mut qkv, &mut z, &mut b, &mut a],
+            false,
         )?;
 
         // beta and log decay for every token.
