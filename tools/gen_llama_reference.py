@@ -24,7 +24,10 @@ What it does, per model:
   * runs llama_ref once over all prompts: each prompt is one llama_decode batch with logits for
     every position (top-10 kept per position, plus the full last row), then 64 greedy tokens
     (argmax over the full vocab, EOS not special, KV cache reused; f32 KV cache, no flash attn,
-    2 threads).
+    2 threads), with GGML_CPU_TILED_MM=0: llama.cpp then multiplies K-format weights with its
+    stock vec_dot kernels at every batch size, instead of switching to its tiled kernels (a
+    different float order) for batches of 8 or more. The prompt and the greedy tokens then go
+    through the same kernels, so the fixtures pin one float order (recorded as "llama_env").
 """
 
 import argparse
@@ -41,6 +44,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+# Environment of the llama.cpp runs (see the module docs).
+LLAMA_ENV = {"GGML_CPU_TILED_MM": "0"}
 
 
 def dump_json(obj) -> str:
@@ -242,6 +247,7 @@ def main():
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
+    env.update(LLAMA_ENV)
     env["LD_LIBRARY_PATH"] = str(a.lib_dir) + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
     bd = byte_decoder()
 
@@ -295,6 +301,7 @@ def main():
             "gguf_general_name": meta["name"],
             "llama_cpp": a.llama_version,
             "llama_ref_info": info,
+            "llama_env": LLAMA_ENV,
             "n_vocab": n_vocab,
             "n_gen": a.n_gen,
             "topk": a.topk,

@@ -16,6 +16,10 @@
 //   --extra-bufts    allow ggml's extra CPU buffer types (weight repacking, AMX). Off by default:
 //                    on CPUs that advertise AMX inside a sandbox that does not grant it, the AMX
 //                    kernels die with SIGILL (seen on our 2-core Xeon machines).
+//   --dump FILE      write every f32 tensor of the graph of the FIRST llama_decode call (prompt 0)
+//                    to FILE, in evaluation order: per tensor u32 name length, the name, 4 x i64
+//                    ne, then ne0*ne1*ne2*ne3 f32 values (ne0 fastest). For finding the first op
+//                    where another implementation parts from llama.cpp bit for bit.
 //
 // For prompt i (0-based, in file order) it writes into OUT_DIR:
 //   logits_<i>.bin     (--all-logits) f32 little-endian, shape [n_prompt, n_vocab], row = position
@@ -126,10 +130,36 @@ static void topk(const float *row, int n, int k, int32_t *ids, float *vals) {
     }
 }
 
+// --dump state: the file, and whether the first decode is still running.
+static FILE *g_dump = NULL;
+static int g_dump_on = 0;
+
+static bool dump_cb(struct ggml_tensor *t, bool ask, void *ud) {
+    (void)ud;
+    if (ask) return g_dump_on;
+    if (!g_dump_on || t->type != GGML_TYPE_F32 || t->data == NULL) return true;
+    const char *name = ggml_get_name(t);
+    uint32_t nl = (uint32_t)strlen(name);
+    int64_t ne[4] = {t->ne[0], t->ne[1], t->ne[2], t->ne[3]};
+    fwrite(&nl, 4, 1, g_dump);
+    fwrite(name, 1, nl, g_dump);
+    fwrite(ne, 8, 4, g_dump);
+    // element by element through the strides: views and permutes are not contiguous
+    for (int64_t i3 = 0; i3 < ne[3]; i3++)
+        for (int64_t i2 = 0; i2 < ne[2]; i2++)
+            for (int64_t i1 = 0; i1 < ne[1]; i1++)
+                for (int64_t i0 = 0; i0 < ne[0]; i0++) {
+                    const char *e = (const char *)t->data + i0 * t->nb[0] + i1 * t->nb[1] +
+                                    i2 * t->nb[2] + i3 * t->nb[3];
+                    fwrite(e, 4, 1, g_dump);
+                }
+    return true;
+}
+
 int main(int argc, char **argv) {
     if (argc < 4) {
         fprintf(stderr, "usage: %s MODEL.gguf PROMPTS.txt OUT_DIR [--n-gen N] [--all-logits] "
-                        "[--topk K] [--threads N] [--kv f32|f16|q8_0] [--fa] [--extra-bufts]\n", argv[0]);
+                        "[--topk K] [--threads N] [--kv f32|f16|q8_0] [--fa] [--extra-bufts] [--dump FILE]\n", argv[0]);
         return 2;
     }
     const char *model_path = argv[1], *prompts_path = argv[2], *out_dir = argv[3];
@@ -142,6 +172,11 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) n_threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--extra-bufts")) extra_bufts = 1;
         else if (!strcmp(argv[i], "--fa")) fa = 1;
+        else if (!strcmp(argv[i], "--dump") && i + 1 < argc) {
+            g_dump = fopen(argv[++i], "wb");
+            if (!g_dump) die("cannot create the --dump file");
+            g_dump_on = 1;
+        }
         else if (!strcmp(argv[i], "--kv") && i + 1 < argc) {
             i++;
             if (!strcmp(argv[i], "f32")) kv_type = GGML_TYPE_F32;
@@ -183,6 +218,10 @@ int main(int argc, char **argv) {
     cp.offload_kqv = false;
     cp.op_offload = false;
     cp.no_perf = true;
+    if (g_dump) {
+        cp.cb_eval = dump_cb;
+        cp.cb_eval_user_data = NULL;
+    }
     struct llama_context *ctx = llama_init_from_model(model, cp);
     if (!ctx) die("context init failed");
 
@@ -217,6 +256,10 @@ int main(int argc, char **argv) {
             batch.logits[j] = 1;
         }
         if (llama_decode(ctx, batch) != 0) die("llama_decode (prompt) failed");
+        if (g_dump_on) {
+            g_dump_on = 0;
+            fclose(g_dump);
+        }
 
         if (all_logits) all = realloc(all, sizeof(float) * (size_t)pr->n * n_vocab);
         if (k > 0) {

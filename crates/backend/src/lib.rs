@@ -160,6 +160,9 @@ pub struct CpuBackend {
     pool: Box<dyn ThreadPool + Send>,
     /// The most capable kernel level the matrix multiplications may use.
     level: SimdLevel,
+    /// Reproduce llama.cpp's batch-dependent attention scores (see
+    /// [`CpuBackend::llama_cpp_compatible`]).
+    llama_compat: bool,
 }
 
 impl CpuBackend {
@@ -168,6 +171,7 @@ impl CpuBackend {
         CpuBackend {
             pool,
             level: SimdLevel::detect(),
+            llama_compat: false,
         }
     }
 
@@ -182,7 +186,33 @@ impl CpuBackend {
         if !level.is_available() {
             return Err(KernelError::SimdUnavailable(level));
         }
-        Ok(CpuBackend { pool, level })
+        Ok(CpuBackend {
+            pool,
+            level,
+            llama_compat: false,
+        })
+    }
+
+    /// A CPU backend that computes what llama.cpp's CPU backend computes, bit for bit, for
+    /// the model families we check (dense Qwen2.5 with K-format weights; see
+    /// `docs/design-notes.md`, "Bit-exact llama.cpp parity"): matrix multiplications in
+    /// ggml's order (kernels capped at AVX-512 VNNI), and attention's dot products summed the
+    /// way llama.cpp sums them for the size of the call ([`attention::AttnOrder`]). The latter
+    /// makes a sequence's results depend on how its tokens are chunked (one token or
+    /// several), so this is a reference mode for parity checks, not the default.
+    /// Needs AVX-512 (ggml's AVX-512 build is the reference).
+    pub fn llama_cpp_compatible(
+        pool: Box<dyn ThreadPool + Send>,
+    ) -> std::result::Result<CpuBackend, KernelError> {
+        let level = SimdLevel::detect().min(SimdLevel::Avx512Vnni);
+        if level < SimdLevel::Avx512 {
+            return Err(KernelError::SimdUnavailable(SimdLevel::Avx512));
+        }
+        Ok(CpuBackend {
+            pool,
+            level,
+            llama_compat: true,
+        })
     }
 
     /// The kernel level the matrix multiplications use at most.
@@ -203,11 +233,14 @@ impl CpuBackend {
 
 impl Backend for CpuBackend {
     fn describe(&self) -> String {
-        let capped = if self.level < SimdLevel::detect() {
+        let mut capped = if self.level < SimdLevel::detect() {
             format!(", matmul kernels capped at {:?}", self.level)
         } else {
             String::new()
         };
+        if self.llama_compat {
+            capped.push_str(", llama.cpp-compatible numerics");
+        }
         format!(
             "cpu {}, {} threads{capped}",
             CpuFeatures::get().describe(),
@@ -287,7 +320,19 @@ impl Backend for CpuBackend {
         v: KvView<'_>,
         out: &mut [f32],
     ) {
-        attention::attention(&*self.pool, shape, q, pos, k, v, out)
+        use attention::{AttnOrder, SumOrder};
+        let order = match (self.llama_compat, pos.len()) {
+            (false, _) => AttnOrder::default(),
+            (true, 1) => AttnOrder {
+                scores: SumOrder::Ggml4Acc,
+                pv: SumOrder::Ggml4Acc,
+            },
+            (true, _) => AttnOrder {
+                scores: SumOrder::Ggml4Acc,
+                pv: SumOrder::OneChain,
+            },
+        };
+        attention::attention_with(&*self.pool, shape, order, q, pos, k, v, out)
     }
 
     fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {

@@ -164,6 +164,35 @@ impl<'a> KvView<'a> {
     }
 }
 
+/// How a dot product of [`attention_with`] is summed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SumOrder {
+    /// One 16-lane FMA chain, then the `_mm512_reduce_add_ps` tree (tinyBLAS's order).
+    #[default]
+    OneChain,
+    /// `ggml_vec_dot_f32`'s AVX-512 order: four 16-lane accumulators, chunk `c` of 16
+    /// elements into accumulator `c % 4`, folded `(0 + 2) + (1 + 3)` and reduced; elements
+    /// past the last whole 64 fused in one by one (where the length is a multiple of 16 those
+    /// are whole chunks padded with zeros, as llama.cpp's padded KV length gives).
+    Ggml4Acc,
+}
+
+/// The summation orders of [`attention_with`]: the scores `q · k` (over the head dims) and
+/// the outputs `p · v` (over the positions). The default, [`SumOrder::OneChain`] for both,
+/// does not depend on the batch, so a token's outputs never depend on what shares its
+/// forward pass. llama.cpp's CPU backend instead picks by the batch (`ggml_compute_forward_mul_mat`
+/// sends its `f32` products to tinyBLAS only for 2 or more query tokens and only if the
+/// operand is contiguous): scores always in [`SumOrder::Ggml4Acc`], `p · v` in
+/// [`SumOrder::OneChain`] for a batch of several tokens and [`SumOrder::Ggml4Acc`] for one.
+/// Only for reproducing llama.cpp bit for bit (AVX-512 path; the portable fallback ignores it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AttnOrder {
+    /// Order of the scores.
+    pub scores: SumOrder,
+    /// Order of the outputs.
+    pub pv: SumOrder,
+}
+
 /// Shape parameters of one [`attention`] call.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnShape {
@@ -196,6 +225,21 @@ pub fn attention(
     v: KvView<'_>,
     out: &mut [f32],
 ) {
+    attention_with(pool, shape, AttnOrder::default(), q, pos, k, v, out)
+}
+
+/// [`attention`] with the dot products summed in `order`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_with(
+    pool: &dyn ThreadPool,
+    shape: AttnShape,
+    order: AttnOrder,
+    q: &[f32],
+    pos: &[u32],
+    k: KvView<'_>,
+    v: KvView<'_>,
+    out: &mut [f32],
+) {
     let AttnShape {
         n_head,
         n_head_kv,
@@ -221,7 +265,7 @@ pub fn attention(
         vf.resize(n_ctx * head_dim, 0.0);
         k.gather_head(n_ctx, n_head_kv, head_dim, kvh, &mut kf);
         v.gather_head(n_ctx, n_head_kv, head_dim, kvh, &mut vf);
-        let res = head_task(&kf, &vf, q, pos, kvh, shape);
+        let res = head_task(&kf, &vf, q, pos, kvh, shape, order);
         GATHER.with_borrow_mut(|g| *g = (kf, vf));
         // A poisoned lock can only come from a panic in another task, which already aborts
         // the whole `run`; recover the data either way.
@@ -249,6 +293,7 @@ fn head_task(
     pos: &[u32],
     kvh: usize,
     shape: AttnShape,
+    order: AttnOrder,
 ) -> Vec<f32> {
     let AttnShape {
         n_head,
@@ -266,7 +311,7 @@ fn head_task(
         // SAFETY: AVX-512F/DQ available (checked); shapes checked at entry.
         unsafe {
             x86::head_group(
-                kf, vf, q, pos, kvh, group, n_head, head_dim, scale, &mut res,
+                kf, vf, q, pos, kvh, group, n_head, head_dim, scale, order, &mut res,
             )
         };
         return res;
@@ -314,6 +359,35 @@ mod x86 {
             };
         }
         _mm512_reduce_add_ps(acc)
+    }
+
+    /// `ggml_vec_dot_f32` with AVX-512 ([`super::SumOrder::Ggml4Acc`]): accumulator `j`
+    /// takes elements `64i + 16j..64i + 16j + 16`; then `a0 + a2`, `a1 + a3`, their sum, the
+    /// reduction tree, and the leftover elements fused in one at a time. With `pad16`, a
+    /// length that is a multiple of 16 counts as zero padded to a multiple of 64: its last
+    /// whole chunks go to their accumulators (adding zeros changes no sum).
+    #[target_feature(enable = "avx512f,fma")]
+    fn dot_ggml4(a: &[f32], b: &[f32], pad16: bool) -> f32 {
+        let n = a.len().min(b.len());
+        let np = if pad16 { n / 16 * 16 } else { n / 64 * 64 };
+        let mut acc = [_mm512_setzero_ps(); 4];
+        for c in 0..np / 16 {
+            // SAFETY: 16c + 16 <= np <= n, both slices hold n f32.
+            unsafe {
+                acc[c % 4] = _mm512_fmadd_ps(
+                    _mm512_loadu_ps(a.as_ptr().add(16 * c)),
+                    _mm512_loadu_ps(b.as_ptr().add(16 * c)),
+                    acc[c % 4],
+                )
+            };
+        }
+        let s02 = _mm512_add_ps(acc[0], acc[2]);
+        let s13 = _mm512_add_ps(acc[1], acc[3]);
+        let mut s = _mm512_reduce_add_ps(_mm512_add_ps(s02, s13));
+        for i in np..n {
+            s = a[i].mul_add(b[i], s);
+        }
+        s
     }
 
     /// Four [`dot_one_acc`]s of `rows[k]` with `b` at once: four independent accumulator
@@ -459,6 +533,7 @@ mod x86 {
         n_head: usize,
         head_dim: usize,
         scale: f32,
+        order: super::AttnOrder,
         res: &mut [f32],
     ) {
         let n_ctx = kf.len() / head_dim;
@@ -479,7 +554,7 @@ mod x86 {
         // reads is written first.
         p.resize(QB.min(pos.len()) * group * n_pad, 0.0);
         blocked(
-            &vt, &mut p, kf, q, pos, kvh, group, n_head, head_dim, scale, res,
+            &vt, &mut p, kf, q, pos, kvh, group, n_head, head_dim, scale, order, res,
         );
         BUFS.with_borrow_mut(|b| *b = (vt, p));
     }
@@ -505,6 +580,7 @@ mod x86 {
         n_head: usize,
         head_dim: usize,
         scale: f32,
+        order: super::AttnOrder,
         res: &mut [f32],
     ) {
         let n_ctx = kf.len() / head_dim;
@@ -524,46 +600,54 @@ mod x86 {
             };
             let quads = nr / 4 * 4;
             // 1. scores, keys outer; rows in fours (the last nr % 4 one at a time)
-            for j0 in (0..n_ctx).step_by(KB) {
-                let j1 = (j0 + KB).min(n_ctx);
-                for r in (0..quads).step_by(4) {
-                    // keys any of the four rows needs; the others' extra scores are
-                    // overwritten by the softmax's padding and never read
-                    let je = j1.min((r..r + 4).map(n_of).max().unwrap_or(0));
-                    let a: [*const f32; 4] = std::array::from_fn(|k| q_of(r + k).as_ptr());
-                    let mut j = j0;
-                    while j + 4 <= je {
-                        let b: [*const f32; 4] = std::array::from_fn(|c| krow(j + c).as_ptr());
-                        // SAFETY: query rows and K rows hold head_dim f32 each.
-                        let z = unsafe { dots_4x4(a, [head_dim; 4], b) };
-                        // SAFETY: `lanes` holds 16 f32.
-                        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), z) };
-                        for k in 0..4 {
-                            for c in 0..4 {
-                                p[(r + k) * n_pad + j + c] = lanes[4 * c + k] * scale;
-                            }
-                        }
-                        j += 4;
-                    }
-                    for j in j..je {
-                        for k in 0..4 {
-                            p[(r + k) * n_pad + j] = dot_one_acc(q_of(r + k), krow(j)) * scale;
-                        }
+            if order.scores == super::SumOrder::Ggml4Acc {
+                for r in 0..nr {
+                    for j in 0..n_of(r) {
+                        p[r * n_pad + j] = dot_ggml4(q_of(r), krow(j), false) * scale;
                     }
                 }
-                for r in quads..nr {
-                    let je = j1.min(n_of(r));
-                    let qh = q_of(r);
-                    let mut j = j0;
-                    while j + 4 <= je {
-                        let s4 = dot_four([krow(j), krow(j + 1), krow(j + 2), krow(j + 3)], qh);
-                        for (k, v) in s4.iter().enumerate() {
-                            p[r * n_pad + j + k] = v * scale;
+            } else {
+                for j0 in (0..n_ctx).step_by(KB) {
+                    let j1 = (j0 + KB).min(n_ctx);
+                    for r in (0..quads).step_by(4) {
+                        // keys any of the four rows needs; the others' extra scores are
+                        // overwritten by the softmax's padding and never read
+                        let je = j1.min((r..r + 4).map(n_of).max().unwrap_or(0));
+                        let a: [*const f32; 4] = std::array::from_fn(|k| q_of(r + k).as_ptr());
+                        let mut j = j0;
+                        while j + 4 <= je {
+                            let b: [*const f32; 4] = std::array::from_fn(|c| krow(j + c).as_ptr());
+                            // SAFETY: query rows and K rows hold head_dim f32 each.
+                            let z = unsafe { dots_4x4(a, [head_dim; 4], b) };
+                            // SAFETY: `lanes` holds 16 f32.
+                            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), z) };
+                            for k in 0..4 {
+                                for c in 0..4 {
+                                    p[(r + k) * n_pad + j + c] = lanes[4 * c + k] * scale;
+                                }
+                            }
+                            j += 4;
                         }
-                        j += 4;
+                        for j in j..je {
+                            for k in 0..4 {
+                                p[(r + k) * n_pad + j] = dot_one_acc(q_of(r + k), krow(j)) * scale;
+                            }
+                        }
                     }
-                    for j in j..je {
-                        p[r * n_pad + j] = dot_one_acc(qh, krow(j)) * scale;
+                    for r in quads..nr {
+                        let je = j1.min(n_of(r));
+                        let qh = q_of(r);
+                        let mut j = j0;
+                        while j + 4 <= je {
+                            let s4 = dot_four([krow(j), krow(j + 1), krow(j + 2), krow(j + 3)], qh);
+                            for (k, v) in s4.iter().enumerate() {
+                                p[r * n_pad + j + k] = v * scale;
+                            }
+                            j += 4;
+                        }
+                        for j in j..je {
+                            p[r * n_pad + j] = dot_one_acc(qh, krow(j)) * scale;
+                        }
                     }
                 }
             }
@@ -590,6 +674,17 @@ mod x86 {
                 }
             }
             // 3. P·V, output dims outer; rows in fours, each over its own padded length
+            if order.pv == super::SumOrder::Ggml4Acc {
+                for r in 0..nr {
+                    let m = m_of(r);
+                    let o = ((i0 + r / group) * group + r % group) * head_dim;
+                    let pr = &p[r * n_pad..r * n_pad + m];
+                    for d in 0..head_dim {
+                        res[o + d] = dot_ggml4(&vrow(d)[..m], pr, true);
+                    }
+                }
+                continue;
+            }
             for d0 in (0..head_dim).step_by(DB) {
                 let d1 = (d0 + DB).min(head_dim);
                 for r in (0..quads).step_by(4) {
@@ -837,6 +932,152 @@ mod tests {
         }
     }
 
+    /// Scalar emulation of one output row in llama.cpp's orders ([`AttnOrder`]): scores
+    /// `q · k` in `ggml_vec_dot_f32`'s four accumulators, then scaled; softmax with ggml's
+    /// vectorised `exp` over 16-position chunks summed in f64; outputs in `pv`'s order over
+    /// the positions zero padded to 16.
+    #[cfg(target_arch = "x86_64")]
+    fn ggml_row(qh: &[f32], k: &[&[f32]], v: &[&[f32]], scale: f32, pv: SumOrder) -> Vec<f32> {
+        fn reduce16(mut a: [f32; 16]) -> f32 {
+            let mut w = 16;
+            while w > 1 {
+                w /= 2;
+                for l in 0..w {
+                    a[l] += a[l + w];
+                }
+            }
+            a[0]
+        }
+        // `padded`: the length counts as zero padded to a multiple of 64 (llama.cpp's KV
+        // length is a multiple of 256); otherwise elements past the last 64 are leftovers.
+        fn dot(a: &[f32], b: &[f32], order: SumOrder, padded: bool) -> f32 {
+            let mut acc = [[0f32; 16]; 4];
+            let chunks = if padded || order == SumOrder::OneChain {
+                a.len() / 16
+            } else {
+                a.len() / 64 * 4
+            };
+            for c in 0..chunks {
+                let j = if order == SumOrder::Ggml4Acc {
+                    c % 4
+                } else {
+                    0
+                };
+                for l in 0..16 {
+                    acc[j][l] = a[16 * c + l].mul_add(b[16 * c + l], acc[j][l]);
+                }
+            }
+            let mut f = [0f32; 16];
+            for l in 0..16 {
+                f[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+            }
+            let mut s = if order == SumOrder::Ggml4Acc {
+                reduce16(f)
+            } else {
+                reduce16(acc[0])
+            };
+            for i in 16 * chunks..a.len() {
+                s = a[i].mul_add(b[i], s);
+            }
+            s
+        }
+        let n = k.len();
+        let m = n.div_ceil(16) * 16;
+        let mut p: Vec<f32> = k
+            .iter()
+            .map(|kr| dot(qh, kr, SumOrder::Ggml4Acc, false) * scale)
+            .collect();
+        let max = p.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        p.iter_mut().for_each(|x| *x -= max);
+        p.resize(m, f32::NEG_INFINITY);
+        crate::vexp::exp_inplace(&mut p);
+        let sum: f64 = p
+            .chunks(16)
+            .map(|c| reduce16(c.try_into().unwrap()) as f64)
+            .sum();
+        let inv = (1.0 / sum) as f32;
+        p.iter_mut().for_each(|x| *x *= inv);
+        (0..qh.len())
+            .map(|d| {
+                let col: Vec<f32> = (0..m).map(|j| if j < n { v[j][d] } else { 0.0 }).collect();
+                dot(&col, &p, pv, true)
+            })
+            .collect()
+    }
+
+    /// [`attention_with`] in llama.cpp's orders equals the scalar emulation bit for bit,
+    /// for a prompt-like batch (`p · v` in one chain) and one decode token (four
+    /// accumulators), GQA groups of 1 and 3, head dims with and without leftovers past 64.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn llama_cpp_orders_match_scalar_emulation_bitwise() {
+        if !kapitsa_base::CpuFeatures::get().avx512 {
+            return;
+        }
+        for &(n_head, n_head_kv, head_dim, n_ctx, n_tok, pv) in &[
+            (
+                6usize,
+                2usize,
+                128usize,
+                37usize,
+                37usize,
+                SumOrder::OneChain,
+            ),
+            (6, 2, 128, 70, 1, SumOrder::Ggml4Acc),
+            (2, 2, 80, 19, 5, SumOrder::OneChain),
+            (3, 1, 64, 200, 1, SumOrder::Ggml4Acc),
+        ] {
+            let shape = AttnShape {
+                n_head,
+                n_head_kv,
+                head_dim,
+                scale: 1.0 / (head_dim as f32).sqrt(),
+            };
+            let k = rnd(n_ctx * n_head_kv * head_dim, 11);
+            let v = rnd(n_ctx * n_head_kv * head_dim, 12);
+            let q = rnd(n_tok * n_head * head_dim, 13);
+            let pos: Vec<u32> = ((n_ctx - n_tok) as u32..n_ctx as u32).collect();
+            let order = AttnOrder {
+                scores: SumOrder::Ggml4Acc,
+                pv,
+            };
+            let mut got = vec![0f32; q.len()];
+            attention_with(
+                &SerialPool,
+                shape,
+                order,
+                &q,
+                &pos,
+                KvView::contiguous(KvSlice::F32(&k)),
+                KvView::contiguous(KvSlice::F32(&v)),
+                &mut got,
+            );
+            let group = n_head / n_head_kv;
+            for (i, &p) in pos.iter().enumerate() {
+                for h in 0..n_head {
+                    let kvh = h / group;
+                    let row = |x: &[f32], j: usize| -> Vec<f32> {
+                        x[(j * n_head_kv + kvh) * head_dim..][..head_dim].to_vec()
+                    };
+                    let ks: Vec<Vec<f32>> = (0..=p as usize).map(|j| row(&k, j)).collect();
+                    let vs: Vec<Vec<f32>> = (0..=p as usize).map(|j| row(&v, j)).collect();
+                    let kr: Vec<&[f32]> = ks.iter().map(|r| &r[..]).collect();
+                    let vr: Vec<&[f32]> = vs.iter().map(|r| &r[..]).collect();
+                    let qh = &q[(i * n_head + h) * head_dim..][..head_dim];
+                    let want = ggml_row(qh, &kr, &vr, shape.scale, pv);
+                    let o = &got[(i * n_head + h) * head_dim..][..head_dim];
+                    for (a, b) in o.iter().zip(&want) {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{a} vs {b} ({head_dim}, {n_tok}, {pv:?})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     /// The blocked AVX-512 head-group kernel equals its one-row-at-a-time twin bit for bit:
     /// several query blocks (n_tok > 16), partial key and dim blocks, causal rows of
     /// different lengths, GQA groups of 1 and 8.
@@ -872,7 +1113,17 @@ mod tests {
                         &kf, &vf, &q, &pos, kvh, group, n_head, head_dim, 0.2, &mut want,
                     );
                     x86::head_group(
-                        &kf, &vf, &q, &pos, kvh, group, n_head, head_dim, 0.2, &mut got,
+                        &kf,
+                        &vf,
+                        &q,
+                        &pos,
+                        kvh,
+                        group,
+                        n_head,
+                        head_dim,
+                        0.2,
+                        AttnOrder::default(),
+                        &mut got,
                     );
                 }
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();

@@ -200,20 +200,48 @@ impl Rope {
     /// Rotate every head of `x` (`[n_head, head_dim]`, one token) in place with the angles in
     /// `cs` (from [`Rope::table`]), NeoX pairing: dim `i` with dim `i + n_rot/2` for
     /// `i < n_rot/2`; dims `n_rot..head_dim` pass through.
+    ///
+    /// Each output is one fused multiply-add, as GCC compiles ggml's `x0*cos - x1*sin` and
+    /// `x0*sin + x1*cos` (it contracts them to `fma(x0, cos, -(x1*sin))` and
+    /// `fma(x0, sin, x1*cos)`; checked bit for bit against llama.cpp's graph, see
+    /// `models/examples/op_diff.rs`).
     pub fn apply_neox(&self, x: &mut [f32], head_dim: usize, cs: &[(f32, f32)]) {
-        let half = self.n_rot / 2;
         debug_assert!(
-            self.n_rot <= head_dim && x.len().is_multiple_of(head_dim) && cs.len() == half
+            self.n_rot <= head_dim
+                && x.len().is_multiple_of(head_dim)
+                && cs.len() == self.n_rot / 2
         );
-        for head in x.chunks_exact_mut(head_dim) {
-            let (a, b) = head[..self.n_rot].split_at_mut(half);
-            for i in 0..half {
-                let (c, s) = cs[i];
-                let x1 = a[i];
-                let x2 = b[i];
-                a[i] = x1 * c - x2 * s;
-                b[i] = x2 * c + x1 * s;
-            }
+        #[cfg(target_arch = "x86_64")]
+        if kapitsa_base::CpuFeatures::get().avx2 {
+            // SAFETY: AVX2 and FMA are available (checked at run time; `avx2` implies FMA in
+            // `CpuFeatures`).
+            unsafe { rope_neox_fma(self.n_rot, x, head_dim, cs) };
+            return;
+        }
+        rope_neox_body(self.n_rot, x, head_dim, cs);
+    }
+}
+
+/// [`Rope::apply_neox`] compiled with FMA, so `mul_add` is one instruction.
+///
+/// # Safety
+/// Requires AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rope_neox_fma(n_rot: usize, x: &mut [f32], head_dim: usize, cs: &[(f32, f32)]) {
+    rope_neox_body(n_rot, x, head_dim, cs)
+}
+
+/// The rotation of [`Rope::apply_neox`] (`mul_add` is a library call without FMA).
+#[inline(always)]
+fn rope_neox_body(n_rot: usize, x: &mut [f32], head_dim: usize, cs: &[(f32, f32)]) {
+    let half = n_rot / 2;
+    for head in x.chunks_exact_mut(head_dim) {
+        let (a, b) = head[..n_rot].split_at_mut(half);
+        for ((x0, x1), &(c, s)) in a.iter_mut().zip(b.iter_mut()).zip(cs) {
+            let (v0, v1) = (*x0, *x1);
+            *x0 = v0.mul_add(c, -(v1 * s));
+            *x1 = v0.mul_add(s, v1 * c);
         }
     }
 }

@@ -72,7 +72,9 @@ pub(super) fn kernel(_ty: GgmlType, _max: SimdLevel, _bf16: bool) -> Option<Chos
 
 /// Helpers the AVX-512 GEMM kernels share with the dot products.
 #[cfg(target_arch = "x86_64")]
-pub(super) use imp::{k4_scales, ld512, prefetch_ahead, q5_0_plus16, sb_pack, sb_reduce8};
+pub(super) use imp::{
+    hsum_epi32, k4_scales, ld512, prefetch_ahead, q5_0_plus16, sb_pack, sb_reduce8,
+};
 /// The super-block-order K-format dot kernels (see `dot_sb`).
 #[cfg(target_arch = "x86_64")]
 pub(super) use imp::{q4_k_sb, q5_k_sb, q6_k_sb};
@@ -146,6 +148,32 @@ mod imp {
             b & M1,
             ((c >> 4) & M2) | (((b >> 6) & M3) << 4),
         ]
+    }
+
+    /// The 8-lane fold of 16 lane sums: lane `l` = lanes `l` and `l + 8` (exact integers).
+    /// ggml's AVX2 K-format kernels keep 8 lanes, lane `l` holding bytes `4l..4l+4` of every
+    /// 32-byte chunk; our 512-bit kernels hold the chunk pairs' halves in lanes `l` and `l + 8`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq,avx2")]
+    pub(in crate::quant) fn fold8(v: __m512i) -> __m256i {
+        _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
+    }
+
+    /// Sum of 8 i32 lanes (exact).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(in crate::quant) fn hsum_epi32(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+        _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<1>(s)))
+    }
+
+    /// ggml's reduction of its 4-lane Q4_K mins accumulator: `(m0 + m2) + (m1 + m3)`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(in crate::quant) fn hsum4(m: __m128) -> f32 {
+        let s = _mm_add_ps(m, _mm_movehl_ps(m, m));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
     }
 
     /// One super-block's integers for the super-block order, packed for [`sb_reduce8`]: the
@@ -502,8 +530,9 @@ mod imp {
                     // Q4_K: nibbles at 16..144; Q5_K: qh at 16..48, nibbles at 48..176.
                     let ts = if Q5 { 176 } else { 144 };
                     let nb = xs.iter().fold(w.len() / ts, |m, x| m.min(x.len() / 292));
-                    let mut acc = [_mm512_setzero_ps(); T];
-                    let mut acc_m = [_mm256_setzero_ps(); T];
+                    let mut acc = [_mm256_setzero_ps(); T];
+                    let mut acc_m = [_mm_setzero_ps(); T];
+                    let mut summs = [0f32; T];
                     let mut sb = [0f32; T];
                     let mut sbb = [SbBatch::default(); T];
                     let mut sbn = 0;
@@ -524,8 +553,16 @@ mod imp {
                                 sbb[t].f[sbn] = (d * yd, dmin * yd);
                                 continue;
                             }
-                            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * yd), _mm512_cvtepi32_ps(sumi), acc[t]);
-                            acc_m[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * yd), _mm256_cvtepi32_ps(prod_m), acc_m[t]);
+                            // ggml's AVX2 order: 8 lanes (lane l = our lanes l and l + 8).
+                            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * yd), _mm256_cvtepi32_ps(fold8(sumi)), acc[t]);
+                            if Q5 {
+                                // Q5_K: one scalar chain of the whole mins term.
+                                summs[t] = (-(dmin * yd)).mul_add(hsum_epi32(prod_m) as f32, summs[t]);
+                            } else {
+                                // Q4_K: 4 lanes, lane k = our lanes 2k and 2k + 1.
+                                let p4 = _mm_hadd_epi32(_mm256_castsi256_si128(prod_m), _mm256_extracti128_si256::<1>(prod_m));
+                                acc_m[t] = _mm_fmadd_ps(_mm_set1_ps(-(dmin * yd)), _mm_cvtepi32_ps(p4), acc_m[t]);
+                            }
                         }
                         if SB {
                             sbn += 1;
@@ -540,7 +577,10 @@ mod imp {
                     if SB {
                         return sb;
                     }
-                    std::array::from_fn(|t| _mm512_reduce_add_ps(acc[t]) - crate::quant::dot_avx2::hsum_ps(acc_m[t]))
+                    std::array::from_fn(|t| {
+                        let main = crate::quant::dot_avx2::hsum_ps(acc[t]);
+                        if Q5 { main + summs[t] } else { main + hsum4(acc_m[t]) }
+                    })
                 }
 
                 /// A Q6_K block decoded for the integer part: the unsigned 6-bit quants of each
@@ -627,8 +667,7 @@ mod imp {
                 pub(in crate::quant) unsafe fn q6k<const T: usize, const SB: bool>(w: &[u8], xs: [&[u8]; T]) -> [f32; T] {
                     let nb = xs.iter().fold(w.len() / 210, |m, x| m.min(x.len() / 292));
                     let sidx = q6k_sidx();
-                    let mut acc = [_mm512_setzero_ps(); T];
-                    let mut acc_o = [_mm256_setzero_ps(); T];
+                    let mut acc = [_mm256_setzero_ps(); T];
                     let mut sb = [0f32; T];
                     let mut sbb = [SbBatch::default(); T];
                     let mut sbn = 0;
@@ -648,8 +687,10 @@ mod imp {
                                 sbb[t].f[sbn] = (dd, 0.0);
                                 continue;
                             }
-                            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(sumi), acc[t]);
-                            acc_o[t] = _mm256_fmadd_ps(_mm256_set1_ps(-32.0 * dd), _mm256_cvtepi32_ps(offs), acc_o[t]);
+                            // ggml's AVX2 order: 8 integer lanes (the offset term in
+                            // the lanes of its bsums), one FMA.
+                            let li = _mm256_sub_epi32(fold8(sumi), _mm256_slli_epi32::<5>(offs));
+                            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(li), acc[t]);
                         }
                         if SB {
                             sbn += 1;
@@ -664,7 +705,7 @@ mod imp {
                     if SB {
                         return sb;
                     }
-                    std::array::from_fn(|t| _mm512_reduce_add_ps(acc[t]) + crate::quant::dot_avx2::hsum_ps(acc_o[t]))
+                    std::array::from_fn(|t| crate::quant::dot_avx2::hsum_ps(acc[t]))
                 }
 
                 /// # Safety

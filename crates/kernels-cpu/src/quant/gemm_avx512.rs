@@ -149,10 +149,10 @@ pub(crate) fn kernel(ty: GgmlType, level: SimdLevel) -> Option<GemmKernel> {
                 },
                 pack: pack_q8k,
                 kern: [
-                    bw::kern_k::<2, $q6>,
-                    bw::kern_k::<4, $q6>,
-                    bw::kern_k::<6, $q6>,
-                    bw::kern_k::<8, $q6>,
+                    bw::kern_k::<2, $q5, $q6>,
+                    bw::kern_k::<4, $q5, $q6>,
+                    bw::kern_k::<6, $q5, $q6>,
+                    bw::kern_k::<8, $q5, $q6>,
                 ],
                 direct: None,
             }
@@ -170,10 +170,10 @@ pub(crate) fn kernel(ty: GgmlType, level: SimdLevel) -> Option<GemmKernel> {
                 },
                 pack: pack_q8k_v,
                 kern: [
-                    vnk::kern_k::<2, $q6>,
-                    vnk::kern_k::<4, $q6>,
-                    vnk::kern_k::<6, $q6>,
-                    vnk::kern_k::<8, $q6>,
+                    vnk::kern_k::<2, $q5, $q6>,
+                    vnk::kern_k::<4, $q5, $q6>,
+                    vnk::kern_k::<6, $q5, $q6>,
+                    vnk::kern_k::<8, $q5, $q6>,
                 ],
                 direct: None,
             }
@@ -318,11 +318,11 @@ fn pack_q8_0(x: &[u8], slot: usize, tile: &mut [u8]) {
 mod imp {
     use std::arch::x86_64::*;
 
-    use super::{Acc, Fin, ACT_K, ACT_KV, ACT_Q, REC_K, REC_KV, REC_Q};
+    use super::{Acc, AccVec, Fin, ACT_K, ACT_KV, ACT_Q, REC_K, REC_KV, REC_Q};
     use crate::quant::blocks::{KVALUES_IQ4NL, KVALUES_MXFP4};
     use crate::quant::dot_avx2::{f16c, hsum_ps, ld128, ld256, nibbles32};
     use crate::quant::dot_avx512::{
-        k4_scales, ld512, prefetch_ahead, q5_0_plus16, sb_pack, sb_reduce8,
+        hsum_epi32, k4_scales, ld512, prefetch_ahead, q5_0_plus16, sb_pack, sb_reduce8,
     };
 
     pub(super) use super::{pack_q8_0, pack_q8k, pack_q8k_v};
@@ -482,15 +482,13 @@ mod imp {
 
                 /// K formats: `acc += rec (n groups of one row) x act (n tile groups)` for `T`
                 /// tokens (even, <= 8). Per token and group this is exactly the dot kernel's
-                /// step: `acc[t] = fma(d * yd, cvt(sum_c wacc(W[c] . y[c], S[c])), acc[t])` and
-                /// `acc_m[t] = fma(dm * yd, cvt(madd(bsums, M)), acc_m[t])` (Q6_K: the second
-                /// scale is `-32 * (d * yd)`), with token pairs sharing one 16-lane `acc_m`.
+                /// step in ggml's AVX2 order (see [`k_pair_step`]).
                 ///
                 /// # Safety
                 /// Requires the features of this module; `rec.len() == n * REC_K` and
                 /// `act.len() >= n * ACT_K`.
                 #[target_feature(enable = $feat)]
-                pub(crate) unsafe fn kern_k<const T: usize, const Q6: bool>(
+                pub(crate) unsafe fn kern_k<const T: usize, const Q5: bool, const Q6: bool>(
                     rec: &[u8],
                     act: &[u8],
                     acc: &mut Acc,
@@ -499,12 +497,10 @@ mod imp {
                 ) {
                     let n = rec.len() / REC_K;
                     assert!(act.len() >= n * ACT_K && T <= 8 && T.is_multiple_of(2));
-                    let mut a = [_mm512_setzero_ps(); T];
-                    let mut m = [_mm512_setzero_ps(); 4];
+                    let mut st = KState::default();
                     if !init {
-                        load_k(&mut a, &mut m, acc);
+                        st.load(acc);
                     }
-                    let neg32 = _mm512_set1_ps(-32.0);
                     for g in 0..n {
                         // SAFETY: record `g` is bytes g*REC_K..(g+1)*REC_K of `rec` and tile group `g` bytes
                         // g*ACT_K..(g+1)*ACT_K of `act` (checked above); every load below reads inside them at
@@ -517,34 +513,33 @@ mod imp {
                                 [ldp(r, 256), ldp(r, 320), ldp(r, 384), ldp(r, 448)];
                             let mm = _mm512_broadcast_i64x4(_mm256_loadu_si256(r.add(512).cast()));
                             let (d, dm) = (f32p(r, 544), f32p(r, 548));
-                            let dv = _mm512_set1_ps(d);
-                            for (t, at) in a.iter_mut().enumerate() {
-                                let mut sumi = _mm512_madd_epi16(
+                            let sumi = |t: usize| {
+                                let mut v = _mm512_madd_epi16(
                                     _mm512_maddubs_epi16(w[0], ldp(x, 256 * t)),
                                     s[0],
                                 );
                                 for c in 1..4 {
                                     let yv = ldp(x, 256 * t + 64 * c);
-                                    sumi = wacc(sumi, _mm512_maddubs_epi16(w[c], yv), s[c]);
+                                    v = wacc(v, _mm512_maddubs_epi16(w[c], yv), s[c]);
                                 }
-                                // d * yd as the dot kernel's scalar product (a broadcast load of yd).
-                                let dy = _mm512_mul_ps(dv, _mm512_set1_ps(f32p(x, 2304 + 4 * t)));
-                                *at = _mm512_fmadd_ps(dy, _mm512_cvtepi32_ps(sumi), *at);
-                            }
-                            for (p, mp) in m.iter_mut().take(T / 2).enumerate() {
-                                let yd2 = _mm512_loadu_ps(x.add(2368 + 64 * p).cast());
-                                let f = if Q6 {
-                                    _mm512_mul_ps(neg32, _mm512_mul_ps(_mm512_set1_ps(d), yd2))
-                                } else {
-                                    _mm512_mul_ps(_mm512_set1_ps(dm), yd2)
-                                };
-                                let prod = _mm512_madd_epi16(ldp(x, 2048 + 64 * p), mm);
-                                *mp = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(prod), *mp);
+                                v
+                            };
+                            for p in 0..T / 2 {
+                                k_pair_step::<Q5, Q6>(
+                                    &mut st,
+                                    p,
+                                    sumi(2 * p),
+                                    sumi(2 * p + 1),
+                                    x,
+                                    mm,
+                                    d,
+                                    dm,
+                                );
                             }
                         }
                     }
                     // SAFETY: features present.
-                    unsafe { end_k::<T, Q6>(&a, &m, acc, fin) };
+                    unsafe { st.end::<T, Q5, Q6>(acc, fin) };
                 }
             }
         };
@@ -571,29 +566,6 @@ mod imp {
         r
     }
 
-    /// `fma(v, splat(*s), acc)` with the splat as an embedded-broadcast memory operand of the
-    /// FMA (LLVM would instead multiply scalars and broadcast through port 5). The same fused
-    /// operation as `_mm512_fmadd_ps(_mm512_set1_ps(*s), v, acc)`, bit for bit.
-    ///
-    /// # Safety
-    /// `s` points to a readable f32; AVX-512F.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-    unsafe fn fma_bcast(v: __m512, s: *const f32, acc: __m512) -> __m512 {
-        let mut a = acc;
-        // SAFETY: reads 4 bytes at `s` (caller's contract); no stack or flags use.
-        unsafe {
-            std::arch::asm!(
-                "vfmadd231ps {a}, {v}, dword ptr [{s}]{{1to16}}",
-                a = inout(zmm_reg) a,
-                v = in(zmm_reg) v,
-                s = in(reg) s,
-                options(pure, readonly, nostack, preserves_flags)
-            );
-        }
-        a
-    }
-
     /// acc + pairwise i16 products as 16 x i32 (`vpmaddwd` + `vpaddd`).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
@@ -607,51 +579,141 @@ mod imp {
         super::wacc_bw
     );
 
-    /// End of a K-format kernel call: store the accumulators (`fin` is `None`) or reduce them
-    /// in registers, `out[t] = reduce(a[t]) -/+ hsum(m[t])`, the dot kernels' final step
-    /// (Q4_K/Q5_K subtract the mins term, Q6_K adds the offset term; token `t`'s `m` is half
-    /// `t % 2` of `m[t / 2]`). Shared by both levels (the same f32 operations; VNNI machines
-    /// have these features).
-    ///
-    /// # Safety
-    /// Requires AVX-512F/BW/VL/DQ, AVX2, FMA, F16C.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-    pub(super) unsafe fn end_k<const T: usize, const Q6: bool>(
-        a: &[__m512; T],
-        m: &[__m512; 4],
-        acc: &mut Acc,
-        fin: Option<Fin<'_>>,
-    ) {
-        match fin {
-            Some(f) => {
-                for (t, o) in f.out.iter_mut().take(T).enumerate() {
-                    let mt = if t % 2 == 0 {
-                        _mm512_castps512_ps256(m[t / 2])
-                    } else {
-                        _mm512_extractf32x8_ps::<1>(m[t / 2])
-                    };
-                    let main = _mm512_reduce_add_ps(a[t]);
-                    *o = if Q6 {
-                        main + hsum_ps(mt)
-                    } else {
-                        main - hsum_ps(mt)
-                    };
+    /// The running f32 state of one row's K-format chains in a GEMM tile, in ggml's AVX2 order
+    /// (`ggml_vec_dot_q{4,5,6}_K_q8_K`): token pair `p`'s 8-lane main accumulators in `a[p]`
+    /// (token `2p` in lanes 0..8, `2p + 1` in lanes 8..16); for Q4_K the 4-lane mins
+    /// accumulators in the even lanes of `m[p]` (lane `2k` of each half is ggml's lane `k`;
+    /// the odd lanes carry junk that is never read); for Q5_K one scalar mins chain per token.
+    #[derive(Clone, Copy)]
+    pub(super) struct KState {
+        a: [__m512; 4],
+        m: [__m512; 4],
+        summs: [f32; 8],
+    }
+
+    impl Default for KState {
+        fn default() -> Self {
+            // SAFETY: all-zero bits are a valid `__m512` (0.0 in every lane).
+            unsafe { std::mem::zeroed() }
+        }
+    }
+
+    impl KState {
+        /// Continue a row: the state as [`KState::end`] stored it.
+        #[inline(always)]
+        pub(super) fn load(&mut self, acc: &Acc) {
+            self.a.copy_from_slice(&acc.0[..4]);
+            self.m.copy_from_slice(&acc.0[8..12]);
+            // SAFETY: `AccVec` is 16 f32 and `summs` 8.
+            let v: [f32; 16] = unsafe { std::mem::transmute(acc.0[4]) };
+            self.summs.copy_from_slice(&v[..8]);
+        }
+
+        /// End of a K-format kernel call: store the state (`fin` is `None`) or finish each
+        /// token's sum as ggml does: `hsum8(acc) + ((m0 + m2) + (m1 + m3))` (Q4_K),
+        /// `hsum8(acc) + summs` (Q5_K), `hsum8(acc)` (Q6_K).
+        ///
+        /// # Safety
+        /// Requires AVX-512F/BW/VL/DQ, AVX2, FMA, F16C.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+        pub(super) unsafe fn end<const T: usize, const Q5: bool, const Q6: bool>(
+            &self,
+            acc: &mut Acc,
+            fin: Option<Fin<'_>>,
+        ) {
+            match fin {
+                Some(f) => {
+                    for (t, o) in f.out.iter_mut().take(T).enumerate() {
+                        let half = |v: __m512| {
+                            if t % 2 == 0 {
+                                _mm512_castps512_ps256(v)
+                            } else {
+                                _mm512_extractf32x8_ps::<1>(v)
+                            }
+                        };
+                        let main = hsum_ps(half(self.a[t / 2]));
+                        *o = if Q6 {
+                            main
+                        } else if Q5 {
+                            main + self.summs[t]
+                        } else {
+                            let mut e = [0f32; 8];
+                            // SAFETY: `e` holds 8 f32.
+                            unsafe { _mm256_storeu_ps(e.as_mut_ptr(), half(self.m[t / 2])) };
+                            main + ((e[0] + e[4]) + (e[2] + e[6]))
+                        };
+                    }
                 }
-            }
-            None => {
-                acc.0[..T].copy_from_slice(a);
-                acc.0[8..8 + T / 2].copy_from_slice(&m[..T / 2]);
+                None => {
+                    acc.0[..4].copy_from_slice(&self.a);
+                    acc.0[8..12].copy_from_slice(&self.m);
+                    let mut v = [0f32; 16];
+                    v[..8].copy_from_slice(&self.summs);
+                    // SAFETY: `AccVec` is 16 f32.
+                    acc.0[4] = unsafe { std::mem::transmute::<[f32; 16], AccVec>(v) };
+                }
             }
         }
     }
 
-    /// Start of a K-format kernel call that continues a row: the accumulators as
-    /// [`end_k`] stored them.
-    #[inline(always)]
-    pub(super) fn load_k<const T: usize>(a: &mut [__m512; T], m: &mut [__m512; 4], acc: &Acc) {
-        a.copy_from_slice(&acc.0[..T]);
-        m[..T / 2].copy_from_slice(&acc.0[8..8 + T / 2]);
+    /// One super-block of a K-format row for token pair `p` (tokens `2p`, `2p + 1`), given
+    /// their 16-lane integer sums `s0`, `s1` (the dot kernel's lanes): ggml's 8 lanes are
+    /// lanes `l` and `l + 8` added; Q6_K subtracts `32 x` the scales-weighted bsums per lane;
+    /// then `acc = fma(d * yd, lanes, acc)`. The mins term (Q4_K/Q5_K, from the tile's bsums
+    /// and the record's mins `mm`): Q4_K keeps 4 lanes per token (pairs of our 8 lanes
+    /// added), `m = fma(-(dmin * yd), lanes, m)`; Q5_K one scalar chain of the lanes' total.
+    ///
+    /// # Safety
+    /// Requires the features below; `x` points to a whole tile group (K layout) and
+    /// `p < 4`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    pub(super) unsafe fn k_pair_step<const Q5: bool, const Q6: bool>(
+        st: &mut KState,
+        p: usize,
+        s0: __m512i,
+        s1: __m512i,
+        x: *const u8,
+        mm: __m512i,
+        d: f32,
+        dm: f32,
+    ) {
+        let mut li = _mm512_add_epi32(
+            _mm512_shuffle_i64x2::<0b01_00_01_00>(s0, s1),
+            _mm512_shuffle_i64x2::<0b11_10_11_10>(s0, s1),
+        );
+        // SAFETY: the pair's bsums (64 bytes at 2048 + 64p) and yd pair (64 bytes at
+        // 2368 + 64p) are inside the tile group (caller).
+        let (prod, yd2) = unsafe {
+            (
+                _mm512_madd_epi16(ldp(x, 2048 + 64 * p), mm),
+                _mm512_loadu_ps(x.add(2368 + 64 * p).cast()),
+            )
+        };
+        if Q6 {
+            li = _mm512_sub_epi32(li, _mm512_slli_epi32::<5>(prod));
+        }
+        let dy = _mm512_mul_ps(_mm512_set1_ps(d), yd2);
+        st.a[p] = _mm512_fmadd_ps(dy, _mm512_cvtepi32_ps(li), st.a[p]);
+        if Q6 {
+            return;
+        }
+        if Q5 {
+            let (m0, m1) = (
+                hsum_epi32(_mm512_castsi512_si256(prod)),
+                hsum_epi32(_mm512_extracti64x4_epi64::<1>(prod)),
+            );
+            // SAFETY: the tokens' yd at 2304 + 4t inside the tile group (caller).
+            let (y0, y1) = unsafe { (f32p(x, 2304 + 8 * p), f32p(x, 2308 + 8 * p)) };
+            st.summs[2 * p] = (-(dm * y0)).mul_add(m0 as f32, st.summs[2 * p]);
+            st.summs[2 * p + 1] = (-(dm * y1)).mul_add(m1 as f32, st.summs[2 * p + 1]);
+        } else {
+            let pe = _mm512_add_epi32(prod, _mm512_srli_epi64::<32>(prod));
+            let f = _mm512_mul_ps(_mm512_set1_ps(dm), yd2);
+            st.m[p] = _mm512_fnmadd_ps(f, _mm512_cvtepi32_ps(pe), st.m[p]);
+        }
     }
 
     /// K formats with VNNI (layout in the module docs).
@@ -821,13 +883,14 @@ mod imp {
         }
 
         /// K formats, VNNI: `acc += rec x act` for `T` tokens (even, <= 8); per token and
-        /// super-block the same lane integers and f32 steps as the dot kernel (module docs).
+        /// super-block the same lane integers and f32 steps as the dot kernel, in ggml's
+        /// AVX2 order ([`k_pair_step`]).
         ///
         /// # Safety
         /// Requires the features of this module; `rec.len() == n * REC_KV` and
         /// `act.len() >= n * ACT_KV`.
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-        pub(crate) unsafe fn kern_k<const T: usize, const Q6: bool>(
+        pub(crate) unsafe fn kern_k<const T: usize, const Q5: bool, const Q6: bool>(
             rec: &[u8],
             act: &[u8],
             acc: &mut Acc,
@@ -836,17 +899,14 @@ mod imp {
         ) {
             let n = rec.len() / REC_KV;
             assert!(act.len() >= n * ACT_KV && T <= 8 && T.is_multiple_of(2));
-            let mut a = [_mm512_setzero_ps(); T];
-            let mut m = [_mm512_setzero_ps(); 4];
+            let mut st = KState::default();
             if !init {
-                load_k(&mut a, &mut m, acc);
+                st.load(acc);
             }
-            let neg32 = _mm512_set1_ps(-32.0);
             for g in 0..n {
                 // SAFETY: record `g` is bytes g*REC_KV..(g+1)*REC_KV of `rec` and tile group `g` bytes
                 // g*ACT_KV..(g+1)*ACT_KV of `act` (checked above); every load below reads inside them at
-                // the offsets of the module docs' layouts; `dy` is 8 f32 and t < T <= 8; the features are
-                // this function's.
+                // the offsets of the module docs' layouts; t < T <= 8; the features are this function's.
                 unsafe {
                     let r = rec.as_ptr().add(g * REC_KV);
                     let x = act.as_ptr().add(g * ACT_KV);
@@ -854,33 +914,15 @@ mod imp {
                     let (s01, s23) = (ldp(r, 256), ldp(r, 320));
                     let mm = _mm512_broadcast_i64x4(_mm256_loadu_si256(r.add(384).cast()));
                     let (d, dm) = (f32p(r, 416), f32p(r, 420));
-                    let dv = _mm512_set1_ps(d);
-                    // d * yd of the 8 tokens (the dot kernel's scalar products), read back by the FMAs
-                    // as broadcast memory operands: one multiply per block, not per token.
-                    let mut dy = [0f32; 8];
-                    let yd8 = _mm256_loadu_ps(x.add(2304).cast());
-                    _mm256_storeu_ps(
-                        dy.as_mut_ptr(),
-                        _mm256_mul_ps(_mm512_castps512_ps256(dv), yd8),
-                    );
-                    for (t, at) in a.iter_mut().enumerate() {
-                        let sumi = lane_ints(&w, s01, s23, x, t);
-                        *at = fma_bcast(_mm512_cvtepi32_ps(sumi), dy.as_ptr().add(t), *at);
-                    }
-                    for (p, mp) in m.iter_mut().take(T / 2).enumerate() {
-                        let yd2 = _mm512_loadu_ps(x.add(2368 + 64 * p).cast());
-                        let f = if Q6 {
-                            _mm512_mul_ps(neg32, _mm512_mul_ps(dv, yd2))
-                        } else {
-                            _mm512_mul_ps(_mm512_set1_ps(dm), yd2)
-                        };
-                        let prod = _mm512_madd_epi16(ldp(x, 2048 + 64 * p), mm);
-                        *mp = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(prod), *mp);
+                    for p in 0..T / 2 {
+                        let s0 = lane_ints(&w, s01, s23, x, 2 * p);
+                        let s1 = lane_ints(&w, s01, s23, x, 2 * p + 1);
+                        k_pair_step::<Q5, Q6>(&mut st, p, s0, s1, x, mm, d, dm);
                     }
                 }
             }
             // SAFETY: features present.
-            unsafe { end_k::<T, Q6>(&a, &m, acc, fin) };
+            unsafe { st.end::<T, Q5, Q6>(acc, fin) };
         }
     }
 

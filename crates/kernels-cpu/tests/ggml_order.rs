@@ -1,0 +1,176 @@
+//! The K-format dot kernels below the AMX level compute ggml's AVX2 kernels' float operations
+//! exactly (`ggml_vec_dot_q{4,5,6}_K_q8_K` in `ggml-cpu/arch/x86/quants.c`, which llama.cpp's
+//! x86 builds run also on AVX-512 CPUs): 8 f32 lanes, lane `l` holding the exact integer sum of
+//! bytes `4l..4l+4` of every 32-element chunk, one FMA per super-block and lane, ggml's mins
+//! and offset terms and its final reductions. Checked bit for bit against a scalar emulation
+//! written from that code, at every SIMD level that has K-format kernels in this order
+//! (the AMX level uses the super-block order instead, see `quant::dot_sb`).
+
+use kapitsa_base::GgmlType;
+use kapitsa_kernels_cpu::{quantize_row, vec_dot_with, SimdLevel};
+
+mod common;
+use common::{f16_fields, Rng};
+
+fn f16_at(b: &[u8], o: usize) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([b[o], b[o + 1]])).to_f32()
+}
+
+/// Q8_K block: `d`, the 256 quants, the 16 bsums.
+fn q8k(y: &[u8]) -> (f32, Vec<i32>, Vec<i32>) {
+    let d = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
+    let q = y[4..260].iter().map(|&v| i32::from(v as i8)).collect();
+    let bs = (0..16)
+        .map(|g| i32::from(i16::from_le_bytes([y[260 + 2 * g], y[261 + 2 * g]])))
+        .collect();
+    (d, q, bs)
+}
+
+/// The 6-bit scales and mins of a Q4_K/Q5_K block (`get_scale_min_k4`).
+fn scales_mins(s: &[u8]) -> ([i32; 8], [i32; 8]) {
+    let (mut sc, mut mn) = ([0; 8], [0; 8]);
+    for j in 0..8 {
+        if j < 4 {
+            sc[j] = i32::from(s[j] & 63);
+            mn[j] = i32::from(s[j + 4] & 63);
+        } else {
+            sc[j] = i32::from((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
+            mn[j] = i32::from((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+        }
+    }
+    (sc, mn)
+}
+
+/// ggml's `hsum_float_8`.
+fn hsum8(a: &[f32; 8]) -> f32 {
+    let r: Vec<f32> = (0..4).map(|k| a[4 + k] + a[k]).collect();
+    (r[0] + r[2]) + (r[1] + r[3])
+}
+
+/// Lane `l` of 32-element chunk `c`: bytes `4l..4l+4`.
+fn lane_dot(q: &[i32], y: &[i32], c: usize, l: usize) -> i32 {
+    (4 * l..4 * l + 4)
+        .map(|b| q[32 * c + b] * y[32 * c + b])
+        .sum()
+}
+
+/// Emulation of ggml's AVX2 `ggml_vec_dot_q4_K_q8_K` (`q5`: `..._q5_K_...`).
+fn ggml_k45(w: &[u8], x: &[u8], q5: bool) -> f32 {
+    let ts = if q5 { 176 } else { 144 };
+    let (mut acc, mut acc_m, mut summs) = ([0f32; 8], [0f32; 4], 0f32);
+    for (b, y) in w.chunks_exact(ts).zip(x.chunks_exact(292)) {
+        let (yd, yq, bs) = q8k(y);
+        let (sc, mn) = scales_mins(&b[4..16]);
+        let qs = if q5 { &b[48..176] } else { &b[16..144] };
+        let mut q = vec![0i32; 256];
+        for c in 0..4 {
+            for l in 0..32 {
+                let (mut lo, mut hi) = (qs[32 * c + l] & 0xF, qs[32 * c + l] >> 4);
+                if q5 {
+                    lo |= ((b[16 + l] >> (2 * c)) & 1) << 4;
+                    hi |= ((b[16 + l] >> (2 * c + 1)) & 1) << 4;
+                }
+                q[64 * c + l] = i32::from(lo);
+                q[64 * c + 32 + l] = i32::from(hi);
+            }
+        }
+        let d = yd * f16_at(b, 0);
+        let dmin = -yd * f16_at(b, 2);
+        let q8s: Vec<i32> = (0..8).map(|j| bs[2 * j] + bs[2 * j + 1]).collect();
+        let prod: Vec<i32> = (0..4)
+            .map(|k| mn[2 * k] * q8s[2 * k] + mn[2 * k + 1] * q8s[2 * k + 1])
+            .collect();
+        if q5 {
+            summs = dmin.mul_add(prod.iter().sum::<i32>() as f32, summs);
+        } else {
+            for k in 0..4 {
+                acc_m[k] = dmin.mul_add(prod[k] as f32, acc_m[k]);
+            }
+        }
+        for (l, a) in acc.iter_mut().enumerate() {
+            let s: i32 = (0..8).map(|c| sc[c] * lane_dot(&q, &yq, c, l)).sum();
+            *a = d.mul_add(s as f32, *a);
+        }
+    }
+    if q5 {
+        hsum8(&acc) + summs
+    } else {
+        hsum8(&acc) + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3]))
+    }
+}
+
+/// Emulation of ggml's AVX2 `ggml_vec_dot_q6_K_q8_K`.
+fn ggml_q6k(w: &[u8], x: &[u8]) -> f32 {
+    let mut acc = [0f32; 8];
+    for (b, y) in w.chunks_exact(210).zip(x.chunks_exact(292)) {
+        let (yd, yq, bs) = q8k(y);
+        let sc: Vec<i32> = (0..16).map(|g| i32::from(b[192 + g] as i8)).collect();
+        let mut q = vec![0i32; 256];
+        for h in 0..2 {
+            let (ql, qh) = (&b[64 * h..64 * h + 64], &b[128 + 32 * h..160 + 32 * h]);
+            for l in 0..32 {
+                q[128 * h + l] = i32::from((ql[l] & 0xF) | ((qh[l] & 3) << 4));
+                q[128 * h + 32 + l] = i32::from((ql[32 + l] & 0xF) | (((qh[l] >> 2) & 3) << 4));
+                q[128 * h + 64 + l] = i32::from((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                q[128 * h + 96 + l] = i32::from((ql[32 + l] >> 4) | (((qh[l] >> 6) & 3) << 4));
+            }
+        }
+        let d = yd * f16_at(b, 208);
+        for (l, a) in acc.iter_mut().enumerate() {
+            // chunk c's bytes 0..16 use scale 2c, bytes 16..32 scale 2c + 1
+            let main: i32 = (0..8)
+                .map(|c| sc[2 * c + l / 4] * lane_dot(&q, &yq, c, l))
+                .sum();
+            let off = 32 * (bs[2 * l] * sc[2 * l] + bs[2 * l + 1] * sc[2 * l + 1]);
+            *a = d.mul_add((main - off) as f32, *a);
+        }
+    }
+    hsum8(&acc)
+}
+
+#[test]
+fn k_format_dots_compute_ggml_avx2_bits() {
+    let mut rng = Rng(0x5eed_600d);
+    let levels: Vec<SimdLevel> = [SimdLevel::Avx512, SimdLevel::Avx512Vnni]
+        .into_iter()
+        .filter(|l| l.is_available())
+        .collect();
+    if levels.is_empty() {
+        eprintln!("skipping: no AVX-512 on this CPU");
+        return;
+    }
+    let mut checked = 0;
+    for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+        for nb in [1usize, 2, 3, 6, 9] {
+            let n = 256 * nb;
+            for _ in 0..4 {
+                let ts = ty.type_size();
+                let mut w: Vec<u8> = (0..nb * ts).map(|_| rng.u64() as u8).collect();
+                for blk in w.chunks_exact_mut(ts) {
+                    for &o in f16_fields(ty) {
+                        let v = half::f16::from_f32(rng.normal() * 0.02);
+                        blk[o..o + 2].copy_from_slice(&v.to_bits().to_le_bytes());
+                    }
+                }
+                let scale = 0.1 + 4.0 * rng.f32();
+                let x: Vec<f32> = (0..n).map(|_| rng.normal() * scale).collect();
+                let mut xq = vec![0u8; nb * 292];
+                quantize_row(GgmlType::Q8_K, &x, &mut xq).unwrap();
+                let want = match ty {
+                    GgmlType::Q6_K => ggml_q6k(&w, &xq),
+                    _ => ggml_k45(&w, &xq, ty == GgmlType::Q5_K),
+                };
+                for &level in &levels {
+                    let got = vec_dot_with(level, ty, n, &w, &xq).unwrap();
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{ty:?} {nb} blocks at {level:?}: {got} vs ggml {want}"
+                    );
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked > 0);
+}
