@@ -194,9 +194,10 @@ impl CpuBackend {
     }
 
     /// A CPU backend that computes what llama.cpp's CPU backend computes, bit for bit, for
-    /// the model families we check (dense Qwen2.5 with K-format weights; see
-    /// `docs/design-notes.md`, "Bit-exact llama.cpp parity"): matrix multiplications in
-    /// ggml's order (kernels capped at AVX-512 VNNI), and attention's dot products summed the
+    /// the model families we check (dense Qwen2.5; see `docs/design-notes.md`, "Bit-exact
+    /// llama.cpp parity"): matrix multiplications in ggml's order (kernels capped at plain
+    /// AVX-512, whose 32-element formats sum in ggml's one chain per row; the VNNI kernels
+    /// keep a faster order for those), and attention's dot products summed the
     /// way llama.cpp sums them for the size of the call ([`attention::AttnOrder`]). The latter
     /// makes a sequence's results depend on how its tokens are chunked (one token or
     /// several), so this is a reference mode for parity checks, not the default.
@@ -204,7 +205,7 @@ impl CpuBackend {
     pub fn llama_cpp_compatible(
         pool: Box<dyn ThreadPool + Send>,
     ) -> std::result::Result<CpuBackend, KernelError> {
-        let level = SimdLevel::detect().min(SimdLevel::Avx512Vnni);
+        let level = SimdLevel::detect().min(SimdLevel::Avx512);
         if level < SimdLevel::Avx512 {
             return Err(KernelError::SimdUnavailable(SimdLevel::Avx512));
         }

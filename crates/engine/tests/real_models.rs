@@ -277,13 +277,12 @@ fn qwen2_5_coder_0_5b_matches_llama_cpp() {
     check_model(
         "qwen2.5-coder-0.5b",
         "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-        // Not yet bit-exact: this file's 896-wide matrices are Q5_0/Q8_0, whose kernels sum
-        // block pairs in two 16-lane accumulators where ggml keeps one 8-lane chain. Measured
-        // 7/12 prompts (the rest part at near ties); the floor guards that, #2 wants 10.
+        // Every op is bit-exact (Q4_K/Q6_K and, for the 896-wide matrices, Q5_0/Q8_0): all
+        // logits equal llama.cpp's, all greedy tokens too.
         Bar {
             level: None,
-            min_exact: 7,
-            max_logit_d: 1.0,
+            min_exact: 12,
+            max_logit_d: 0.0,
         },
     );
 }
@@ -293,8 +292,8 @@ fn qwen2_5_coder_1_5b_matches_llama_cpp() {
     check_model(
         "qwen2.5-coder-1.5b",
         "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-        // Every op is bit-exact (Q4_K/Q6_K only): all logits equal llama.cpp's, all greedy
-        // tokens too.
+        // Every op is bit-exact (Q4_K/Q6_K): all logits equal llama.cpp's, all greedy tokens
+        // too.
         Bar {
             level: None,
             min_exact: 12,

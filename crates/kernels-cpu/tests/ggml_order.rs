@@ -5,6 +5,11 @@
 //! and offset terms and its final reductions. Checked bit for bit against a scalar emulation
 //! written from that code, at every SIMD level that has K-format kernels in this order
 //! (the AMX level uses the super-block order instead, see `quant::dot_sb`).
+//!
+//! The 32-element formats (`ggml_vec_dot_q8_0_q8_0` and relatives): one 8-lane chain per row,
+//! `acc = fma(d_w * d_x, lanes, acc)` block after block, then `hsum_float_8`. The plain
+//! AVX-512 kernels compute exactly that (what `CpuBackend::llama_cpp_compatible` uses); the
+//! VNNI ones keep two accumulators of block pairs (faster, not checked here).
 
 use kapitsa_base::GgmlType;
 use kapitsa_kernels_cpu::{quantize_row, vec_dot_with, SimdLevel};
@@ -126,6 +131,77 @@ fn ggml_q6k(w: &[u8], x: &[u8]) -> f32 {
         }
     }
     hsum8(&acc)
+}
+
+/// The signed values of one block of a 32-element format.
+fn q0_values(ty: GgmlType, b: &[u8]) -> Vec<i32> {
+    match ty {
+        GgmlType::Q8_0 => b[2..34].iter().map(|&v| i32::from(v as i8)).collect(),
+        GgmlType::Q4_0 => {
+            let q = &b[2..18];
+            let lo = q.iter().map(|&v| i32::from(v & 0xF) - 8);
+            lo.chain(q.iter().map(|&v| i32::from(v >> 4) - 8)).collect()
+        }
+        GgmlType::Q5_0 => {
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            let q = &b[6..22];
+            (0..32)
+                .map(|j| {
+                    let nib = if j < 16 { q[j] & 0xF } else { q[j - 16] >> 4 };
+                    i32::from(nib | (((qh >> j) & 1) as u8) << 4) - 16
+                })
+                .collect()
+        }
+        _ => unreachable!(),
+    }
+}
+
+/// Emulation of ggml's AVX2 `ggml_vec_dot_q{8,4,5}_0_q8_0`.
+fn ggml_q0(ty: GgmlType, w: &[u8], x: &[u8]) -> f32 {
+    let mut acc = [0f32; 8];
+    for (b, y) in w.chunks_exact(ty.type_size()).zip(x.chunks_exact(34)) {
+        let q = q0_values(ty, b);
+        let yq: Vec<i32> = y[2..34].iter().map(|&v| i32::from(v as i8)).collect();
+        let d = f16_at(b, 0) * f16_at(y, 0);
+        for (l, a) in acc.iter_mut().enumerate() {
+            *a = d.mul_add(lane_dot(&q, &yq, 0, l) as f32, *a);
+        }
+    }
+    hsum8(&acc)
+}
+
+#[test]
+fn q0_format_dots_at_avx512_compute_ggml_avx2_bits() {
+    if !SimdLevel::Avx512.is_available() {
+        eprintln!("skipping: no AVX-512 on this CPU");
+        return;
+    }
+    let mut rng = Rng(0x0dd_b10c);
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q5_0] {
+        // 28 blocks: Qwen2.5-0.5B's 896-wide rows (3 groups of 8 and a tail of 4)
+        for nb in [1usize, 2, 3, 8, 9, 28, 33] {
+            let n = 32 * nb;
+            for _ in 0..4 {
+                let ts = ty.type_size();
+                let mut w: Vec<u8> = (0..nb * ts).map(|_| rng.u64() as u8).collect();
+                for blk in w.chunks_exact_mut(ts) {
+                    let v = half::f16::from_f32(rng.normal() * 0.02);
+                    blk[0..2].copy_from_slice(&v.to_bits().to_le_bytes());
+                }
+                let scale = 0.1 + 4.0 * rng.f32();
+                let x: Vec<f32> = (0..n).map(|_| rng.normal() * scale).collect();
+                let mut xq = vec![0u8; nb * 34];
+                quantize_row(GgmlType::Q8_0, &x, &mut xq).unwrap();
+                let want = ggml_q0(ty, &w, &xq);
+                let got = vec_dot_with(SimdLevel::Avx512, ty, n, &w, &xq).unwrap();
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "{ty:?} {nb} blocks: {got} vs ggml {want}"
+                );
+            }
+        }
+    }
 }
 
 #[test]

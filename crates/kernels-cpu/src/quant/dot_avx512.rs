@@ -159,6 +159,22 @@ mod imp {
         _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
     }
 
+    /// Two blocks of a 32-element format into ggml's 8-lane chain, first block first:
+    /// `acc = fma(d_lo, lanes_lo, acc)`, then `fma(d_hi, lanes_hi, acc)`, where `p` holds the
+    /// two blocks' exact lane sums (lanes 0..8 and 8..16, lane `l` the bytes `4l..4l+4`) and
+    /// `d` their scale products (`ggml_vec_dot_q8_0_q8_0` and relatives, AVX2 path).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+    pub(in crate::quant) fn chain2(d: __m512, p: __m512i, acc: __m256) -> __m256 {
+        let pf = _mm512_cvtepi32_ps(p);
+        let acc = _mm256_fmadd_ps(_mm512_castps512_ps256(d), _mm512_castps512_ps256(pf), acc);
+        _mm256_fmadd_ps(
+            _mm512_extractf32x8_ps::<1>(d),
+            _mm512_extractf32x8_ps::<1>(pf),
+            acc,
+        )
+    }
+
     /// Sum of 8 i32 lanes (exact).
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -233,11 +249,19 @@ mod imp {
     }
 
     macro_rules! avx512_kernels {
-        ($m:ident, $feat:literal, $bdot:path, $wacc:path) => {
+        ($m:ident, $feat:literal, $bdot:path, $wacc:path, $ggml_chain:literal) => {
             pub(super) mod $m {
                 use super::*;
                 use $bdot as bdot;
                 use $wacc as wacc;
+
+                /// The 32-element formats sum their blocks in ggml's order, one 8-lane chain
+                /// per row ([`chain2`]), instead of two 16-lane accumulators of block pairs.
+                /// The chain is serial (an FMA's latency per block), so the VNNI kernels,
+                /// which also feed the VNNI GEMM of the same order, keep the two
+                /// accumulators; the plain AVX-512 level is the one `CpuBackend::
+                /// llama_cpp_compatible` uses for these formats.
+                const GGML_CHAIN: bool = $ggml_chain;
 
                 #[inline]
                 #[target_feature(enable = $feat)]
@@ -306,6 +330,7 @@ mod imp {
                 ) -> [f32; T] {
                     let nb = xs.iter().fold(w.len() / ts, |m, x| m.min(x.len() / 34));
                     let mut acc = [[_mm512_setzero_ps(); 2]; T];
+                    let mut chain = [_mm256_setzero_ps(); T];
                     // lanes 0..8 <- scale 2j, lanes 8..16 <- scale 2j + 1
                     let idx: [__m512i; 4] = std::array::from_fn(|j| {
                         join(_mm256_set1_epi32(2 * j as i32), _mm256_set1_epi32(2 * j as i32 + 1))
@@ -321,7 +346,7 @@ mod imp {
                             let k = i + 2 * j;
                             *v = wprep::<U16>(join(decode(&w[k * ts..(k + 1) * ts]), decode(&w[(k + 1) * ts..(k + 2) * ts])));
                         }
-                        for (x, a) in xs.iter().zip(acc.iter_mut()) {
+                        for (t, (x, a)) in xs.iter().zip(acc.iter_mut()).enumerate() {
                             let d = _mm512_castps256_ps512(_mm256_mul_ps(dw, f16x8(&x[i * 34..(i + 8) * 34], 34, 0)));
                             for (j, ix) in idx.iter().enumerate() {
                                 let k = i + 2 * j;
@@ -329,7 +354,11 @@ mod imp {
                                 let xv = unsafe { join(ld256(x, k * 34 + 2), ld256(x, k * 34 + 36)) };
                                 let p = wdot::<U16>(wv[j].0, wv[j].1, xv);
                                 let dk = _mm512_permutexvar_ps(*ix, d);
-                                a[j & 1] = _mm512_fmadd_ps(dk, _mm512_cvtepi32_ps(p), a[j & 1]);
+                                if GGML_CHAIN {
+                                    chain[t] = chain2(dk, p, chain[t]);
+                                } else {
+                                    a[j & 1] = _mm512_fmadd_ps(dk, _mm512_cvtepi32_ps(p), a[j & 1]);
+                                }
                             }
                         }
                         i += 8;
@@ -352,7 +381,7 @@ mod imp {
                         // (U16: the padding half's lanes meet x = 0 and are 0 either way)
                         let (aw, neg) = wprep::<U16>(join(decode(b0), w1));
                         let s0 = scale(b0);
-                        for (x, a) in xs.iter().zip(acc.iter_mut()) {
+                        for (t, (x, a)) in xs.iter().zip(acc.iter_mut()).enumerate() {
                             // SAFETY: qs is bytes 2..34 of the Q8_0 blocks i (and i + 1 if
                             // `two`), both < nb.
                             let (x0, x1) = unsafe {
@@ -361,12 +390,22 @@ mod imp {
                             let d1 = if two { s1 * f16c(x, i * 34 + 34) } else { 0.0 };
                             let dk = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(s0 * f16c(x, i * 34))), _mm256_set1_ps(d1), 1);
                             let p = wdot::<U16>(aw, neg, join(x0, x1));
-                            a[pair & 1] = _mm512_fmadd_ps(dk, _mm512_cvtepi32_ps(p), a[pair & 1]);
+                            if GGML_CHAIN {
+                                chain[t] = chain2(dk, p, chain[t]);
+                            } else {
+                                a[pair & 1] = _mm512_fmadd_ps(dk, _mm512_cvtepi32_ps(p), a[pair & 1]);
+                            }
                         }
                         i += 2;
                         pair += 1;
                     }
-                    std::array::from_fn(|t| _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1])))
+                    std::array::from_fn(|t| {
+                        if GGML_CHAIN {
+                            crate::quant::dot_avx2::hsum_ps(chain[t])
+                        } else {
+                            _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]))
+                        }
+                    })
                 }
 
                 #[inline]
@@ -822,13 +861,15 @@ mod imp {
         vn,
         "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c",
         super::bdot_vnni,
-        super::wacc_vnni
+        super::wacc_vnni,
+        false
     );
     avx512_kernels!(
         bw,
         "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c",
         super::bdot_bw,
-        super::wacc_bw
+        super::wacc_bw,
+        true
     );
 
     /// # Safety
