@@ -155,6 +155,19 @@ pub trait Backend: Send + Sync {
     );
 }
 
+/// `KAPITSA_NUMERICS`: whether it asks for llama.cpp-compatible numerics.
+fn numerics_setting(v: Option<&str>) -> std::result::Result<bool, KernelError> {
+    match v {
+        None | Some("") | Some("default") => Ok(false),
+        Some("llama.cpp") => Ok(true),
+        Some(other) => Err(KernelError::BadSetting {
+            name: "KAPITSA_NUMERICS",
+            value: other.to_string(),
+            expected: "'default' or 'llama.cpp'",
+        }),
+    }
+}
+
 /// The CPU backend: kernels from `kapitsa-kernels-cpu` on a thread pool.
 pub struct CpuBackend {
     pool: Box<dyn ThreadPool + Send>,
@@ -191,6 +204,20 @@ impl CpuBackend {
             level,
             llama_compat: false,
         })
+    }
+
+    /// The CPU backend the CLI and the server run: [`CpuBackend::new`], or
+    /// [`CpuBackend::llama_cpp_compatible`] when the environment variable `KAPITSA_NUMERICS`
+    /// is `llama.cpp` (`default` or unset: the fast kernels). Errors on another value, or on
+    /// `llama.cpp` without AVX-512.
+    pub fn from_env(
+        pool: Box<dyn ThreadPool + Send>,
+    ) -> std::result::Result<CpuBackend, KernelError> {
+        if numerics_setting(std::env::var("KAPITSA_NUMERICS").ok().as_deref())? {
+            CpuBackend::llama_cpp_compatible(pool)
+        } else {
+            Ok(CpuBackend::new(pool))
+        }
     }
 
     /// A CPU backend that computes what llama.cpp's CPU backend computes, bit for bit, for
@@ -384,5 +411,23 @@ impl Backend for CpuBackend {
         keep: Option<&mut [f32]>,
     ) {
         mamba2::mamba2(&*self.pool, shape, x, dt, a, b, c, d, state, y, keep)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numerics_setting_values() {
+        assert!(!numerics_setting(None).unwrap());
+        assert!(!numerics_setting(Some("")).unwrap());
+        assert!(!numerics_setting(Some("default")).unwrap());
+        assert!(numerics_setting(Some("llama.cpp")).unwrap());
+        let e = numerics_setting(Some("ggml")).unwrap_err().to_string();
+        assert!(
+            e.contains("KAPITSA_NUMERICS") && e.contains("'ggml'"),
+            "{e}"
+        );
     }
 }

@@ -171,7 +171,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
 
     let pool = cpu_pool(a.threads).context("starting the thread pool")?;
     let n_threads = pool.n_threads();
-    let be: Arc<dyn Backend> = Arc::new(CpuBackend::new(pool));
+    let be: Arc<dyn Backend> = Arc::new(CpuBackend::from_env(pool)?);
     let bar = ProgressBar::new(0);
     bar.set_style(
         ProgressStyle::with_template("loading {msg} [{bar:30}] {bytes}/{total_bytes} ({eta})")

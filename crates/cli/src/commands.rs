@@ -182,7 +182,7 @@ fn kv_type(s: &str) -> Result<KvType> {
 
 fn backend(threads: usize) -> Result<Arc<dyn Backend>> {
     let pool = cpu_pool(threads).context("starting the thread pool")?;
-    Ok(Arc::new(CpuBackend::new(pool)))
+    Ok(Arc::new(CpuBackend::from_env(pool)?))
 }
 
 /// The progress bar shown while the weights of `model` are read.

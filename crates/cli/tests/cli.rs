@@ -1198,6 +1198,75 @@ fn real_model() -> Option<PathBuf> {
     Some(p)
 }
 
+/// `KAPITSA_NUMERICS=llama.cpp` gives llama.cpp's logits bit for bit on the real 0.5B (the
+/// last prompt row of a fixture prompt, `tests/fixtures/real`), and a value we do not know is
+/// one clear error.
+#[test]
+fn numerics_llama_cpp_reproduces_llama_cpp_logits() {
+    let (d, m) = tiny_default();
+    let out = d.path().join("x.f32");
+    let o = kapitsa_env(
+        &[
+            "logits",
+            "--model",
+            s(&m),
+            "--tokens",
+            "1,2",
+            "--out",
+            s(&out),
+        ],
+        None,
+        &[("KAPITSA_NUMERICS", "fast")],
+    );
+    assert_error(&o, &["KAPITSA_NUMERICS", "'fast'"]);
+
+    let Some(real) = real_model() else { return };
+    if !std::arch::is_x86_feature_detected!("avx512f") {
+        println!("note: no AVX-512; llama.cpp-compatible numerics need it");
+        return;
+    }
+    let fx_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/real");
+    let fx: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fx_dir.join("qwen2.5-coder-0.5b.json")).unwrap(),
+    )
+    .unwrap();
+    let p = &fx["prompts"][0];
+    let ids: Vec<String> = p["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
+    let want = f32s(&std::fs::read(fx_dir.join(p["last_logits"].as_str().unwrap())).unwrap());
+    let args = [
+        "logits",
+        "--model",
+        s(&real),
+        "--tokens",
+        &ids.join(","),
+        "--kv-type",
+        "f32",
+        "--out",
+        s(&out),
+    ];
+    for (numerics, exact) in [("llama.cpp", true), ("default", false)] {
+        assert_ok(kapitsa_env(&args, None, &[("KAPITSA_NUMERICS", numerics)]));
+        let got = f32s(&std::fs::read(&out).unwrap());
+        let last = &got[got.len() - want.len()..];
+        let n_diff = last
+            .iter()
+            .zip(&want)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        println!(
+            "KAPITSA_NUMERICS={numerics}: {n_diff} of {} logits differ",
+            want.len()
+        );
+        // The default kernels sum in other (equally exact) orders, so some logits differ.
+        assert_eq!(n_diff == 0, exact, "KAPITSA_NUMERICS={numerics}");
+    }
+}
+
 #[test]
 fn real_weights_truncated_copy_and_inspect() {
     let Some(real) = real_model() else { return };

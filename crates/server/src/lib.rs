@@ -156,7 +156,8 @@ pub fn load(
     progress: Option<&dyn Fn(u64, u64)>,
 ) -> anyhow::Result<(LoadedModel, ServedModel)> {
     let pool = kapitsa_base::pool::cpu_pool(threads).context("starting the thread pool")?;
-    let be: Arc<dyn kapitsa_backend::Backend> = Arc::new(kapitsa_backend::CpuBackend::new(pool));
+    let be: Arc<dyn kapitsa_backend::Backend> =
+        Arc::new(kapitsa_backend::CpuBackend::from_env(pool)?);
     let loaded = kapitsa_models::load_model(path, be, &LoadOptions { progress })
         .with_context(|| format!("loading {}", path.display()))?;
     let tok = kapitsa_engine::loader::tokenizer_for(&loaded.source)

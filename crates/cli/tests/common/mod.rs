@@ -457,8 +457,20 @@ const TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Run `kapitsa args...`, feeding `stdin` (or /dev/null), with a timeout.
 pub fn kapitsa_stdin<S: AsRef<std::ffi::OsStr>>(args: &[S], stdin: Option<&str>) -> Out {
+    kapitsa_env(args, stdin, &[])
+}
+
+/// [`kapitsa_stdin`] with extra environment variables.
+pub fn kapitsa_env<S: AsRef<std::ffi::OsStr>>(
+    args: &[S],
+    stdin: Option<&str>,
+    env: &[(&str, &str)],
+) -> Out {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kapitsa"));
     cmd.args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
     let cmdline = std::iter::once("kapitsa".to_string())
         .chain(
             args.iter()

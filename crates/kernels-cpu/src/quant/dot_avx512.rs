@@ -255,12 +255,13 @@ mod imp {
                 use $bdot as bdot;
                 use $wacc as wacc;
 
-                /// The 32-element formats sum their blocks in ggml's order, one 8-lane chain
-                /// per row ([`chain2`]), instead of two 16-lane accumulators of block pairs.
-                /// The chain is serial (an FMA's latency per block), so the VNNI kernels,
-                /// which also feed the VNNI GEMM of the same order, keep the two
-                /// accumulators; the plain AVX-512 level is the one `CpuBackend::
-                /// llama_cpp_compatible` uses for these formats.
+                /// The kernels sum in ggml's order (`ggml_vec_dot_*` of its AVX2 build): the
+                /// K formats in 8 lanes with ggml's mins/offset steps, the 32-element formats
+                /// in one 8-lane chain per row ([`chain2`]). Otherwise (the VNNI kernels, and
+                /// the VNNI GEMM that reproduces them) the K formats keep 16 lanes and the
+                /// 32-element formats two 16-lane accumulators of block pairs: fewer
+                /// operations per block, and no serial chain (measured 10-28% faster). The
+                /// plain AVX-512 level is the one `CpuBackend::llama_cpp_compatible` uses.
                 const GGML_CHAIN: bool = $ggml_chain;
 
                 #[inline]
@@ -569,9 +570,13 @@ mod imp {
                     // Q4_K: nibbles at 16..144; Q5_K: qh at 16..48, nibbles at 48..176.
                     let ts = if Q5 { 176 } else { 144 };
                     let nb = xs.iter().fold(w.len() / ts, |m, x| m.min(x.len() / 292));
+                    // GGML_CHAIN: ggml's AVX2 order (8 lanes); otherwise 16 lanes and an
+                    // 8-lane mins accumulator (fewer operations per block).
                     let mut acc = [_mm256_setzero_ps(); T];
                     let mut acc_m = [_mm_setzero_ps(); T];
                     let mut summs = [0f32; T];
+                    let mut acc16 = [_mm512_setzero_ps(); T];
+                    let mut acc_m8 = [_mm256_setzero_ps(); T];
                     let mut sb = [0f32; T];
                     let mut sbb = [SbBatch::default(); T];
                     let mut sbn = 0;
@@ -590,6 +595,11 @@ mod imp {
                             if SB {
                                 sbb[t].u[sbn] = sb_pack(sumi, prod_m);
                                 sbb[t].f[sbn] = (d * yd, dmin * yd);
+                                continue;
+                            }
+                            if !GGML_CHAIN {
+                                acc16[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * yd), _mm512_cvtepi32_ps(sumi), acc16[t]);
+                                acc_m8[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * yd), _mm256_cvtepi32_ps(prod_m), acc_m8[t]);
                                 continue;
                             }
                             // ggml's AVX2 order: 8 lanes (lane l = our lanes l and l + 8).
@@ -617,6 +627,9 @@ mod imp {
                         return sb;
                     }
                     std::array::from_fn(|t| {
+                        if !GGML_CHAIN {
+                            return _mm512_reduce_add_ps(acc16[t]) - crate::quant::dot_avx2::hsum_ps(acc_m8[t]);
+                        }
                         let main = crate::quant::dot_avx2::hsum_ps(acc[t]);
                         if Q5 { main + summs[t] } else { main + hsum4(acc_m[t]) }
                     })
@@ -707,6 +720,8 @@ mod imp {
                     let nb = xs.iter().fold(w.len() / 210, |m, x| m.min(x.len() / 292));
                     let sidx = q6k_sidx();
                     let mut acc = [_mm256_setzero_ps(); T];
+                    let mut acc16 = [_mm512_setzero_ps(); T];
+                    let mut acc_o = [_mm256_setzero_ps(); T];
                     let mut sb = [0f32; T];
                     let mut sbb = [SbBatch::default(); T];
                     let mut sbn = 0;
@@ -724,6 +739,11 @@ mod imp {
                             if SB {
                                 sbb[t].u[sbn] = sb_pack(sumi, offs);
                                 sbb[t].f[sbn] = (dd, 0.0);
+                                continue;
+                            }
+                            if !GGML_CHAIN {
+                                acc16[t] = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(sumi), acc16[t]);
+                                acc_o[t] = _mm256_fmadd_ps(_mm256_set1_ps(-32.0 * dd), _mm256_cvtepi32_ps(offs), acc_o[t]);
                                 continue;
                             }
                             // ggml's AVX2 order: 8 integer lanes (the offset term in
@@ -744,7 +764,13 @@ mod imp {
                     if SB {
                         return sb;
                     }
-                    std::array::from_fn(|t| crate::quant::dot_avx2::hsum_ps(acc[t]))
+                    std::array::from_fn(|t| {
+                        if GGML_CHAIN {
+                            crate::quant::dot_avx2::hsum_ps(acc[t])
+                        } else {
+                            _mm512_reduce_add_ps(acc16[t]) + crate::quant::dot_avx2::hsum_ps(acc_o[t])
+                        }
+                    })
                 }
 
                 /// # Safety

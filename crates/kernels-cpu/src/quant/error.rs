@@ -57,4 +57,14 @@ pub enum KernelError {
     /// A SIMD level was requested explicitly that the running CPU does not support.
     #[error("SIMD level {0:?} is not available on this CPU")]
     SimdUnavailable(super::SimdLevel),
+    /// A setting (environment variable) has a value we do not know.
+    #[error("{name} must be {expected}, not '{value}'")]
+    BadSetting {
+        /// The setting's name.
+        name: &'static str,
+        /// The value given.
+        value: String,
+        /// The values accepted.
+        expected: &'static str,
+    },
 }

@@ -566,6 +566,29 @@ mod imp {
         r
     }
 
+    /// `fma(v, splat(*s), acc)` with the splat as an embedded-broadcast memory operand of the
+    /// FMA (LLVM would instead multiply scalars and broadcast through port 5). The same fused
+    /// operation as `_mm512_fmadd_ps(_mm512_set1_ps(*s), v, acc)`, bit for bit.
+    ///
+    /// # Safety
+    /// `s` points to a readable f32; AVX-512F.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    unsafe fn fma_bcast(v: __m512, s: *const f32, acc: __m512) -> __m512 {
+        let mut a = acc;
+        // SAFETY: reads 4 bytes at `s` (caller's contract); no stack or flags use.
+        unsafe {
+            std::arch::asm!(
+                "vfmadd231ps {a}, {v}, dword ptr [{s}]{{1to16}}",
+                a = inout(zmm_reg) a,
+                v = in(zmm_reg) v,
+                s = in(reg) s,
+                options(pure, readonly, nostack, preserves_flags)
+            );
+        }
+        a
+    }
+
     /// acc + pairwise i16 products as 16 x i32 (`vpmaddwd` + `vpaddd`).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
@@ -578,6 +601,52 @@ mod imp {
         "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c",
         super::wacc_bw
     );
+
+    /// End of a VNNI K-format kernel call: store the accumulators (`fin` is `None`) or reduce
+    /// them in registers, `out[t] = reduce(a[t]) -/+ hsum(m[t])`, the VNNI dot kernels' final
+    /// step (Q4_K/Q5_K subtract the mins term, Q6_K adds the offset term; token `t`'s `m` is
+    /// half `t % 2` of `m[t / 2]`).
+    ///
+    /// # Safety
+    /// Requires AVX-512F/BW/VL/DQ, AVX2, FMA, F16C.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    pub(super) unsafe fn end_k<const T: usize, const Q6: bool>(
+        a: &[__m512; T],
+        m: &[__m512; 4],
+        acc: &mut Acc,
+        fin: Option<Fin<'_>>,
+    ) {
+        match fin {
+            Some(f) => {
+                for (t, o) in f.out.iter_mut().take(T).enumerate() {
+                    let mt = if t % 2 == 0 {
+                        _mm512_castps512_ps256(m[t / 2])
+                    } else {
+                        _mm512_extractf32x8_ps::<1>(m[t / 2])
+                    };
+                    let main = _mm512_reduce_add_ps(a[t]);
+                    *o = if Q6 {
+                        main + hsum_ps(mt)
+                    } else {
+                        main - hsum_ps(mt)
+                    };
+                }
+            }
+            None => {
+                acc.0[..T].copy_from_slice(a);
+                acc.0[8..8 + T / 2].copy_from_slice(&m[..T / 2]);
+            }
+        }
+    }
+
+    /// Start of a K-format kernel call that continues a row: the accumulators as
+    /// [`end_k`] stored them.
+    #[inline(always)]
+    pub(super) fn load_k<const T: usize>(a: &mut [__m512; T], m: &mut [__m512; 4], acc: &Acc) {
+        a.copy_from_slice(&acc.0[..T]);
+        m[..T / 2].copy_from_slice(&acc.0[8..8 + T / 2]);
+    }
 
     /// The running f32 state of one row's K-format chains in a GEMM tile, in ggml's AVX2 order
     /// (`ggml_vec_dot_q{4,5,6}_K_q8_K`): token pair `p`'s 8-lane main accumulators in `a[p]`
@@ -883,8 +952,8 @@ mod imp {
         }
 
         /// K formats, VNNI: `acc += rec x act` for `T` tokens (even, <= 8); per token and
-        /// super-block the same lane integers and f32 steps as the dot kernel, in ggml's
-        /// AVX2 order ([`k_pair_step`]).
+        /// super-block the same lane integers and f32 steps as the VNNI dot kernel (16 lanes,
+        /// not ggml's order; `Q5` is unused: Q4_K and Q5_K share the f32 steps here).
         ///
         /// # Safety
         /// Requires the features of this module; `rec.len() == n * REC_KV` and
@@ -899,14 +968,17 @@ mod imp {
         ) {
             let n = rec.len() / REC_KV;
             assert!(act.len() >= n * ACT_KV && T <= 8 && T.is_multiple_of(2));
-            let mut st = KState::default();
+            let mut a = [_mm512_setzero_ps(); T];
+            let mut m = [_mm512_setzero_ps(); 4];
             if !init {
-                st.load(acc);
+                load_k(&mut a, &mut m, acc);
             }
+            let neg32 = _mm512_set1_ps(-32.0);
             for g in 0..n {
                 // SAFETY: record `g` is bytes g*REC_KV..(g+1)*REC_KV of `rec` and tile group `g` bytes
                 // g*ACT_KV..(g+1)*ACT_KV of `act` (checked above); every load below reads inside them at
-                // the offsets of the module docs' layouts; t < T <= 8; the features are this function's.
+                // the offsets of the module docs' layouts; `dy` is 8 f32 and t < T <= 8; the features are
+                // this function's.
                 unsafe {
                     let r = rec.as_ptr().add(g * REC_KV);
                     let x = act.as_ptr().add(g * ACT_KV);
@@ -914,15 +986,33 @@ mod imp {
                     let (s01, s23) = (ldp(r, 256), ldp(r, 320));
                     let mm = _mm512_broadcast_i64x4(_mm256_loadu_si256(r.add(384).cast()));
                     let (d, dm) = (f32p(r, 416), f32p(r, 420));
-                    for p in 0..T / 2 {
-                        let s0 = lane_ints(&w, s01, s23, x, 2 * p);
-                        let s1 = lane_ints(&w, s01, s23, x, 2 * p + 1);
-                        k_pair_step::<Q5, Q6>(&mut st, p, s0, s1, x, mm, d, dm);
+                    let dv = _mm512_set1_ps(d);
+                    // d * yd of the 8 tokens (the dot kernel's scalar products), read back by the FMAs
+                    // as broadcast memory operands: one multiply per block, not per token.
+                    let mut dy = [0f32; 8];
+                    let yd8 = _mm256_loadu_ps(x.add(2304).cast());
+                    _mm256_storeu_ps(
+                        dy.as_mut_ptr(),
+                        _mm256_mul_ps(_mm512_castps512_ps256(dv), yd8),
+                    );
+                    for (t, at) in a.iter_mut().enumerate() {
+                        let sumi = lane_ints(&w, s01, s23, x, t);
+                        *at = fma_bcast(_mm512_cvtepi32_ps(sumi), dy.as_ptr().add(t), *at);
+                    }
+                    for (p, mp) in m.iter_mut().take(T / 2).enumerate() {
+                        let yd2 = _mm512_loadu_ps(x.add(2368 + 64 * p).cast());
+                        let f = if Q6 {
+                            _mm512_mul_ps(neg32, _mm512_mul_ps(dv, yd2))
+                        } else {
+                            _mm512_mul_ps(_mm512_set1_ps(dm), yd2)
+                        };
+                        let prod = _mm512_madd_epi16(ldp(x, 2048 + 64 * p), mm);
+                        *mp = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(prod), *mp);
                     }
                 }
             }
             // SAFETY: features present.
-            unsafe { st.end::<T, Q5, Q6>(acc, fin) };
+            unsafe { end_k::<T, Q6>(&a, &m, acc, fin) };
         }
     }
 
