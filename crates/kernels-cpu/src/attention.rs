@@ -869,6 +869,31 @@ mod tests {
             .collect()
     }
 
+    /// A test case: the shape, random K, V (`[n_ctx, n_head_kv, head_dim]`) and Q
+    /// (`[n_tok, n_head, head_dim]`) from seeds `seed..seed + 3`, and the positions of the
+    /// last `n_tok` of `n_ctx` tokens.
+    #[allow(clippy::type_complexity)]
+    fn case(
+        n_head: usize,
+        n_head_kv: usize,
+        head_dim: usize,
+        n_ctx: usize,
+        n_tok: usize,
+        seed: u64,
+    ) -> (AttnShape, Vec<f32>, Vec<f32>, Vec<f32>, Vec<u32>) {
+        let shape = AttnShape {
+            n_head,
+            n_head_kv,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        };
+        let k = rnd(n_ctx * n_head_kv * head_dim, seed);
+        let v = rnd(n_ctx * n_head_kv * head_dim, seed + 1);
+        let q = rnd(n_tok * n_head * head_dim, seed + 2);
+        let pos: Vec<u32> = ((n_ctx - n_tok) as u32..n_ctx as u32).collect();
+        (shape, k, v, q, pos)
+    }
+
     #[test]
     fn matches_reference_gqa_prefill_and_decode() {
         let pool = RayonPool::new(2).unwrap();
@@ -878,16 +903,7 @@ mod tests {
             (3, 3, 8, 17, 5),
             (8, 2, 64, 70, 3),
         ] {
-            let shape = AttnShape {
-                n_head,
-                n_head_kv,
-                head_dim,
-                scale: 1.0 / (head_dim as f32).sqrt(),
-            };
-            let k = rnd(n_ctx * n_head_kv * head_dim, 1);
-            let v = rnd(n_ctx * n_head_kv * head_dim, 2);
-            let q = rnd(n_tok * n_head * head_dim, 3);
-            let pos: Vec<u32> = ((n_ctx - n_tok) as u32..n_ctx as u32).collect();
+            let (shape, k, v, q, pos) = case(n_head, n_head_kv, head_dim, n_ctx, n_tok, 1);
             let mut want = vec![0f32; q.len()];
             attention_reference(shape, &q, &pos, &k, &v, &mut want);
             let mut got = vec![0f32; q.len()];
@@ -1027,16 +1043,7 @@ mod tests {
             (2, 2, 80, 19, 5, SumOrder::OneChain),
             (3, 1, 64, 200, 1, SumOrder::Ggml4Acc),
         ] {
-            let shape = AttnShape {
-                n_head,
-                n_head_kv,
-                head_dim,
-                scale: 1.0 / (head_dim as f32).sqrt(),
-            };
-            let k = rnd(n_ctx * n_head_kv * head_dim, 11);
-            let v = rnd(n_ctx * n_head_kv * head_dim, 12);
-            let q = rnd(n_tok * n_head * head_dim, 13);
-            let pos: Vec<u32> = ((n_ctx - n_tok) as u32..n_ctx as u32).collect();
+            let (shape, k, v, q, pos) = case(n_head, n_head_kv, head_dim, n_ctx, n_tok, 11);
             let order = AttnOrder {
                 scores: SumOrder::Ggml4Acc,
                 pv,
