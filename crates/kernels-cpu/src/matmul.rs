@@ -308,6 +308,13 @@ fn matmul_impl(
         });
     }
 
+    // Decode of a format with a row-group GEMV: its activation layout, then row chunks.
+    // (The row-group kernels address 8 rows with i32 offsets: rows of up to 128 MiB.)
+    let gemv = n_tok == 1 && kernel.has_gemv() && rb <= i32::MAX as usize / 16;
+    if gemv {
+        kernel.prepare_gemv(&mut xq);
+    }
+
     // 2. Tiles of (row chunk) x (token block).
     let n_tb = n_tok.div_ceil(TOK_BLOCK);
     let target_tasks = pool.n_threads() * 4;
@@ -321,6 +328,14 @@ fn matmul_impl(
         let rows = rc * chunk..((rc + 1) * chunk).min(n_out);
         let toks = tb * TOK_BLOCK..((tb + 1) * TOK_BLOCK).min(n_tok);
         let xrow = |t: usize| &xq[t * xrb..(t + 1) * xrb];
+        if gemv {
+            // SAFETY: outputs rows.start..rows.end of the single token belong to this tile
+            // only; rows.end <= n_out = y.len(), and `y` outlives `run`.
+            let out =
+                unsafe { std::slice::from_raw_parts_mut(yp.ptr().add(rows.start), rows.len()) };
+            kernel.gemv(&w.data[rows.start * rb..rows.end * rb], rb, xrow(0), out);
+            return;
+        }
         for r in rows {
             let wr = &w.data[r * rb..(r + 1) * rb];
             let mut t = toks.start;

@@ -1271,7 +1271,7 @@ mod imp {
             let pair = |g: usize, j: usize| {
                 let gw = &w[g * 8 * ts..((g + 1) * 8 * ts).min(w.len())];
                 if j == 0 {
-                    prefetch_ahead(gw.as_ptr(), (8 * ts).div_ceil(64));
+                    prefetch_ahead(gw.as_ptr(), 8 * ts);
                     dw = if gw.len() == 8 * ts {
                         _mm512_castps256_ps512(scales8(gw))
                     } else {

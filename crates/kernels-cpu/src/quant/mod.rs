@@ -45,6 +45,7 @@ pub(crate) mod dot_sb;
 mod dot_scalar;
 mod error;
 pub(crate) mod gemm_avx512;
+mod gemv_sb;
 
 pub use error::KernelError;
 use kapitsa_base::{CpuFeatures, GgmlType};
@@ -228,6 +229,7 @@ pub struct DotKernel {
     level: SimdLevel,
     f: DotFn,
     f4: Option<Dot4Fn>,
+    gemv: Option<gemv_sb::GemvFn>,
 }
 
 impl std::fmt::Debug for DotKernel {
@@ -274,12 +276,17 @@ impl DotKernel {
                 None,
             ),
         };
+        // The row-group GEMV exists for the super-block order only.
+        let gemv = (level == SimdLevel::Amx)
+            .then(|| gemv_sb::kernel(ty))
+            .flatten();
         Ok(DotKernel {
             ty,
             dot_ty,
             level,
             f,
             f4,
+            gemv,
         })
     }
 
@@ -326,6 +333,38 @@ impl DotKernel {
             // kernels bound their reads by the slice lengths.
             Some(f4) => unsafe { f4(w, xs) },
             None => xs.map(|x| self.dot(w, x)),
+        }
+    }
+}
+
+impl DotKernel {
+    /// Whether [`DotKernel::gemv`] has a row-group kernel (else it loops over [`DotKernel::dot`]).
+    pub(crate) fn has_gemv(&self) -> bool {
+        self.gemv.is_some()
+    }
+
+    /// Rearranges a quantised activation row (`x`, [`DotKernel::dot_type`] format) for
+    /// [`DotKernel::gemv`]; a no-op unless [`DotKernel::has_gemv`].
+    pub(crate) fn prepare_gemv(&self, x: &mut [u8]) {
+        if self.gemv.is_some() {
+            gemv_sb::prepare(self.ty, x);
+        }
+    }
+
+    /// `out[r] = dot(w[r * rb..(r + 1) * rb], x)` for every `r < out.len()`, bit-identical to
+    /// [`DotKernel::dot`] on the unprepared row. `x` must have gone through
+    /// [`DotKernel::prepare_gemv`]. `w` holds at least `out.len()` rows of `rb` bytes.
+    pub(crate) fn gemv(&self, w: &[u8], rb: usize, x: &[u8], out: &mut [f32]) {
+        match self.gemv {
+            // SAFETY: `gemv` is only set at `SimdLevel::Amx`, which `with_level` checked is
+            // available (it implies the AVX-512 VNNI features the kernel needs); the kernel
+            // bounds its reads by the slice lengths.
+            Some(g) => unsafe { g(w, rb, x, out) },
+            None => {
+                for (r, o) in out.iter_mut().enumerate() {
+                    *o = self.dot(&w[r * rb..(r + 1) * rb], x);
+                }
+            }
         }
     }
 }

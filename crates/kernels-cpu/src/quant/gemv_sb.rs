@@ -1,0 +1,443 @@
+//! Decode GEMV for the K formats (Q4_K, Q5_K, Q6_K) in the super-block order of `dot_sb`:
+//! the single-token path at [`SimdLevel::Amx`](super::SimdLevel::Amx).
+//!
+//! Every output is bit-identical to the per-row dot kernel of that order (`dot_sb`: per
+//! super-block `s` the exact integers `T_s`, `M_s`, then one f32 chain per row,
+//! `acc = fma(d·yd, T_s, acc)`, `acc = fma(-(dmin·yd), M_s, acc)`; Q6_K:
+//! `acc = fma(d·yd, T_s - 32·M_s, acc)`). What differs is how the work is laid out:
+//!
+//! * **Eight rows at a time.** The per-row kernel ends every row with a serial scalar chain
+//!   (two dependent FMAs per super-block) and a horizontal reduction. Here the integers of 8
+//!   rows are reduced together by one transposing add tree per super-block, and the 8 rows'
+//!   chains run in the 8 lanes of one vector (the same FMAs, lane by lane). Rows are still
+//!   read in memory order, one after the other.
+//! * **Activations prepared once per call** ([`prepare`]): for Q4_K/Q5_K the Q8_K quants of
+//!   each 128-element half are stored in 32-element chunk order 0, 2, 1, 3, so that one
+//!   64-byte load of weight nibbles meets its activations without the per-chunk lane joins.
+//!   The block scale and the 16 `bsums` stay in place. Q6_K uses the plain Q8_K layout.
+//! * **Scales decoded with byte shuffles** (Q4_K/Q5_K's 12-byte 6-bit scale field in a few
+//!   vector operations instead of scalar bit twiddling), and the high bits of Q5_K/Q6_K
+//!   placed with per-lane variable shifts of the broadcast `qh` bytes.
+//!
+//! Layouts: `w` is `n` consecutive weight rows of `rb` bytes (whole blocks), `x` one prepared
+//! Q8_K row of the same width (292 bytes per 256 elements), `out` the `n` results.
+
+use kapitsa_base::GgmlType;
+
+/// A row-range GEMV: `out[r] = dot(w[r * rb..(r + 1) * rb], x)` for `r < out.len()`, with `x`
+/// prepared by [`prepare`]. Reads only inside `w` and `x`; rows past the end of `w`, blocks
+/// past the end of `x` and rows of 256 MiB or more (beyond the i32 gather offsets) are not
+/// computed and give 0 (callers never pass such rows).
+pub(crate) type GemvFn = unsafe fn(w: &[u8], rb: usize, x: &[u8], out: &mut [f32]);
+
+/// The super-block-order GEMV for `ty`, if it has one (Q4_K, Q5_K, Q6_K on x86-64). Callers
+/// must only use it where the super-block order applies (`SimdLevel::Amx`, which implies the
+/// AVX-512 VNNI features the kernels need).
+pub(crate) fn kernel(ty: GgmlType) -> Option<GemvFn> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        match ty {
+            GgmlType::Q4_K => Some(imp::rows::<0> as GemvFn),
+            GgmlType::Q5_K => Some(imp::rows::<1> as GemvFn),
+            GgmlType::Q6_K => Some(imp::rows::<2> as GemvFn),
+            _ => None,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = ty;
+        None
+    }
+}
+
+/// Rearranges a quantised Q8_K activation row (`x`: whole 292-byte blocks) in place for the
+/// [`kernel`] of weight type `ty`: for Q4_K/Q5_K, in every block and each 128-element half,
+/// the second and third 32-byte chunks of quants swap places. Other types: unchanged.
+pub(crate) fn prepare(ty: GgmlType, x: &mut [u8]) {
+    if !matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K) {
+        return;
+    }
+    for blk in x.chunks_exact_mut(292) {
+        for h in 0..2 {
+            let (a, b) = blk[4 + 128 * h + 32..4 + 128 * h + 96].split_at_mut(32);
+            a.swap_with_slice(b);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod imp {
+    use std::arch::x86_64::*;
+
+    use crate::quant::dot_avx512::{prefetch_ahead, sb_pack, sb_reduce8};
+
+    /// Rows whose chains share one vector.
+    const R: usize = 8;
+    /// Super-blocks per pass over a row group (their packed integers wait in `u`, 8 KiB).
+    const CH: usize = 40;
+
+    /// Loads 64 bytes of `p` at `o` (bounds-checked).
+    #[inline(always)]
+    fn ld512(p: &[u8], o: usize) -> __m512i {
+        let s = &p[o..o + 64];
+        // SAFETY: `s` is 64 readable bytes; the load is unaligned; AVX-512F is enabled in
+        // every caller (all are `#[target_feature]` functions of this module).
+        unsafe { _mm512_loadu_si512(s.as_ptr().cast()) }
+    }
+
+    /// Loads 32 bytes of `p` at `o` (bounds-checked).
+    #[inline(always)]
+    fn ld256(p: &[u8], o: usize) -> __m256i {
+        let s = &p[o..o + 32];
+        // SAFETY: as `ld512`, 32 bytes; AVX is baseline for the callers.
+        unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
+    }
+
+    /// The Q4_K/Q5_K scale field (bytes 4..16 of the block) as 16 bytes: the 8 sub-block
+    /// scales, then the 8 mins (6 bits each), as `blocks::scale_min_k4` defines them.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+    fn k4_scales_v(b: &[u8]) -> __m128i {
+        let s = &b[4..20];
+        // SAFETY: `s` is 16 readable bytes (the 12 scale bytes and 4 quant bytes, unused).
+        let v = unsafe { _mm_loadu_si128(s.as_ptr().cast()) };
+        // a: scales 0..4 = s0..3, scales 4..8 from s8..11 (low nibbles), mins 0..4 = s4..7,
+        // mins 4..8 from s8..11 (high nibbles); b: the bytes whose top 2 bits complete
+        // scales 4..8 (s0..3) and mins 4..8 (s4..7).
+        let a = _mm_shuffle_epi8(
+            v,
+            _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11),
+        );
+        let t = _mm_shuffle_epi8(
+            v,
+            _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7),
+        );
+        let lo = _mm_and_si128(
+            a,
+            _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0),
+        );
+        let hi = _mm_and_si128(
+            _mm_srli_epi16::<4>(a),
+            _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15),
+        );
+        // (t >> 6) << 4 per byte: a 16-bit shift by 2, keeping bits 4..6 of each byte.
+        let top = _mm_and_si128(
+            _mm_srli_epi16::<2>(t),
+            _mm_setr_epi8(
+                0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30, 0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30,
+            ),
+        );
+        _mm_or_si128(_mm_or_si128(lo, hi), top)
+    }
+
+    /// Per-format constants, built once per call.
+    struct Consts {
+        /// Q4_K/Q5_K: `_mm512_shuffle_epi8` masks giving vector `c`'s two sub-block scales as
+        /// i16 (low 256 bits, high 256 bits); Q6_K: `permutexvar` indices, 128-bit lane `k`
+        /// of piece `p` gets scale `4p + k`.
+        sidx: [__m512i; 4],
+        /// Per-16-bit-lane right shifts of the broadcast `qh` putting each vector's high bits
+        /// at bit 0 of every byte (Q5_K: one bit, Q6_K: two bits).
+        hshift: [__m512i; 4],
+    }
+
+    /// Sub-blocks (low 256 bits, high 256 bits) of the Q4_K/Q5_K vectors: vector `2h` holds
+    /// the low nibbles of quant bytes `64h..64h + 64`, vector `2h + 1` their high nibbles.
+    const K45_SUB: [(i16, i16); 4] = [(0, 2), (1, 3), (4, 6), (5, 7)];
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+    fn consts<const K: u8>() -> Consts {
+        let halves = |lo: i16, hi: i16| {
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_set1_epi16(lo)),
+                _mm256_set1_epi16(hi),
+            )
+        };
+        if K == 2 {
+            Consts {
+                sidx: std::array::from_fn(|p| {
+                    let g = 4 * p as i64;
+                    let lane = |k: i64| (g + k) * 0x0001_0001_0001_0001;
+                    _mm512_set_epi64(
+                        lane(3),
+                        lane(3),
+                        lane(2),
+                        lane(2),
+                        lane(1),
+                        lane(1),
+                        lane(0),
+                        lane(0),
+                    )
+                }),
+                // Piece 2h: bits 0..2 (elements 0..32 of the half) and 2..4 (32..64); piece
+                // 2h + 1: bits 4..6 and 6..8.
+                hshift: std::array::from_fn(|p| {
+                    let s = 4 * (p as i16 % 2);
+                    halves(s, s + 2)
+                }),
+            }
+        } else {
+            Consts {
+                sidx: std::array::from_fn(|c| {
+                    let (a, b) = K45_SUB[c];
+                    halves(((2 * a + 1) << 8) | (2 * a), ((2 * b + 1) << 8) | (2 * b))
+                }),
+                // Q5_K: the 5th bit of sub-block `s` is bit `s` of `qh[l]`.
+                hshift: std::array::from_fn(|c| {
+                    let (a, b) = K45_SUB[c];
+                    halves(a, b)
+                }),
+            }
+        }
+    }
+
+    /// One Q4_K (`Q5`: Q5_K) block `b` against one prepared Q8_K block `y`: the packed
+    /// integers of `sb_pack` (`T` in the fold of the main lanes, `M` in the min lanes).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2")]
+    fn k45_block<const Q5: bool>(b: &[u8], y: &[u8], k: &Consts) -> __m512i {
+        let sm = k4_scales_v(b);
+        let sc16 = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm));
+        let mins2 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
+        let prod_m = _mm256_madd_epi16(ld256(y, 260), mins2);
+        let m4 = _mm512_set1_epi8(0xF);
+        let qs = if Q5 { 48 } else { 16 };
+        let qh2 = if Q5 {
+            _mm512_broadcast_i64x4(ld256(b, 16))
+        } else {
+            _mm512_setzero_si512()
+        };
+        let bit4 = _mm512_set1_epi8(0x10);
+        let mut sumi = _mm512_setzero_si512();
+        for h in 0..2 {
+            let q = ld512(b, qs + 64 * h);
+            let mut v = [
+                _mm512_and_si512(q, m4),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4),
+            ];
+            for (i, vi) in v.iter_mut().enumerate() {
+                let c = 2 * h + i;
+                if Q5 {
+                    let hb = _mm512_slli_epi16::<4>(_mm512_srlv_epi16(qh2, k.hshift[c]));
+                    // vi | (hb & 0x10)
+                    *vi = _mm512_ternarylogic_epi32::<0xF8>(*vi, hb, bit4);
+                }
+                let p = _mm512_maddubs_epi16(*vi, ld512(y, 4 + 64 * c));
+                sumi = _mm512_dpwssd_epi32(sumi, p, _mm512_shuffle_epi8(sc16, k.sidx[c]));
+            }
+        }
+        sb_pack(sumi, prod_m)
+    }
+
+    /// One Q6_K block `b` against one Q8_K block `y`: packed `T` (of the unsigned 6-bit
+    /// quants times the scales) and `M` (`bsums` times the scales; the integer is `T - 32 M`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2")]
+    fn q6_block(b: &[u8], y: &[u8], k: &Consts) -> __m512i {
+        let s = &b[192..208];
+        // SAFETY: `s` is the 16 scale bytes of the block.
+        let sc8 = unsafe { _mm_loadu_si128(s.as_ptr().cast()) };
+        let sc16 = _mm256_cvtepi8_epi16(sc8);
+        let sc512 = _mm512_castsi256_si512(sc16);
+        let offs = _mm256_madd_epi16(ld256(y, 260), sc16);
+        let m4 = _mm512_set1_epi8(0xF);
+        let hi2 = _mm512_set1_epi8(0x30);
+        let mut sumi = _mm512_setzero_si512();
+        for h in 0..2 {
+            let ql = ld512(b, 64 * h);
+            let qh2 = _mm512_broadcast_i64x4(ld256(b, 128 + 32 * h));
+            let v = [
+                _mm512_and_si512(ql, m4),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4),
+            ];
+            for (i, vi) in v.into_iter().enumerate() {
+                let p = 2 * h + i;
+                let hb = _mm512_slli_epi16::<4>(_mm512_srlv_epi16(qh2, k.hshift[p]));
+                // vi | (hb & 0x30)
+                let q = _mm512_ternarylogic_epi32::<0xF8>(vi, hb, hi2);
+                let prod = _mm512_maddubs_epi16(q, ld512(y, 4 + 64 * p));
+                sumi = _mm512_dpwssd_epi32(sumi, prod, _mm512_permutexvar_epi16(k.sidx[p], sc512));
+            }
+        }
+        sb_pack(sumi, offs)
+    }
+
+    /// The kernel behind [`super::kernel`]: `K` = 0 (Q4_K), 1 (Q5_K), 2 (Q6_K).
+    ///
+    /// # Safety
+    /// Requires AVX-512F/BW/VL/DQ, VNNI, AVX2, FMA and F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn rows<const K: u8>(w: &[u8], rb: usize, x: &[u8], out: &mut [f32]) {
+        let ts: usize = match K {
+            0 => 144,
+            1 => 176,
+            _ => 210,
+        };
+        out.fill(0.0);
+        // Row offsets go into i32 gather lanes: callers keep `rb` far below this (`matmul`
+        // takes the per-row kernels for rows over 128 MiB).
+        if rb == 0 || i32::try_from(R * rb + ts).is_err() {
+            return;
+        }
+        let nb = (rb / ts).min(x.len() / 292);
+        let n = out.len().min(w.len() / rb);
+        let k = consts::<K>();
+        // Byte offset of a dword ending with (Q6_K) or starting with (Q4_K/Q5_K) the scales.
+        let dofs = if K == 2 { 206 } else { 0 };
+        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let row_off = _mm256_mullo_epi32(lane, _mm256_set1_epi32(rb as i32));
+        let mut u = [[_mm512_setzero_si512(); R]; CH];
+        let mut r0 = 0;
+        while r0 < n {
+            let nr = (n - r0).min(R);
+            let g = &w[r0 * rb..(r0 + nr) * rb];
+            let valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr as i32), lane);
+            let mut acc = _mm256_setzero_ps();
+            let mut j0 = 0;
+            while j0 < nb {
+                let jn = (nb - j0).min(CH);
+                for r in 0..nr {
+                    let row = &g[r * rb..(r + 1) * rb];
+                    for (j, uj) in u.iter_mut().enumerate().take(jn) {
+                        let s = j0 + j;
+                        let b = &row[s * ts..(s + 1) * ts];
+                        prefetch_ahead(b.as_ptr(), ts);
+                        let y = &x[s * 292..(s + 1) * 292];
+                        uj[r] = match K {
+                            0 => k45_block::<false>(b, y, &k),
+                            1 => k45_block::<true>(b, y, &k),
+                            _ => q6_block(b, y, &k),
+                        };
+                    }
+                }
+                // Rows past `nr` hold stale integers: their lanes are never stored.
+                for (j, uj) in u.iter().enumerate().take(jn) {
+                    let s = j0 + j;
+                    let off = s * ts + dofs;
+                    // SAFETY: lane r < nr reads 4 bytes at r * rb + off, inside row r of `g`
+                    // (off + 4 <= (s + 1) * ts <= rb); lanes >= nr are masked off and not
+                    // read. Offsets fit in i32 (checked above).
+                    let dw = unsafe {
+                        _mm256_mask_i32gather_epi32::<1>(
+                            _mm256_setzero_si256(),
+                            g.as_ptr().add(off).cast(),
+                            row_off,
+                            valid,
+                        )
+                    };
+                    let yd = _mm256_set1_ps(f32::from_le_bytes([
+                        x[s * 292],
+                        x[s * 292 + 1],
+                        x[s * 292 + 2],
+                        x[s * 292 + 3],
+                    ]));
+                    let (t, m) = sb_reduce8(uj);
+                    let hi16 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(dw)));
+                    if K == 2 {
+                        let f = _mm256_mul_ps(hi16, yd);
+                        let iv = _mm256_sub_epi32(t, _mm256_slli_epi32::<5>(m));
+                        acc = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(iv), acc);
+                    } else {
+                        let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(dw));
+                        acc = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(t), acc);
+                        acc = _mm256_fnmadd_ps(_mm256_mul_ps(hi16, yd), _mm256_cvtepi32_ps(m), acc);
+                    }
+                }
+                j0 += jn;
+            }
+            let mut lanes = [0f32; R];
+            // SAFETY: `lanes` holds 8 f32.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+            out[r0..r0 + nr].copy_from_slice(&lanes[..nr]);
+            r0 += nr;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{quantize_row, DotKernel, SimdLevel};
+
+    fn rng(seed: &mut u64) -> u64 {
+        *seed ^= *seed << 13;
+        *seed ^= *seed >> 7;
+        *seed ^= *seed << 17;
+        *seed
+    }
+
+    /// Random blocks of `ty` with small sane f16 scales.
+    fn weights(ty: GgmlType, rows: usize, n_in: usize, seed: &mut u64) -> Vec<u8> {
+        let rb = ty.row_bytes(n_in).unwrap();
+        let mut w: Vec<u8> = (0..rows * rb).map(|_| rng(seed) as u8).collect();
+        let ts = ty.type_size();
+        let fields: &[usize] = if ty == GgmlType::Q6_K {
+            &[208]
+        } else {
+            &[0, 2]
+        };
+        for b in w.chunks_exact_mut(ts) {
+            for &o in fields {
+                let v = ((rng(seed) % 2000) as f32 - 1000.0) * 1e-6;
+                b[o..o + 2].copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
+            }
+        }
+        w
+    }
+
+    /// Every output equals the super-block-order dot kernel's bit for bit, for row counts
+    /// around the 8-row groups and widths around the 16-super-block passes.
+    #[test]
+    fn gemv_equals_dot_kernel_bitwise() {
+        if !SimdLevel::Amx.is_available() {
+            eprintln!("skipped: no AMX level on this CPU");
+            return;
+        }
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+            let dk = DotKernel::with_level(ty, SimdLevel::Amx).unwrap();
+            assert_eq!(dk.level(), SimdLevel::Amx);
+            let f = kernel(ty).unwrap();
+            for n_in in [256, 1536, 4096, 4352, 8960] {
+                let rb = ty.row_bytes(n_in).unwrap();
+                for rows in [1, 7, 8, 9, 17, 24] {
+                    let w = weights(ty, rows, n_in, &mut seed);
+                    let xf: Vec<f32> = (0..n_in)
+                        .map(|_| (rng(&mut seed) % 20001) as f32 / 1e4 - 1.0)
+                        .collect();
+                    let mut xq = vec![0u8; GgmlType::Q8_K.row_bytes(n_in).unwrap()];
+                    quantize_row(GgmlType::Q8_K, &xf, &mut xq).unwrap();
+                    let want: Vec<f32> = w.chunks_exact(rb).map(|r| dk.dot(r, &xq)).collect();
+                    let mut xp = xq.clone();
+                    prepare(ty, &mut xp);
+                    let mut got = vec![f32::NAN; rows];
+                    // SAFETY: the AMX level (checked above) implies the kernel's features.
+                    unsafe { f(&w, rb, &xp, &mut got) };
+                    for (r, (g, e)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            e.to_bits(),
+                            "{ty:?} n_in {n_in} row {r}/{rows}: {g} vs {e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn prepare_swaps_the_middle_chunks_of_each_half() {
+        let mut x: Vec<u8> = (0..292).map(|i| i as u8).collect();
+        let orig = x.clone();
+        prepare(GgmlType::Q4_K, &mut x);
+        assert_eq!(x[..36], orig[..36]);
+        assert_eq!(x[36..68], orig[68..100]);
+        assert_eq!(x[68..100], orig[36..68]);
+        assert_eq!(x[164..196], orig[196..228]);
+        assert_eq!(x[260..], orig[260..]);
+        let mut y = orig.clone();
+        prepare(GgmlType::Q6_K, &mut y);
+        assert_eq!(y, orig);
+    }
+}
