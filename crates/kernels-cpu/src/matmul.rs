@@ -18,7 +18,8 @@
 //!   (a block of up to [`TOK_BLOCK`] tokens); each tile is one pool task, looping rows outer
 //!   and tokens inner, so a weight row is streamed from memory once per token block and then
 //!   stays in L1 while it meets every activation row of the block (which stay in L2). Decode
-//!   (`n_tok == 1`) is a pure GEMV split over row chunks.
+//!   (`n_tok == 1`) is a pure GEMV split over row chunks; where the kernel has a row-group
+//!   GEMV (the K formats at [`SimdLevel::Amx`]), each chunk is one call of it.
 //!
 //! Results do not depend on the thread count.
 

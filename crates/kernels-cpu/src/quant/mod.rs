@@ -31,7 +31,9 @@
 //! At [`SimdLevel::Amx`] the K formats use the super-block order of [`dot_sb`] instead (the
 //! only order AMX tiles can reproduce): VNNI dot kernels, an AVX-512 GEMM for small batches
 //! and the tile GEMM (`crate::gemm_amx`) for batches of `AMX_MIN_TOKENS`+, all bit-identical
-//! to each other and to the scalar twin `dot_sb::dot_scalar`.
+//! to each other and to the scalar twin `dot_sb::dot_scalar`. Single-token products at that
+//! level take the row-group GEMV of `gemv_sb` ([`DotKernel`]'s `gemv`, 8 rows per vector
+//! chain), bit-identical to the dot kernels.
 //!
 //! Block layouts are documented in [`blocks`].
 
