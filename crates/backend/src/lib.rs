@@ -293,10 +293,9 @@ impl Backend for CpuBackend {
         x: &[f32],
         n_tok: usize,
         ys: &mut [&mut [f32]],
-        small_batch: bool,
-    ) -> Result<()> {
         // Small batches take the same kernels (see `matmul_small_batch` above).
-        let _ = small_batch;
+        _small_batch: bool,
+    ) -> Result<()> {
         Ok(matmul::matmul_many_with(
             self.level,
             &*self.pool,

@@ -73,7 +73,7 @@ pub(super) fn kernel(_ty: GgmlType, _max: SimdLevel, _bf16: bool) -> Option<Chos
 /// Helpers the AVX-512 GEMM kernels share with the dot products.
 #[cfg(target_arch = "x86_64")]
 pub(super) use imp::{
-    hsum_epi32, k4_scales, ld512, prefetch_ahead, q5_0_plus16, sb_pack, sb_reduce8,
+    hsum_epi32, k4_scales, ld512, prefetch_ahead, q5_0_plus16, q6k_sidx, sb_pack, sb_reduce8,
 };
 /// The super-block-order K-format dot kernels (see `dot_sb`).
 #[cfg(target_arch = "x86_64")]
@@ -202,6 +202,27 @@ mod imp {
     pub(in crate::quant) fn hsum4(m: __m128) -> f32 {
         let s = _mm_add_ps(m, _mm_movehl_ps(m, m));
         _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+    }
+
+    /// `_mm512_permutexvar_epi16` indices spreading Q6_K's 16 scales (as i16) over its four
+    /// 64-element pieces: 128-bit lane `k` of piece `p` (16 elements) gets scale `4p + k`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(in crate::quant) fn q6k_sidx() -> [__m512i; 4] {
+        std::array::from_fn(|p| {
+            let g = 4 * p as i64;
+            let lane = |k: i64| (g + k) * 0x0001_0001_0001_0001;
+            _mm512_set_epi64(
+                lane(3),
+                lane(3),
+                lane(2),
+                lane(2),
+                lane(1),
+                lane(1),
+                lane(0),
+                lane(0),
+            )
+        })
     }
 
     /// One super-block's integers for the super-block order, packed for [`sb_reduce8`]: the
@@ -656,17 +677,6 @@ mod imp {
                     sv: [__m512i; 4],
                     sc16: __m256i,
                     d: f32,
-                }
-
-                /// Permutation indices: 128-bit lane k of piece p gets scale 4p + k.
-                #[inline]
-                #[target_feature(enable = $feat)]
-                fn q6k_sidx() -> [__m512i; 4] {
-                    std::array::from_fn(|p| {
-                        let g = 4 * p as i64;
-                        let lane = |k: i64| (g + k) * 0x0001_0001_0001_0001;
-                        _mm512_set_epi64(lane(3), lane(3), lane(2), lane(2), lane(1), lane(1), lane(0), lane(0))
-                    })
                 }
 
                 /// Decodes one Q6_K block `b`.

@@ -322,7 +322,7 @@ mod imp {
     use crate::quant::blocks::{KVALUES_IQ4NL, KVALUES_MXFP4};
     use crate::quant::dot_avx2::{f16c, hsum_ps, ld128, ld256, nibbles32};
     use crate::quant::dot_avx512::{
-        hsum_epi32, k4_scales, ld512, prefetch_ahead, q5_0_plus16, sb_pack, sb_reduce8,
+        hsum_epi32, k4_scales, ld512, prefetch_ahead, q5_0_plus16, q6k_sidx, sb_pack, sb_reduce8,
     };
 
     pub(super) use super::{pack_q8_0, pack_q8k, pack_q8k_v};
@@ -423,20 +423,7 @@ mod imp {
                 pub(crate) unsafe fn decode_q6k(w: &[u8], rec: &mut [u8]) {
                     let m4 = _mm512_set1_epi8(0xF);
                     let m2 = _mm512_set1_epi8(3);
-                    let sidx: [__m512i; 4] = std::array::from_fn(|p| {
-                        let g = 4 * p as i64;
-                        let lane = |k: i64| (g + k) * 0x0001_0001_0001_0001;
-                        _mm512_set_epi64(
-                            lane(3),
-                            lane(3),
-                            lane(2),
-                            lane(2),
-                            lane(1),
-                            lane(1),
-                            lane(0),
-                            lane(0),
-                        )
-                    });
+                    let sidx = q6k_sidx();
                     for (b, r) in w.chunks_exact(210).zip(rec.chunks_exact_mut(REC_K)) {
                         // SAFETY: scales are bytes 192..208 of the block.
                         let sc8 = unsafe { ld128(b, 192) };
@@ -881,20 +868,7 @@ mod imp {
         pub(crate) unsafe fn decode_q6k(w: &[u8], rec: &mut [u8]) {
             let m4 = _mm512_set1_epi8(0xF);
             let m2 = _mm512_set1_epi8(3);
-            let sidx: [__m512i; 4] = std::array::from_fn(|p| {
-                let g = 4 * p as i64;
-                let lane = |k: i64| (g + k) * 0x0001_0001_0001_0001;
-                _mm512_set_epi64(
-                    lane(3),
-                    lane(3),
-                    lane(2),
-                    lane(2),
-                    lane(1),
-                    lane(1),
-                    lane(0),
-                    lane(0),
-                )
-            });
+            let sidx = q6k_sidx();
             for (b, r) in w.chunks_exact(210).zip(rec.chunks_exact_mut(REC_KV)) {
                 // SAFETY: scales are bytes 192..208 of the block.
                 let sc8 = unsafe { ld128(b, 192) };

@@ -69,7 +69,7 @@ pub(crate) fn prepare(ty: GgmlType, x: &mut [u8]) {
 mod imp {
     use std::arch::x86_64::*;
 
-    use crate::quant::dot_avx512::{prefetch_ahead, sb_pack, sb_reduce8};
+    use crate::quant::dot_avx512::{prefetch_ahead, q6k_sidx, sb_pack, sb_reduce8};
 
     /// Rows whose chains share one vector.
     const R: usize = 8;
@@ -159,20 +159,7 @@ mod imp {
         };
         if K == 2 {
             Consts {
-                sidx: std::array::from_fn(|p| {
-                    let g = 4 * p as i64;
-                    let lane = |k: i64| (g + k) * 0x0001_0001_0001_0001;
-                    _mm512_set_epi64(
-                        lane(3),
-                        lane(3),
-                        lane(2),
-                        lane(2),
-                        lane(1),
-                        lane(1),
-                        lane(0),
-                        lane(0),
-                    )
-                }),
+                sidx: q6k_sidx(),
                 // Piece 2h: bits 0..2 (elements 0..32 of the half) and 2..4 (32..64); piece
                 // 2h + 1: bits 4..6 and 6..8.
                 hshift: std::array::from_fn(|p| {

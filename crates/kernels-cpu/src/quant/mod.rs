@@ -337,9 +337,7 @@ impl DotKernel {
             None => xs.map(|x| self.dot(w, x)),
         }
     }
-}
 
-impl DotKernel {
     /// Whether [`DotKernel::gemv`] has a row-group kernel (else it loops over [`DotKernel::dot`]).
     pub(crate) fn has_gemv(&self) -> bool {
         self.gemv.is_some()
