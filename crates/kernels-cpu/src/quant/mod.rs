@@ -43,6 +43,7 @@ pub mod blocks;
 mod dequant;
 mod dot_avx2;
 mod dot_avx512;
+pub(crate) mod dot_blk;
 pub(crate) mod dot_sb;
 mod dot_scalar;
 mod error;
