@@ -247,6 +247,9 @@ pub(crate) fn gemm(
 }
 
 #[cfg(target_arch = "x86_64")]
+pub(crate) use imp::transpose16;
+
+#[cfg(target_arch = "x86_64")]
 mod imp {
     use std::arch::asm;
     use std::arch::x86_64::*;
@@ -294,7 +297,7 @@ mod imp {
     /// 16 x 16 transpose of i32: `out[j]` lane `i` = `r[i]` lane `j`.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    pub(super) fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+    pub(crate) fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
         // 1. 32-bit interleave of row pairs; 2. 64-bit interleave: u[4i + j], 128-bit lane L,
         // is column 4L + j of rows 4i .. 4i + 4; 3. gather lane L of u[j], u[4 + j], u[8 + j],
         // u[12 + j] into column 4L + j.

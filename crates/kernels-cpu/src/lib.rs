@@ -8,6 +8,7 @@ pub mod conv;
 pub mod gdn;
 mod gemm;
 mod gemm_amx;
+mod gemm_amx_blk;
 pub mod mamba2;
 pub mod matmul;
 pub mod ops;

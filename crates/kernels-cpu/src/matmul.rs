@@ -11,7 +11,8 @@
 //! * Prefill, `n_tok >= GEMM_MIN_TOKENS`, weight types with a tiled GEMM at the chosen SIMD
 //!   level (AVX-512: Q4_K, Q5_K, Q6_K; with VNNI also Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4): the
 //!   GEMM of `crate::gemm` (weights decoded once per call, 8-token micro-kernels); at
-//!   [`SimdLevel::Amx`] the K formats take the tile GEMM of `crate::gemm_amx` instead. For
+//!   [`SimdLevel::Amx`] the K formats take the tile GEMM of `crate::gemm_amx` instead, and
+//!   Q8_0 and Q5_0 take the tile GEMM of `crate::gemm_amx_blk` from 2 tokens. For
 //!   the 32-element formats a call with a single tile (a batched decode step) runs kernels
 //!   that decode the raw weights in registers instead of into records.
 //! * Otherwise ([`matmul_dot_with`]): outputs are cut into tiles of (a chunk of weight rows) x
@@ -19,7 +20,7 @@
 //!   and tokens inner, so a weight row is streamed from memory once per token block and then
 //!   stays in L1 while it meets every activation row of the block (which stay in L2). Decode
 //!   (`n_tok == 1`) is a pure GEMV split over row chunks; where the kernel has a row-group
-//!   GEMV (the K formats at [`SimdLevel::Amx`]), each chunk is one call of it.
+//!   GEMV (the K formats, Q8_0 and Q5_0 at [`SimdLevel::Amx`]), each chunk is one call of it.
 //!
 //! Results do not depend on the thread count.
 
@@ -266,6 +267,13 @@ fn matmul_impl(
     if n_in == 0 {
         y.fill(0.0);
         return Ok(());
+    }
+    if allow_gemm
+        && n_tok >= 2
+        && kernel.level() == SimdLevel::Amx
+        && crate::gemm_amx_blk::supports(w.dtype)
+    {
+        return crate::gemm_amx_blk::gemm(pool, w, x, n_tok, y);
     }
     if allow_gemm
         && n_tok >= AMX_MIN_TOKENS

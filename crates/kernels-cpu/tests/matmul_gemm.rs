@@ -244,6 +244,7 @@ fn amx_tile_gemm_equals_per_row_dot() {
     let pool2 = RayonPool::new(2).unwrap();
     let pools: [&dyn ThreadPool; 2] = [&SerialPool, &pool2];
     let level = SimdLevel::Amx;
+    let mut cases = Vec::new();
     for (ty, n_out, nb, n_tok) in [
         (GgmlType::Q4_K, 19, 1, AMX_MIN_TOKENS),
         (GgmlType::Q5_K, 33, 3, 97),
@@ -251,7 +252,23 @@ fn amx_tile_gemm_equals_per_row_dot() {
         (GgmlType::Q4_K, 5, 35, 700),
         (GgmlType::Q6_K, 17, 2, 81),
     ] {
-        let n_in = 256 * nb;
+        cases.push((ty, n_out, 256 * nb, n_tok));
+    }
+    // The 32-element formats take their tile GEMM (`gemm_amx_blk`) from 2 tokens: Q8_0 row
+    // blocks of 16 rows read in place and partial ones decoded, one and several token tiles,
+    // several activation chunks (152 blocks x 200 tokens), one block.
+    for (ty, n_out, nb, n_tok) in [
+        (GgmlType::Q8_0, 35, 28, 2),
+        (GgmlType::Q5_0, 35, 28, 3),
+        (GgmlType::Q8_0, 16, 1, 16),
+        (GgmlType::Q5_0, 7, 3, 17),
+        (GgmlType::Q8_0, 48, 152, 200),
+        (GgmlType::Q5_0, 21, 152, 200),
+        (GgmlType::Q8_0, 33, 29, 45),
+    ] {
+        cases.push((ty, n_out, 32 * nb, n_tok));
+    }
+    for (ty, n_out, n_in, n_tok) in cases {
         let data = random_matrix(ty, n_out, n_in, &mut rng);
         let w = QMatrix::new(ty, n_out, n_in, &data).unwrap();
         let x = random_x(n_tok, n_in, &mut rng);

@@ -29,6 +29,7 @@
 use kapitsa_base::GgmlType;
 
 use super::blocks::{f16_at, u32_at};
+use super::SimdLevel;
 
 /// Elements of a block.
 pub(crate) const QK: usize = 32;
@@ -70,6 +71,35 @@ pub(crate) fn decode(ty: GgmlType, b: &[u8]) -> (f32, [i8; QK]) {
         _ => return (0.0, v),
     }
     (f16_at(b, 0), v)
+}
+
+/// The block-order dot kernel for `ty` (Q8_0, Q5_0), chosen at [`SimdLevel::Amx`]: the
+/// row-group GEMV of `gemv_blk` on one row, so that the dot product and the GEMV are one code.
+pub(super) fn kernel(ty: GgmlType) -> Option<super::dot_avx512::Chosen> {
+    let f: super::DotFn = match ty {
+        GgmlType::Q8_0 => dot_via_gemv::<false>,
+        GgmlType::Q5_0 => dot_via_gemv::<true>,
+        _ => return None,
+    };
+    super::gemv_blk::kernel(ty)?;
+    Some((SimdLevel::Amx, f, None))
+}
+
+/// One row of the block-order GEMV (Q5_0 if `Q5`, else Q8_0).
+///
+/// # Safety
+/// The CPU has the features of `gemv_blk`'s kernels (AVX-512 VNNI: implied by
+/// [`SimdLevel::Amx`], the only level that selects this).
+unsafe fn dot_via_gemv<const Q5: bool>(w: &[u8], x: &[u8]) -> f32 {
+    let ty = if Q5 { GgmlType::Q5_0 } else { GgmlType::Q8_0 };
+    let mut out = [0f32];
+    match super::gemv_blk::kernel(ty) {
+        // SAFETY: the caller's contract gives the kernel's CPU features; it reads inside `w`
+        // and `x` only.
+        Some(g) => unsafe { g(w, w.len(), x, &mut out) },
+        None => out[0] = dot_scalar(ty, w, x),
+    }
+    out[0]
 }
 
 /// Scalar twin of the block order (the reference every kernel of this order is tested against

@@ -35,6 +35,12 @@
 //! level take the row-group GEMV of `gemv_sb` ([`DotKernel`]'s `gemv`, 8 rows per vector
 //! chain), bit-identical to the dot kernels.
 //!
+//! The same holds for Q8_0 and Q5_0 with the block order of [`dot_blk`] (one f32 chain per
+//! row, one FMA per 32-element block): at [`SimdLevel::Amx`] their dot kernel is the
+//! row-group GEMV of `gemv_blk` run on one row, single-token products take that GEMV, and
+//! every batch of 2+ tokens takes the tile GEMM of `crate::gemm_amx_blk`, so a sequence's
+//! results never depend on the batch it shares a step with.
+//!
 //! Block layouts are documented in [`blocks`].
 
 pub mod act;
@@ -48,6 +54,7 @@ pub(crate) mod dot_sb;
 mod dot_scalar;
 mod error;
 pub(crate) mod gemm_avx512;
+mod gemv_blk;
 mod gemv_sb;
 
 pub use error::KernelError;
@@ -65,8 +72,9 @@ pub enum SimdLevel {
     /// AVX-512 plus VNNI (`vpdpbusd`) and, where used, BF16 (checked separately).
     Avx512Vnni,
     /// AVX-512 VNNI plus AMX-INT8 tiles. The K formats (Q4_K, Q5_K, Q6_K) switch to the
-    /// super-block order of [`dot_sb`] at this level (their GEMM runs on the tiles); every
-    /// other type uses its AVX-512 VNNI kernels.
+    /// super-block order of [`dot_sb`] at this level and Q8_0, Q5_0 to the block order of
+    /// [`dot_blk`] (their GEMMs run on the tiles); every other type uses its AVX-512 VNNI
+    /// kernels.
     Amx,
 }
 
@@ -263,7 +271,7 @@ impl DotKernel {
         let dot_ty = vec_dot_type(ty)?;
         let mut chosen: Option<(SimdLevel, DotFn, Option<Dot4Fn>)> = None;
         if max_level >= SimdLevel::Amx {
-            chosen = dot_sb::kernel(ty);
+            chosen = dot_sb::kernel(ty).or_else(|| dot_blk::kernel(ty));
         }
         if chosen.is_none() && max_level >= SimdLevel::Avx512 {
             chosen = dot_avx512::kernel(ty, max_level, CpuFeatures::get().avx512_bf16);
@@ -279,9 +287,9 @@ impl DotKernel {
                 None,
             ),
         };
-        // The row-group GEMV exists for the super-block order only.
+        // The row-group GEMVs exist for the super-block and block orders only.
         let gemv = (level == SimdLevel::Amx)
-            .then(|| gemv_sb::kernel(ty))
+            .then(|| gemv_sb::kernel(ty).or_else(|| gemv_blk::kernel(ty)))
             .flatten();
         Ok(DotKernel {
             ty,
