@@ -79,6 +79,33 @@ pub(crate) fn with_buf<R>(
     })
 }
 
+/// Runs `f` on `0..n` cut into one contiguous range per thread (inline when there is one
+/// thread or one item).
+pub(crate) fn for_thread_ranges(
+    pool: &dyn ThreadPool,
+    n: usize,
+    f: &(dyn Fn(std::ops::Range<usize>) + Sync),
+) {
+    let n_thr = pool.n_threads();
+    if n_thr > 1 && n > 1 {
+        let per = n.div_ceil(n_thr);
+        pool.run(n.div_ceil(per), &|task| {
+            f(task * per..((task + 1) * per).min(n))
+        });
+    } else {
+        f(0..n);
+    }
+}
+
+/// Runs tasks `0..n_tasks` on the pool (inline when there is one thread or one task).
+pub(crate) fn run_tasks(pool: &dyn ThreadPool, n_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+    if n_tasks == 1 || pool.n_threads() == 1 {
+        (0..n_tasks).for_each(f);
+    } else {
+        pool.run(n_tasks, f);
+    }
+}
+
 /// Tokens per task below which a call is not split by tokens (each token task decodes every
 /// weight row once, so it needs enough tokens to amortise that).
 const TASK_TOKENS: usize = 128;

@@ -47,7 +47,7 @@ use std::cell::RefCell;
 
 use kapitsa_base::{GgmlType, ThreadPool};
 
-use crate::gemm::{with_buf, Buf};
+use crate::gemm::{for_thread_ranges, run_tasks, with_buf, Buf};
 use crate::matmul::{QMatrix, SharedMut};
 use crate::quant::dot_sb::{self, QK};
 use crate::quant::{self, KernelError};
@@ -168,14 +168,7 @@ pub(crate) fn gemm(
                 }
             })
         };
-        if n_thr > 1 && n_tt > 1 {
-            let per = n_tt.div_ceil(n_thr);
-            pool.run(n_tt.div_ceil(per), &|task| {
-                pack(task * per..((task + 1) * per).min(n_tt))
-            });
-        } else {
-            pack(0..n_tt);
-        }
+        for_thread_ranges(pool, n_tt, &pack);
 
         let acts: &[u8] = buf;
         let yp = SharedMut(y.as_mut_ptr());
@@ -237,17 +230,13 @@ pub(crate) fn gemm(
                 unsafe { imp::tile_release() };
             })
         };
-        if n_tasks == 1 || n_thr == 1 {
-            (0..n_tasks).for_each(task);
-        } else {
-            pool.run(n_tasks, &task);
-        }
+        run_tasks(pool, n_tasks, &task);
         Ok(())
     })
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use imp::transpose16;
+pub(crate) use imp::{load_config, tile_release, transpose16, TileCfg};
 
 #[cfg(target_arch = "x86_64")]
 mod imp {
@@ -260,10 +249,22 @@ mod imp {
     use crate::quant::blocks::{f16_at, scale_min_k4};
     use crate::quant::dot_sb::{self, QK};
 
-    /// The tile configuration: palette 1, tiles 0..8 all 16 rows of 64 bytes.
+    /// A 64-byte palette-1 tile configuration, as `ldtilecfg` reads it (byte 0: palette;
+    /// bytes `16 + 2t`: tile `t`'s bytes per row; byte `48 + t`: its rows).
     #[repr(C, align(64))]
-    struct TileCfg([u8; 64]);
+    pub(crate) struct TileCfg(pub(crate) [u8; 64]);
 
+    /// Loads `cfg` as this thread's tile configuration.
+    ///
+    /// # Safety
+    /// The CPU has AMX-TILE, this process has the permission to use tile data, and `cfg` is
+    /// a valid configuration.
+    pub(crate) unsafe fn load_config(cfg: &TileCfg) {
+        // SAFETY: caller's contract; `cfg` is 64 readable, 64-aligned bytes.
+        unsafe { asm!("ldtilecfg [{0}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly)) };
+    }
+
+    /// The tile configuration: palette 1, tiles 0..8 all 16 rows of 64 bytes.
     static CFG: TileCfg = {
         let mut c = [0u8; 64];
         c[0] = 1;
@@ -281,15 +282,15 @@ mod imp {
     /// # Safety
     /// The CPU has AMX-TILE and this process has the permission to use tile data.
     pub(super) unsafe fn tile_config() {
-        // SAFETY: `CFG` is a valid 64-byte palette-1 configuration (caller: AMX present).
-        unsafe { asm!("ldtilecfg [{0}]", in(reg) CFG.0.as_ptr(), options(nostack, readonly)) };
+        // SAFETY: `CFG` is a valid palette-1 configuration (caller: AMX present).
+        unsafe { load_config(&CFG) };
     }
 
     /// Releases the tile state of this thread (cheaper context switches).
     ///
     /// # Safety
     /// As [`tile_config`].
-    pub(super) unsafe fn tile_release() {
+    pub(crate) unsafe fn tile_release() {
         // SAFETY: AMX present (caller); `tilerelease` touches no memory.
         unsafe { asm!("tilerelease", options(nostack, nomem)) };
     }
@@ -679,7 +680,7 @@ mod imp {
     use super::Out;
 
     pub(super) unsafe fn tile_config() {}
-    pub(super) unsafe fn tile_release() {}
+    pub(crate) unsafe fn tile_release() {}
     pub(super) unsafe fn decode_record<'a>(
         _ty: GgmlType,
         _n_rows: usize,

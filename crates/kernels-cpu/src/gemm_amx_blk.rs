@@ -33,7 +33,7 @@ use std::cell::RefCell;
 
 use kapitsa_base::{GgmlType, ThreadPool};
 
-use crate::gemm::{with_buf, Buf};
+use crate::gemm::{for_thread_ranges, run_tasks, with_buf, Buf};
 use crate::matmul::{QMatrix, SharedMut};
 use crate::quant::dot_blk::{self, QK, XB};
 use crate::quant::{self, KernelError};
@@ -47,6 +47,17 @@ const ACT: usize = 576;
 /// Activation bytes of one chunk of token tiles (kept in the 2 MiB L2 while every row block of
 /// a task passes over it).
 const CHUNK_BYTES: usize = 1024 * 1024;
+
+/// Where one row block's results go: rows `r0 .. r0 + n_rows` and tokens
+/// `t0 .. t0 + n_toks` of `y` (`[n_tok, n_out]`).
+struct Out {
+    y: SharedMut<f32>,
+    n_out: usize,
+    r0: usize,
+    n_rows: usize,
+    t0: usize,
+    n_toks: usize,
+}
 
 thread_local! {
     /// The calling thread's packed activations.
@@ -124,14 +135,7 @@ pub(crate) fn gemm(
                 }
             })
         };
-        if n_thr > 1 && n_tt > 1 {
-            let per = n_tt.div_ceil(n_thr);
-            pool.run(n_tt.div_ceil(per), &|task| {
-                pack(task * per..((task + 1) * per).min(n_tt))
-            });
-        } else {
-            pack(0..n_tt);
-        }
+        for_thread_ranges(pool, n_tt, &pack);
 
         let acts: &[u8] = buf;
         let yp = SharedMut(y.as_mut_ptr());
@@ -170,7 +174,7 @@ pub(crate) fn gemm(
                         };
                         for tt in t0..t1 {
                             let pf = if tt == t0 { next } else { &[] };
-                            let o = imp::Out {
+                            let o = Out {
                                 y: yp,
                                 n_out,
                                 r0: rows.start,
@@ -206,11 +210,7 @@ pub(crate) fn gemm(
                 unsafe { imp::tile_release() };
             })
         };
-        if n_tasks == 1 || n_thr == 1 {
-            (0..n_tasks).for_each(task);
-        } else {
-            pool.run(n_tasks, &task);
-        }
+        run_tasks(pool, n_tasks, &task);
         Ok(())
     })
 }
@@ -222,25 +222,12 @@ mod imp {
 
     use kapitsa_base::GgmlType;
 
-    use super::{ACT, QK, ROWS, TOKS};
-    use crate::matmul::SharedMut;
-
-    /// Where one row block's results go: rows `r0 .. r0 + n_rows` and tokens
-    /// `t0 .. t0 + n_toks` of `y` (`[n_tok, n_out]`).
-    pub(super) struct Out {
-        pub(super) y: SharedMut<f32>,
-        pub(super) n_out: usize,
-        pub(super) r0: usize,
-        pub(super) n_rows: usize,
-        pub(super) t0: usize,
-        pub(super) n_toks: usize,
-    }
+    use super::{Out, ACT, QK, ROWS, TOKS};
+    pub(super) use crate::gemm_amx::tile_release;
+    use crate::gemm_amx::{load_config, TileCfg};
 
     /// The tile configuration: palette 1; tiles 0, 1 (block sums) 16 rows of 64 bytes, tiles
     /// 2, 3 (weights) 16 rows of 32 bytes, tiles 4, 5 (activations) 8 rows of 64 bytes.
-    #[repr(C, align(64))]
-    struct TileCfg([u8; 64]);
-
     static CFG: TileCfg = {
         let mut c = [0u8; 64];
         c[0] = 1;
@@ -259,17 +246,8 @@ mod imp {
     /// # Safety
     /// The CPU has AMX-TILE and this process has the permission to use tile data.
     pub(super) unsafe fn tile_config() {
-        // SAFETY: `CFG` is a valid 64-byte palette-1 configuration (caller: AMX present).
-        unsafe { asm!("ldtilecfg [{0}]", in(reg) CFG.0.as_ptr(), options(nostack, readonly)) };
-    }
-
-    /// Releases the tile state of this thread.
-    ///
-    /// # Safety
-    /// As [`tile_config`].
-    pub(super) unsafe fn tile_release() {
-        // SAFETY: AMX present (caller); `tilerelease` touches no memory.
-        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+        // SAFETY: `CFG` is a valid palette-1 configuration (caller: AMX present).
+        unsafe { load_config(&CFG) };
     }
 
     /// Builds a row block's record in `rec`: the scales of `rows.len() / wrb` rows (`w`) as
@@ -556,16 +534,7 @@ mod imp {
 mod imp {
     use kapitsa_base::GgmlType;
 
-    use crate::matmul::SharedMut;
-
-    pub(super) struct Out {
-        pub(super) y: SharedMut<f32>,
-        pub(super) n_out: usize,
-        pub(super) r0: usize,
-        pub(super) n_rows: usize,
-        pub(super) t0: usize,
-        pub(super) n_toks: usize,
-    }
+    use super::Out;
     pub(super) unsafe fn tile_config() {}
     pub(super) unsafe fn tile_release() {}
     pub(super) unsafe fn build_record(

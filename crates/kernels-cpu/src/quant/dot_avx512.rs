@@ -73,7 +73,8 @@ pub(super) fn kernel(_ty: GgmlType, _max: SimdLevel, _bf16: bool) -> Option<Chos
 /// Helpers the AVX-512 GEMM kernels share with the dot products.
 #[cfg(target_arch = "x86_64")]
 pub(super) use imp::{
-    hsum_epi32, k4_scales, ld512, prefetch_ahead, q5_0_plus16, q6k_sidx, sb_pack, sb_reduce8,
+    hsum_epi32, k4_scales, ld512, prefetch_ahead, q5_0_plus16, q6k_sidx, reduce_lanes8, sb_pack,
+    sb_reduce8,
 };
 /// The super-block-order K-format dot kernels (see `dot_sb`).
 #[cfg(target_arch = "x86_64")]
@@ -238,21 +239,30 @@ mod imp {
         _mm512_inserti64x4::<1>(_mm512_castsi256_si512(s8), m)
     }
 
-    /// The integers `T` and `M` of 8 packed super-blocks ([`sb_pack`]), lane `j` from `u[j]`:
-    /// one transposing add tree (integer sums are exact in any order).
+    /// The first two levels of a transposing add tree over 8 vectors of i32: per 128-bit
+    /// lane `L`, `p` = [sum of lane L of u0, of u1, of u2, of u3] and `q` the same of u4..u7.
     #[inline]
-    #[target_feature(enable = "avx512f,avx512dq")]
-    pub(in crate::quant) fn sb_reduce8(u: &[__m512i; 8]) -> (__m256i, __m256i) {
+    #[target_feature(enable = "avx512f")]
+    pub(in crate::quant) fn reduce_lanes8(u: &[__m512i; 8]) -> (__m512i, __m512i) {
         let h = |a: __m512i, b: __m512i| {
             _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
         };
         let g = |a: __m512i, b: __m512i| {
             _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
         };
-        // Per 128-bit lane L: [sum_L u0, sum_L u1, sum_L u2, sum_L u3] (p: u0..u3, q: u4..u7);
-        // lanes 0, 1 hold T parts, lanes 2, 3 M parts.
-        let p = g(h(u[0], u[1]), h(u[2], u[3]));
-        let q = g(h(u[4], u[5]), h(u[6], u[7]));
+        (
+            g(h(u[0], u[1]), h(u[2], u[3])),
+            g(h(u[4], u[5]), h(u[6], u[7])),
+        )
+    }
+
+    /// The integers `T` and `M` of 8 packed super-blocks ([`sb_pack`]), lane `j` from `u[j]`:
+    /// one transposing add tree (integer sums are exact in any order).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq")]
+    pub(in crate::quant) fn sb_reduce8(u: &[__m512i; 8]) -> (__m256i, __m256i) {
+        // Lanes 0, 1 of each 128-bit lane hold T parts, lanes 2, 3 M parts.
+        let (p, q) = reduce_lanes8(u);
         // [T0..4, M0..4, T4..8, M4..8]
         let r = _mm512_add_epi32(
             _mm512_shuffle_i32x4::<0x88>(p, q),

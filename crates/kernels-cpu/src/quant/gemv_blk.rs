@@ -62,6 +62,7 @@ pub(crate) fn kernel(ty: GgmlType) -> Option<GemvFn> {
 mod imp {
     use std::arch::x86_64::*;
 
+    use crate::quant::dot_avx512::reduce_lanes8;
     use crate::quant::dot_blk::XB;
 
     /// Rows whose chains share one vector.
@@ -145,15 +146,8 @@ mod imp {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2")]
     fn reduce16(u: &[__m512i; 8]) -> __m512i {
-        let h = |a: __m512i, b: __m512i| {
-            _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
-        };
-        let g = |a: __m512i, b: __m512i| {
-            _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
-        };
         // Per 128-bit lane L: [sum_L u0, sum_L u1, sum_L u2, sum_L u3] (p: u0..u3, q: u4..u7).
-        let p = g(h(u[0], u[1]), h(u[2], u[3]));
-        let q = g(h(u[4], u[5]), h(u[6], u[7]));
+        let (p, q) = reduce_lanes8(u);
         // Lanes 0, 1 of p: rows 0..4; 2, 3: rows 4..8; of q: rows 8..12, 12..16.
         _mm512_add_epi32(
             _mm512_shuffle_i32x4::<0x88>(p, q),
