@@ -8,7 +8,8 @@
 //! Environment: `GEMM_TYPES=q4_K,q6_K` (weight types), `GEMM_SHAPES=512x2048,...` (`n_out x
 //! n_in`; default the Qwen2.5-Coder-1.5B shapes), `GEMM_AB=1` (alternate the GEMM with the
 //! per-row dot path, `matmul_dot_with`, and print both), `GEMM_QUANT=1` (time activation
-//! quantisation alone).
+//! quantisation alone), `GEMM_READ=1` (also time plain reads of the weight bytes on the
+//! calling thread, to compare a decode GEMV with the bandwidth that memory gives a core).
 
 use kapitsa_base::pool::{RayonPool, SerialPool};
 use kapitsa_base::{GgmlType, ThreadPool};
@@ -30,6 +31,42 @@ impl Rng {
             * 1.732
             - 3.464
     }
+}
+
+/// Wrapping sum of `b` as 64-byte vectors (four accumulators): reads every byte with one
+/// load per line. Falls back to a scalar word sum without AVX-512.
+fn read_all(b: &[u8]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f")]
+        fn sum512(b: &[u8]) -> u64 {
+            use std::arch::x86_64::*;
+            let mut a = [_mm512_setzero_si512(); 4];
+            for c in b.chunks_exact(256) {
+                for (k, ak) in a.iter_mut().enumerate() {
+                    // SAFETY: 64 readable bytes of `c` at 64k; an unaligned load.
+                    let v = unsafe { _mm512_loadu_si512(c[64 * k..].as_ptr().cast()) };
+                    *ak = _mm512_add_epi64(*ak, v);
+                }
+            }
+            let s = _mm512_add_epi64(_mm512_add_epi64(a[0], a[1]), _mm512_add_epi64(a[2], a[3]));
+            _mm512_reduce_add_epi64(s) as u64
+        }
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F detected above.
+            return unsafe { sum512(b) };
+        }
+    }
+    b.chunks_exact(8).fold(0u64, |a, c| {
+        a.wrapping_add(u64::from_le_bytes(c.try_into().expect("8 bytes")))
+    })
+}
+
+/// Wrapping sum of the first byte of every 64-byte line of `b`: reads every line with few
+/// instructions (the hardware still moves whole lines).
+fn read_lines(b: &[u8]) -> u64 {
+    b.chunks_exact(64)
+        .fold(0u64, |a, c| a.wrapping_add(u64::from(c[0])))
 }
 
 /// Random blocks of `ty` with sane f16 scale fields.
@@ -195,6 +232,31 @@ fn main() {
             let flop = 2.0 * (n_out * n_in * n_tok) as f64;
             total_flop += flop;
             total_t += best;
+            if std::env::var("GEMM_READ").is_ok() {
+                // The same bytes read by plain loops on this thread: every byte with 64-byte
+                // vector loads (what a GEMV must do), and one byte per line (the hardware
+                // still moves whole lines; `kapitsa bench --membw` reports the faster).
+                let mut best_read = [f64::INFINITY; 2];
+                for _ in 0..reps {
+                    for (k, b) in best_read.iter_mut().enumerate() {
+                        let t = std::time::Instant::now();
+                        std::hint::black_box(if k == 0 {
+                            read_all(&data)
+                        } else {
+                            read_lines(&data)
+                        });
+                        *b = b.min(t.elapsed().as_secs_f64());
+                    }
+                }
+                let gb = data.len() as f64 / 1e9;
+                println!(
+                    "      weights {:.1} MB: matmul {:.1} GB/s, read every byte {:.1} GB/s, one byte per line {:.1} GB/s",
+                    gb * 1e3,
+                    gb / best,
+                    gb / best_read[0],
+                    gb / best_read[1]
+                );
+            }
             println!(
                 "{:>5} {n_out:>5}x{n_in:<5} n_tok={n_tok} threads={threads} {level:?}: {:8.3} ms {:7.1} GFLOP/s wall, {:6.1} GFLOP/s per CPU-second",
                 ty.name(),

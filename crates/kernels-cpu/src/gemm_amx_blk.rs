@@ -85,8 +85,9 @@ fn pack_token(x: &[u8], n: usize, g: &mut [u8]) {
 
 /// `y[t, r] = dot_blk(W[r], x[t])` for `t < n_tok`. Shapes were validated by the caller
 /// (`matmul_impl`): `x` is `[n_tok, n_in]`, `y` is `[n_tok, n_out]`, `n_in` is a multiple of
-/// 32, and the CPU has AMX-INT8 with the permission granted and AVX-512 VNNI
-/// ([`quant::SimdLevel::Amx`] is available).
+/// 32, a row has at most `i32::MAX / 16` bytes (the scale gather's offsets), and the CPU has
+/// AMX-INT8 with the permission granted and AVX-512 VNNI ([`quant::SimdLevel::Amx`] is
+/// available).
 pub(crate) fn gemm(
     pool: &dyn ThreadPool,
     w: &QMatrix<'_>,
@@ -184,7 +185,8 @@ pub(crate) fn gemm(
                             };
                             let g = &acts[tt * tt_bytes..(tt + 1) * tt_bytes];
                             // SAFETY: AMX configured above; `a` holds the row block's A tiles
-                            // (block `k` at `k * bb_a`, 16 rows `a_stride` apart: in place,
+                            // (block `k` at `k * bb` in place, `k * 512` decoded; 16 rows
+                            // `a_stride` apart: in place,
                             // the last row's 32 bytes of the last block end inside `wrows`;
                             // decoded, inside `rec`), `g` the tile's `nb` groups; this task
                             // alone writes the columns `rows` of `y` (it owns the row blocks

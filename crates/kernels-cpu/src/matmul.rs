@@ -268,10 +268,12 @@ fn matmul_impl(
         y.fill(0.0);
         return Ok(());
     }
+    // (The block-order tile GEMM gathers the 16 rows' scales with i32 offsets.)
     if allow_gemm
         && n_tok >= 2
         && kernel.level() == SimdLevel::Amx
         && crate::gemm_amx_blk::supports(w.dtype)
+        && rb <= i32::MAX as usize / 16
     {
         return crate::gemm_amx_blk::gemm(pool, w, x, n_tok, y);
     }
