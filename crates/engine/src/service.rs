@@ -57,7 +57,7 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 /// Settings of the engine.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
-    /// Sequences decoding at once (= cache slots); default 8.
+    /// Sequences decoding at once (= cache slots); default 16.
     pub max_running: usize,
     /// Tokens per forward pass (decode tokens plus prefill chunks); default 512. Must be
     /// `>= max_running` so that every running sequence can decode in each step.
@@ -109,7 +109,7 @@ impl Default for PrefixCacheConfig {
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
-            max_running: 8,
+            max_running: 16,
             max_batch_tokens: 512,
             n_ctx: 4096,
             max_queue: 64,
