@@ -57,6 +57,7 @@ fn read_all(b: &[u8]) -> u64 {
             return unsafe { sum512(b) };
         }
     }
+    // `chunks_exact(8)` yields 8-byte slices only, so the conversion cannot fail.
     b.chunks_exact(8).fold(0u64, |a, c| {
         a.wrapping_add(u64::from_le_bytes(c.try_into().expect("8 bytes")))
     })
