@@ -19,7 +19,8 @@
 //!   (a block of up to [`TOK_BLOCK`] tokens); each tile is one pool task, looping rows outer
 //!   and tokens inner, so a weight row is streamed from memory once per token block and then
 //!   stays in L1 while it meets every activation row of the block (which stay in L2). Decode
-//!   (`n_tok == 1`) is a pure GEMV split over row chunks; where the kernel has a row-group
+//!   (`n_tok == 1`) is a pure GEMV split over row chunks ([`GEMV_TASKS_PER_THREAD`] per
+//!   thread, whole 16-row groups); where the kernel has a row-group
 //!   GEMV (the K formats, Q8_0 and Q5_0 at [`SimdLevel::Amx`]), each chunk is one call of it.
 //!
 //! Results do not depend on the thread count.
@@ -44,6 +45,11 @@ pub const GEMM_MIN_TOKENS: usize = 4;
 /// GEMM is 6x slower than the AVX-512 GEMM at 4 tokens, about even at 64, 1.3x faster at 96
 /// and 1.7x at 256. Below it the same order runs on the AVX-512 GEMM (`kern_k_sb`).
 pub const AMX_MIN_TOKENS: usize = 80;
+
+/// Row chunks per thread of a decode GEMV. Tasks are claimed dynamically, so a thread that
+/// finishes early waits at most for the chunk another thread is still on: more, smaller
+/// chunks shorten that wait (4 per thread left ~4% of a 2-thread decode step idle).
+pub const GEMV_TASKS_PER_THREAD: usize = 8;
 
 /// A borrowed 2-D weight matrix in a ggml block format.
 #[derive(Debug, Clone, Copy)]
@@ -328,9 +334,13 @@ fn matmul_impl(
 
     // 2. Tiles of (row chunk) x (token block).
     let n_tb = n_tok.div_ceil(TOK_BLOCK);
-    let target_tasks = pool.n_threads() * 4;
+    let target_tasks = pool.n_threads() * if gemv { GEMV_TASKS_PER_THREAD } else { 4 };
     let row_chunks = target_tasks.div_ceil(n_tb).clamp(1, n_out);
-    let chunk = n_out.div_ceil(row_chunks).max(1);
+    let mut chunk = n_out.div_ceil(row_chunks).max(1);
+    if gemv {
+        // Whole row groups of the GEMV kernels (8 or 16 rows) where the matrix allows.
+        chunk = chunk.next_multiple_of(16).min(n_out);
+    }
     let row_chunks = n_out.div_ceil(chunk);
     let yp = SharedMut(y.as_mut_ptr());
     let xq = &xq;
