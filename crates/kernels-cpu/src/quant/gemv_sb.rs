@@ -209,7 +209,7 @@ mod imp {
     #[inline(always)]
     const fn hleft<const K: u8>(c: usize) -> bool {
         if K == 2 {
-            c % 2 == 0
+            c.is_multiple_of(2)
         } else {
             c < 2
         }
