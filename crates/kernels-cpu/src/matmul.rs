@@ -20,8 +20,8 @@
 //!   and tokens inner, so a weight row is streamed from memory once per token block and then
 //!   stays in L1 while it meets every activation row of the block (which stay in L2). Decode
 //!   (`n_tok == 1`) is a pure GEMV split over row chunks ([`GEMV_TASKS_PER_THREAD`] per
-//!   thread, whole 16-row groups); where the kernel has a row-group
-//!   GEMV (the K formats, Q8_0 and Q5_0 at [`SimdLevel::Amx`]), each chunk is one call of it.
+//!   thread, whole 16-row groups); where the kernel has a row-group GEMV (the K formats, Q8_0
+//!   and Q5_0 at [`SimdLevel::Amx`]), each chunk is one call of it.
 //!
 //! Results do not depend on the thread count.
 

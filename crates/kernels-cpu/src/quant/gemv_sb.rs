@@ -254,15 +254,13 @@ mod imp {
     }
 
     /// `qh` shifted for vector `c` of format `K` (see [`Consts::hshift`]).
-    #[inline(always)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
     fn hbits<const K: u8>(qh: __m512i, k: &Consts, c: usize) -> __m512i {
-        // SAFETY: AVX-512BW is enabled in every caller (the kernel's `target_feature`s).
-        unsafe {
-            if hleft::<K>(c) {
-                _mm512_sllv_epi16(qh, k.hshift[c])
-            } else {
-                _mm512_srlv_epi16(qh, k.hshift[c])
-            }
+        if hleft::<K>(c) {
+            _mm512_sllv_epi16(qh, k.hshift[c])
+        } else {
+            _mm512_srlv_epi16(qh, k.hshift[c])
         }
     }
 
