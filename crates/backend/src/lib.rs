@@ -23,14 +23,14 @@ pub enum BackendError {
 /// Result of a backend op.
 pub type Result<T> = std::result::Result<T, BackendError>;
 
-/// One output buffer per matrix of a `matmul_many` call.
-fn check_outputs(n_w: usize, n_y: usize) -> Result<()> {
-    if n_w != n_y {
+/// One buffer (`what`: "inputs" or "outputs") per matrix of a multi-matrix call `op`.
+fn check_count(op: &'static str, what: &'static str, n_w: usize, n: usize) -> Result<()> {
+    if n_w != n {
         return Err(KernelError::BadLength {
-            op: "matmul_many",
-            what: "outputs",
+            op,
+            what,
             expected: n_w,
-            got: n_y,
+            got: n,
         }
         .into());
     }
@@ -73,13 +73,27 @@ pub trait Backend: Send + Sync {
         ys: &mut [&mut [f32]],
         small_batch: bool,
     ) -> Result<()> {
-        check_outputs(ws.len(), ys.len())?;
+        check_count("matmul_many", "outputs", ws.len(), ys.len())?;
         for (w, y) in ws.iter().zip(ys.iter_mut()) {
             if small_batch {
                 self.matmul_small_batch(w, x, n_tok, y)?;
             } else {
                 self.matmul(w, x, n_tok, y)?;
             }
+        }
+        Ok(())
+    }
+
+    /// `ys[i][ws[i].n_out] = ws[i] @ xs[i][ws[i].n_in]` for one token each: several decode
+    /// products with their own inputs (the gate and up, then the down projections of every
+    /// active expert of an MoE layer). Each output exactly as
+    /// [`Backend::matmul_small_batch`] computes it for one token; a backend may run them
+    /// together (one fork-join, inputs given as the same slice quantised once).
+    fn gemv_batch(&self, ws: &[QMatrix<'_>], xs: &[&[f32]], ys: &mut [&mut [f32]]) -> Result<()> {
+        check_count("gemv_batch", "inputs", ws.len(), xs.len())?;
+        check_count("gemv_batch", "outputs", ws.len(), ys.len())?;
+        for ((w, x), y) in ws.iter().zip(xs).zip(ys.iter_mut()) {
+            self.matmul_small_batch(w, x, 1, y)?;
         }
         Ok(())
     }
@@ -302,6 +316,16 @@ impl Backend for CpuBackend {
             ws,
             x,
             n_tok,
+            ys,
+        )?)
+    }
+
+    fn gemv_batch(&self, ws: &[QMatrix<'_>], xs: &[&[f32]], ys: &mut [&mut [f32]]) -> Result<()> {
+        Ok(matmul::gemv_batch_with(
+            self.level,
+            &*self.pool,
+            ws,
+            xs,
             ys,
         )?)
     }

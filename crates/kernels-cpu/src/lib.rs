@@ -16,8 +16,8 @@ pub mod quant;
 pub mod vexp;
 
 pub use matmul::{
-    dequantize_rows, get_rows, matmul, matmul_dot_with, matmul_many_with, matmul_scalar,
-    matmul_with, QMatrix,
+    dequantize_rows, gemv_batch_with, get_rows, matmul, matmul_dot_with, matmul_many_with,
+    matmul_scalar, matmul_with, QMatrix,
 };
 pub use quant::{
     dequantize_row, quantize_row, vec_dot, vec_dot_type, vec_dot_with, DotKernel, KernelError,

@@ -18,10 +18,15 @@
 //! * Otherwise ([`matmul_dot_with`]): outputs are cut into tiles of (a chunk of weight rows) x
 //!   (a block of up to [`TOK_BLOCK`] tokens); each tile is one pool task, looping rows outer
 //!   and tokens inner, so a weight row is streamed from memory once per token block and then
-//!   stays in L1 while it meets every activation row of the block (which stay in L2). Decode
-//!   (`n_tok == 1`) is a pure GEMV split over row chunks ([`GEMV_TASKS_PER_THREAD`] per
-//!   thread, whole 16-row groups); where the kernel has a row-group GEMV (the K formats, Q8_0
-//!   and Q5_0 at [`SimdLevel::Amx`]), each chunk is one call of it.
+//!   stays in L1 while it meets every activation row of the block (which stay in L2).
+//! * Decode (`n_tok == 1`, [`gemv_batch_with`]): a pure GEMV split over row chunks
+//!   ([`GEMV_TASKS_PER_THREAD`] per thread, whole 16-row groups); where the kernel has a
+//!   row-group GEMV (the K formats, Q8_0 and Q5_0 at [`SimdLevel::Amx`]), each chunk is one
+//!   call of it. Several matrices (an MoE layer's experts, attention's q, k and v) can share
+//!   one pool round.
+//! * A few tokens (2 to [`GEMV_MULTI_MAX_TOKENS`]) on the K formats at [`SimdLevel::Amx`]:
+//!   the same row chunks on the multi-token row-group GEMV, which decodes each weight block
+//!   once for all the tokens (before the GEMMs and the per-row dot kernels).
 //!
 //! Results do not depend on the thread count.
 
@@ -50,6 +55,12 @@ pub const AMX_MIN_TOKENS: usize = 80;
 /// finishes early waits at most for the chunk another thread is still on: more, smaller
 /// chunks shorten that wait (4 per thread left ~4% of a 2-thread decode step idle).
 pub const GEMV_TASKS_PER_THREAD: usize = 8;
+
+/// Largest token count that takes the multi-token row-group GEMV (the K formats at
+/// [`SimdLevel::Amx`]: every weight block decoded in registers once for all tokens) instead of
+/// the per-row dot kernels or the AVX-512 GEMM: batched decode steps of a few sequences, the
+/// experts that meet a few tokens of a batch, speculative verification.
+pub const GEMV_MULTI_MAX_TOKENS: usize = 4;
 
 /// A borrowed 2-D weight matrix in a ggml block format.
 #[derive(Debug, Clone, Copy)]
@@ -166,8 +177,8 @@ pub fn matmul_with(
 }
 
 /// [`matmul_with`] always on the per-row dot kernels (one [`DotKernel::dot`] per output, fused
-/// 4-token `dot4` where available): the decode path, and the baseline the tiled GEMM is
-/// measured and tested against.
+/// 4-token `dot4` where available; a single token still takes the row-group GEMV): the
+/// baseline the tiled GEMMs and the multi-token GEMV are measured and tested against.
 pub fn matmul_dot_with(
     level: SimdLevel,
     pool: &dyn ThreadPool,
@@ -195,6 +206,9 @@ pub fn matmul_many_with(
 ) -> Result<(), KernelError> {
     const OP: &str = "matmul";
     check_len(OP, "outputs", ws.len(), ys.len())?;
+    if n_tok == 1 {
+        return gemv_batch_with(level, pool, ws, &vec![x; ws.len()], ys);
+    }
     let mut done = vec![false; ws.len()];
     for i in 0..ws.len() {
         if done[i] {
@@ -205,7 +219,12 @@ pub fn matmul_many_with(
         let amx = n_tok >= AMX_MIN_TOKENS
             && kernel.level() == SimdLevel::Amx
             && crate::gemm_amx::supports(w0.dtype);
-        let gk = (!amx && n_tok >= GEMM_MIN_TOKENS && w0.n_in >= crate::quant::gemm_avx512::GROUP)
+        // (A few tokens on the multi-token GEMV: one `matmul_impl` per matrix.)
+        let multi = n_tok <= GEMV_MULTI_MAX_TOKENS && kernel.has_gemv_multi();
+        let gk = (!amx
+            && !multi
+            && n_tok >= GEMM_MIN_TOKENS
+            && w0.n_in >= crate::quant::gemm_avx512::GROUP)
             .then(|| crate::quant::gemm_avx512::kernel(w0.dtype, kernel.level()))
             .flatten();
         let Some(gk) = gk else {
@@ -246,6 +265,122 @@ pub fn matmul_many_with(
     Ok(())
 }
 
+/// `ys[i] = ws[i] · xs[i]` for one token each (`xs[i]` is `[ws[i].n_in]`, `ys[i]` is
+/// `[ws[i].n_out]`, overwritten): several decode GEMVs in one pool round, such as the gate
+/// and up projections of every active expert of an MoE layer, or attention's q, k and v.
+/// Every output is exactly what [`matmul_with`] computes for that matrix and one token (the
+/// same kernel on the same quantised row).
+///
+/// Inputs passed as the same slice (same address and length) are quantised once per
+/// activation format. The rows of all matrices are cut into chunks of about equal bytes
+/// ([`GEMV_TASKS_PER_THREAD`] per thread over the whole batch, whole 16-row groups where the
+/// kernel has a row-group GEMV), and all chunks are tasks of a single pool round, so a batch
+/// of small matrices pays one fork-join instead of one per matrix, and an idle thread only
+/// waits for the last chunk of the whole batch.
+pub fn gemv_batch_with(
+    level: SimdLevel,
+    pool: &dyn ThreadPool,
+    ws: &[QMatrix<'_>],
+    xs: &[&[f32]],
+    ys: &mut [&mut [f32]],
+) -> Result<(), KernelError> {
+    const OP: &str = "gemv_batch";
+    check_len(OP, "inputs", ws.len(), xs.len())?;
+    check_len(OP, "outputs", ws.len(), ys.len())?;
+    /// A matrix of the batch: its kernel, bytes per row, whether the row-group GEMV applies,
+    /// and its quantised input.
+    struct Job {
+        kernel: DotKernel,
+        rb: usize,
+        gemv: bool,
+        xq: usize,
+    }
+    // Quantised inputs, keyed by (address, length, activation format, weight type whose
+    // row-group GEMV layout it was prepared for).
+    type Key = (usize, usize, GgmlType, Option<GgmlType>);
+    let mut keys: Vec<Key> = Vec::new();
+    let mut xqs: Vec<Vec<u8>> = Vec::new();
+    let mut jobs = Vec::with_capacity(ws.len());
+    let mut total = 0usize;
+    for ((w, x), y) in ws.iter().zip(xs).zip(ys.iter_mut()) {
+        let rb = w.check(OP)?;
+        check_len(OP, "x", w.n_in, x.len())?;
+        check_len(OP, "y", w.n_out, y.len())?;
+        let kernel = DotKernel::with_level(w.dtype, level)?;
+        if w.n_in == 0 {
+            // No products to sum (and no input to quantise).
+            y.fill(0.0);
+        }
+        // The row-group kernels address 8 rows with i32 offsets: rows of up to 128 MiB.
+        let gemv = kernel.has_gemv() && rb <= i32::MAX as usize / 16;
+        let key = (
+            x.as_ptr() as usize,
+            x.len(),
+            kernel.dot_type(),
+            gemv.then_some(w.dtype),
+        );
+        let xq = match keys.iter().position(|k| *k == key) {
+            Some(p) => p,
+            None => {
+                let mut q = vec![0u8; quant::row_bytes(OP, kernel.dot_type(), w.n_in)?];
+                quant::act::quantize_act(kernel.dot_type(), x, &mut q);
+                if gemv {
+                    kernel.prepare_gemv(&mut q);
+                }
+                keys.push(key);
+                xqs.push(q);
+                xqs.len() - 1
+            }
+        };
+        total = total.saturating_add(w.data.len());
+        jobs.push(Job {
+            kernel,
+            rb,
+            gemv,
+            xq,
+        });
+    }
+
+    // Chunks of about `per` bytes: (matrix, first row, end row).
+    let per = total
+        .div_ceil(pool.n_threads().max(1) * GEMV_TASKS_PER_THREAD)
+        .max(1);
+    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+    for (i, (w, job)) in ws.iter().zip(&jobs).enumerate() {
+        if w.n_out == 0 || w.n_in == 0 {
+            continue;
+        }
+        let n_chunks = (w.data.len() / per).clamp(1, w.n_out);
+        let mut chunk = w.n_out.div_ceil(n_chunks);
+        if job.gemv {
+            chunk = chunk.next_multiple_of(16).min(w.n_out);
+        }
+        let mut r = 0;
+        while r < w.n_out {
+            tasks.push((i, r, (r + chunk).min(w.n_out)));
+            r += chunk;
+        }
+    }
+    let outs: Vec<SharedMut<f32>> = ys.iter_mut().map(|y| SharedMut(y.as_mut_ptr())).collect();
+    let run = |t: usize| {
+        let (i, r0, r1) = tasks[t];
+        let (w, job) = (&ws[i], &jobs[i]);
+        // SAFETY: rows r0..r1 of output `i` belong to this task only (the chunks of a matrix
+        // are disjoint); r1 <= n_out = ys[i].len() (checked above), and `ys` outlives `run`.
+        let out = unsafe { std::slice::from_raw_parts_mut(outs[i].ptr().add(r0), r1 - r0) };
+        let (rb, xq) = (job.rb, &xqs[job.xq]);
+        if job.gemv {
+            job.kernel.gemv(&w.data[r0 * rb..r1 * rb], rb, xq, out);
+        } else {
+            for (r, o) in (r0..r1).zip(out.iter_mut()) {
+                *o = job.kernel.dot(&w.data[r * rb..(r + 1) * rb], xq);
+            }
+        }
+    };
+    pool.run(tasks.len(), &run);
+    Ok(())
+}
+
 fn matmul_impl(
     level: SimdLevel,
     pool: &dyn ThreadPool,
@@ -274,6 +409,15 @@ fn matmul_impl(
         y.fill(0.0);
         return Ok(());
     }
+    if n_tok == 1 {
+        return gemv_batch_with(level, pool, std::slice::from_ref(w), &[x], &mut [y]);
+    }
+    // (The row-group kernels address 8 rows with i32 offsets: rows of up to 128 MiB.)
+    let multi = allow_gemm
+        && n_tok <= GEMV_MULTI_MAX_TOKENS
+        && kernel.has_gemv_multi()
+        && rb <= i32::MAX as usize / 16;
+    let allow_gemm = allow_gemm && !multi;
     // (The block-order tile GEMM gathers the 16 rows' scales with i32 offsets.)
     if allow_gemm
         && n_tok >= 2
@@ -305,7 +449,7 @@ fn matmul_impl(
             .checked_mul(xrb)
             .ok_or(KernelError::Overflow { op: OP })?
     ];
-    if n_tok == 1 || pool.n_threads() == 1 {
+    if pool.n_threads() == 1 {
         for (xr, qr) in x.chunks_exact(n_in).zip(xq.chunks_exact_mut(xrb)) {
             quant::act::quantize_act(dot_ty, xr, qr);
         }
@@ -325,22 +469,39 @@ fn matmul_impl(
         });
     }
 
-    // Decode of a format with a row-group GEMV: its activation layout, then row chunks.
-    // (The row-group kernels address 8 rows with i32 offsets: rows of up to 128 MiB.)
-    let gemv = n_tok == 1 && kernel.has_gemv() && rb <= i32::MAX as usize / 16;
-    if gemv {
-        kernel.prepare_gemv(&mut xq);
+    if multi {
+        // A few tokens on the multi-token row-group GEMV: row chunks (whole 16-row groups),
+        // each weight block decoded once for all tokens.
+        for row in xq.chunks_exact_mut(xrb) {
+            kernel.prepare_gemv(row);
+        }
+        let xs: Vec<&[u8]> = xq.chunks_exact(xrb).collect();
+        let target = pool.n_threads() * GEMV_TASKS_PER_THREAD;
+        let chunk = n_out
+            .div_ceil(target.clamp(1, n_out))
+            .next_multiple_of(16)
+            .min(n_out);
+        let yp = SharedMut(y.as_mut_ptr());
+        pool.run(n_out.div_ceil(chunk), &|task| {
+            let r0 = task * chunk;
+            let r1 = (r0 + chunk).min(n_out);
+            let mut outs: Vec<&mut [f32]> = (0..n_tok)
+                .map(|t| {
+                    // SAFETY: elements (t, r0..r1) belong to this task only (the row chunks
+                    // are disjoint, and so are the tokens' rows of `y`); t * n_out + r1 <=
+                    // n_tok * n_out = y.len(), and `y` outlives `run`.
+                    unsafe { std::slice::from_raw_parts_mut(yp.ptr().add(t * n_out + r0), r1 - r0) }
+                })
+                .collect();
+            kernel.gemv_multi(&w.data[r0 * rb..r1 * rb], rb, &xs, &mut outs);
+        });
+        return Ok(());
     }
 
     // 2. Tiles of (row chunk) x (token block).
     let n_tb = n_tok.div_ceil(TOK_BLOCK);
-    let target_tasks = pool.n_threads() * if gemv { GEMV_TASKS_PER_THREAD } else { 4 };
-    let row_chunks = target_tasks.div_ceil(n_tb).clamp(1, n_out);
-    let mut chunk = n_out.div_ceil(row_chunks).max(1);
-    if gemv {
-        // Whole row groups of the GEMV kernels (8 or 16 rows) where the matrix allows.
-        chunk = chunk.next_multiple_of(16).min(n_out);
-    }
+    let row_chunks = (pool.n_threads() * 4).div_ceil(n_tb).clamp(1, n_out);
+    let chunk = n_out.div_ceil(row_chunks).max(1);
     let row_chunks = n_out.div_ceil(chunk);
     let yp = SharedMut(y.as_mut_ptr());
     let xq = &xq;
@@ -349,14 +510,6 @@ fn matmul_impl(
         let rows = rc * chunk..((rc + 1) * chunk).min(n_out);
         let toks = tb * TOK_BLOCK..((tb + 1) * TOK_BLOCK).min(n_tok);
         let xrow = |t: usize| &xq[t * xrb..(t + 1) * xrb];
-        if gemv {
-            // SAFETY: outputs rows.start..rows.end of the single token belong to this tile
-            // only; rows.end <= n_out = y.len(), and `y` outlives `run`.
-            let out =
-                unsafe { std::slice::from_raw_parts_mut(yp.ptr().add(rows.start), rows.len()) };
-            kernel.gemv(&w.data[rows.start * rb..rows.end * rb], rb, xrow(0), out);
-            return;
-        }
         for r in rows {
             let wr = &w.data[r * rb..(r + 1) * rb];
             let mut t = toks.start;

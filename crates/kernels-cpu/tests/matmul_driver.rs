@@ -5,8 +5,8 @@ use kapitsa_base::pool::{RayonPool, SerialPool};
 use kapitsa_base::{GgmlType, ThreadPool};
 use kapitsa_kernels_cpu::quant::WEIGHT_TYPES;
 use kapitsa_kernels_cpu::{
-    dequantize_row, dequantize_rows, get_rows, matmul, matmul_scalar, matmul_with, quantize_row,
-    vec_dot_type, QMatrix, SimdLevel,
+    dequantize_row, dequantize_rows, gemv_batch_with, get_rows, matmul, matmul_scalar, matmul_with,
+    quantize_row, vec_dot_type, vec_dot_with, QMatrix, SimdLevel,
 };
 
 mod common;
@@ -241,6 +241,95 @@ fn batched_tokens_equal_single_token_results_bitwise() {
             }
         }
     }
+}
+
+/// `gemv_batch_with` (several one-token products in one pool round, shared inputs quantised
+/// once) gives every output bit for bit as one per-row dot kernel on the quantised input:
+/// mixed types (row-group GEMV kernels and per-row ones), widths, inputs shared by several
+/// matrices (also across weight types whose GEMVs lay the input out differently) and inputs
+/// of their own, matrices of one row and of many chunks, every level, 1 and 2 threads.
+#[test]
+fn gemv_batch_equals_per_row_dot_bitwise() {
+    let mut rng = Rng(404);
+    let pool2 = RayonPool::new(2).unwrap();
+    let spin2 = kapitsa_base::pool::SpinPool::new(2).unwrap();
+    let pools: [&dyn ThreadPool; 3] = [&SerialPool, &pool2, &spin2];
+    // (type, n_out, n_in, input): inputs 0 and 1 are 512 wide, input 2 is 768 wide.
+    let mats: [(GgmlType, usize, usize, usize); 9] = [
+        (GgmlType::Q4_K, 300, 512, 0),
+        (GgmlType::Q6_K, 17, 512, 0),
+        (GgmlType::Q5_K, 33, 512, 0),
+        (GgmlType::Q8_0, 64, 512, 0),
+        (GgmlType::Q4_K, 1, 512, 1),
+        (GgmlType::Q5_0, 48, 768, 2),
+        (GgmlType::F16, 5, 512, 1),
+        (GgmlType::Q4_K, 2000, 768, 2),
+        (GgmlType::F32, 3, 768, 2),
+    ];
+    let data: Vec<Vec<u8>> = mats
+        .iter()
+        .map(|&(ty, n_out, n_in, _)| random_matrix(ty, n_out, n_in, &mut rng))
+        .collect();
+    let inputs: Vec<Vec<f32>> = [512usize, 512, 768]
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.normal()).collect())
+        .collect();
+    let ws: Vec<QMatrix<'_>> = mats
+        .iter()
+        .zip(&data)
+        .map(|(&(ty, n_out, n_in, _), d)| QMatrix::new(ty, n_out, n_in, d).unwrap())
+        .collect();
+    let xs: Vec<&[f32]> = mats.iter().map(|m| inputs[m.3].as_slice()).collect();
+    for level in SimdLevel::available() {
+        // The reference: one dot per row on the quantised input.
+        let want: Vec<Vec<f32>> = ws
+            .iter()
+            .zip(&xs)
+            .map(|(w, x)| {
+                let dt = vec_dot_type(w.dtype).unwrap();
+                let mut q = vec![0u8; dt.row_bytes(w.n_in).unwrap()];
+                quantize_row(dt, x, &mut q).unwrap();
+                (0..w.n_out)
+                    .map(|r| vec_dot_with(level, w.dtype, w.n_in, w.row(r).unwrap(), &q).unwrap())
+                    .collect()
+            })
+            .collect();
+        for pool in pools {
+            let mut got: Vec<Vec<f32>> = ws.iter().map(|w| vec![f32::NAN; w.n_out]).collect();
+            let mut ys: Vec<&mut [f32]> = got.iter_mut().map(|v| v.as_mut_slice()).collect();
+            gemv_batch_with(level, pool, &ws, &xs, &mut ys).unwrap();
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{:?} {level:?} {} threads, matrix {i}: {g:?} vs {w:?}",
+                    mats[i].0,
+                    pool.n_threads()
+                );
+            }
+        }
+    }
+    // Bad arguments: counts and lengths.
+    let x = &xs[..1];
+    let mut y = vec![0f32; 300];
+    assert!(gemv_batch_with(SimdLevel::Scalar, &SerialPool, &ws[..1], &[], &mut [&mut y]).is_err());
+    assert!(gemv_batch_with(SimdLevel::Scalar, &SerialPool, &ws[..1], x, &mut []).is_err());
+    assert!(gemv_batch_with(
+        SimdLevel::Scalar,
+        &SerialPool,
+        &ws[..1],
+        x,
+        &mut [&mut y[1..]]
+    )
+    .is_err());
+    assert!(gemv_batch_with(
+        SimdLevel::Scalar,
+        &SerialPool,
+        &ws[..1],
+        &[&xs[0][1..]],
+        &mut [&mut y]
+    )
+    .is_err());
+    assert!(gemv_batch_with(SimdLevel::Scalar, &SerialPool, &ws[..1], x, &mut [&mut y]).is_ok());
 }
 
 #[test]

@@ -119,6 +119,11 @@ fn gemm_equals_per_row_dot_bitwise_for_every_type_and_level() {
                 (70, 1, 17),
                 (19, 6, 31),
                 (5, 9, 8),
+                // 2-8 tokens: the multi-token row-group GEMV at the AMX level.
+                (9, 2, 2),
+                (17, 1, 3),
+                (40, 5, 7),
+                (130, 2, 6),
             ]
         } else {
             // Single tiles (4-8 tokens: the kernels that decode raw weights in registers),

@@ -26,14 +26,14 @@ pub(super) fn kernel(ty: GgmlType, max: SimdLevel, _bf16: bool) -> Option<Chosen
         return None;
     }
     let vnni = max >= SimdLevel::Avx512Vnni;
-    let plain: Option<DotFn> = match ty {
-        T::F32 => Some(f32_f32),
-        T::F16 => Some(f16_f16),
-        T::BF16 => Some(bf16_bf16),
+    let plain: Option<(DotFn, Option<Dot4Fn>)> = match ty {
+        T::F32 => Some((f32_f32, Some(f32_f32_x4))),
+        T::F16 => Some((f16_f16, None)),
+        T::BF16 => Some((bf16_bf16, None)),
         _ => None,
     };
-    if let Some(f) = plain {
-        return Some((SimdLevel::Avx512, f, None));
+    if let Some((f, f4)) = plain {
+        return Some((SimdLevel::Avx512, f, f4));
     }
     macro_rules! pick {
         ($one:ident, $four:ident) => {
@@ -941,40 +941,60 @@ mod imp {
     /// Requires AVX-512F/BW/VL/DQ and AVX2/FMA/F16C.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
     pub(super) unsafe fn f32_f32(w: &[u8], x: &[u8]) -> f32 {
-        let n = (w.len() / 4).min(x.len() / 4);
-        let mut acc = [_mm512_setzero_ps(); 4];
+        f32_rows::<1>(w, [x])[0]
+    }
+
+    /// [`f32_f32`] of one weight row against four activation rows (each weight vector
+    /// loaded once for all four); every result bit-identical to `f32_f32`.
+    ///
+    /// # Safety
+    /// Requires AVX-512F/BW/VL/DQ and AVX2/FMA/F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    pub(super) unsafe fn f32_f32_x4(w: &[u8], xs: [&[u8]; 4]) -> [f32; 4] {
+        f32_rows::<4>(w, xs)
+    }
+
+    /// The f32 dot product of `w` with each of the `NT` rows `xs`: per row, four interleaved
+    /// 16-lane FMA chains, one 16-lane chain for the rest of the whole vectors, an f64 tail.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    fn f32_rows<const NT: usize>(w: &[u8], xs: [&[u8]; NT]) -> [f32; NT] {
+        let n = xs.iter().fold(w.len() / 4, |m, x| m.min(x.len() / 4));
+        let mut acc = [[_mm512_setzero_ps(); 4]; NT];
         let mut i = 0;
         // SAFETY: each load reads 16 f32 (64 bytes) at element `o` with `o + 16 <= n`.
         unsafe {
             while i + 64 <= n {
-                for (k, a) in acc.iter_mut().enumerate() {
+                for k in 0..4 {
                     let o = 4 * (i + 16 * k);
-                    *a = _mm512_fmadd_ps(
-                        _mm512_castsi512_ps(ld512(w, o)),
-                        _mm512_castsi512_ps(ld512(x, o)),
-                        *a,
-                    );
+                    let wv = _mm512_castsi512_ps(ld512(w, o));
+                    for (a, x) in acc.iter_mut().zip(xs) {
+                        a[k] = _mm512_fmadd_ps(wv, _mm512_castsi512_ps(ld512(x, o)), a[k]);
+                    }
                 }
                 i += 64;
             }
             while i + 16 <= n {
                 let o = 4 * i;
-                acc[0] = _mm512_fmadd_ps(
-                    _mm512_castsi512_ps(ld512(w, o)),
-                    _mm512_castsi512_ps(ld512(x, o)),
-                    acc[0],
-                );
+                let wv = _mm512_castsi512_ps(ld512(w, o));
+                for (a, x) in acc.iter_mut().zip(xs) {
+                    a[0] = _mm512_fmadd_ps(wv, _mm512_castsi512_ps(ld512(x, o)), a[0]);
+                }
                 i += 16;
             }
         }
-        let v = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-        let mut s = f64::from(_mm512_reduce_add_ps(v));
-        for j in i..n {
-            let a = f32::from_le_bytes([w[4 * j], w[4 * j + 1], w[4 * j + 2], w[4 * j + 3]]);
-            let b = f32::from_le_bytes([x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3]]);
-            s += f64::from(a * b);
+        let mut out = [0f32; NT];
+        for ((o, a), x) in out.iter_mut().zip(acc).zip(xs) {
+            let v = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+            let mut s = f64::from(_mm512_reduce_add_ps(v));
+            for j in i..n {
+                let p = f32::from_le_bytes([w[4 * j], w[4 * j + 1], w[4 * j + 2], w[4 * j + 3]]);
+                let q = f32::from_le_bytes([x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3]]);
+                s += f64::from(p * q);
+            }
+            *o = s as f32;
         }
-        s as f32
+        out
     }
 
     /// Shared f16/bf16 loop: `cvt` widens 16 packed halves to f32.

@@ -37,6 +37,12 @@ use kapitsa_base::GgmlType;
 /// computed and give 0 (callers never pass such rows).
 pub(crate) type GemvFn = unsafe fn(w: &[u8], rb: usize, x: &[u8], out: &mut [f32]);
 
+/// A row-range GEMV over a few tokens: `outs[t][r] = dot(w[r * rb..(r + 1) * rb], xs[t])` for
+/// every token `t` and `r < outs[t].len()` (all `outs[t]` the same length), each weight block
+/// decoded once for all tokens. Otherwise as [`GemvFn`]; `xs.len() == outs.len()`, any count
+/// (taken four tokens at a time).
+pub(crate) type GemvMultiFn = unsafe fn(w: &[u8], rb: usize, xs: &[&[u8]], outs: &mut [&mut [f32]]);
+
 /// The super-block-order GEMV for `ty`, if it has one (Q4_K, Q5_K, Q6_K on x86-64). Callers
 /// must only use it where the super-block order applies (`SimdLevel::Amx`, which implies the
 /// AVX-512 VNNI features the kernels need).
@@ -47,6 +53,24 @@ pub(crate) fn kernel(ty: GgmlType) -> Option<GemvFn> {
             GgmlType::Q4_K => Some(imp::rows::<0> as GemvFn),
             GgmlType::Q5_K => Some(imp::rows::<1> as GemvFn),
             GgmlType::Q6_K => Some(imp::rows::<2> as GemvFn),
+            _ => None,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = ty;
+        None
+    }
+}
+
+/// The multi-token form of [`kernel`] (same types, same conditions).
+pub(crate) fn kernel_multi(ty: GgmlType) -> Option<GemvMultiFn> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        match ty {
+            GgmlType::Q4_K => Some(imp::multi::<0> as GemvMultiFn),
+            GgmlType::Q5_K => Some(imp::multi::<1> as GemvMultiFn),
+            GgmlType::Q6_K => Some(imp::multi::<2> as GemvMultiFn),
             _ => None,
         }
     }
@@ -87,11 +111,15 @@ mod imp {
     /// passes and the Q6_K GEMV took ~20% longer.
     const CH: usize = 40;
 
+    /// Tokens per pass of the multi-token GEMV.
+    const NT_MAX: usize = 4;
+
     thread_local! {
-        /// The packed integers of a row group awaiting their reduction (20 KiB), kept per
-        /// thread: zeroing a fresh array in every call was 1.5% of a Qwen3.6 decode step.
-        /// Entries of rows past a short group's end are stale but never stored (see `rows`).
-        static U: UnsafeCell<[[__m512i; R]; CH]> =
+        /// The packed integers of a row group awaiting their reduction (20 KiB per token),
+        /// kept per thread: zeroing a fresh array in every call was 1.5% of a Qwen3.6 decode
+        /// step. Entries of rows past a short group's end are stale but never stored (see
+        /// `rows_n`).
+        static U: UnsafeCell<[[[__m512i; R]; CH]; NT_MAX]> =
             // SAFETY: all-zero bits are valid `__m512i` values (plain integer lanes).
             const { UnsafeCell::new(unsafe { std::mem::zeroed() }) };
     }
@@ -264,12 +292,18 @@ mod imp {
         }
     }
 
-    /// One Q4_K (`Q5`: Q5_K) block `b` against one prepared Q8_K block `y`: the packed
-    /// integers of `sb_pack` (`T` in the fold of the main lanes, `M` in the min lanes).
-    /// `sm` is the block's lane of [`k4_scales_x4`] copied to every 128-bit lane.
+    /// One Q4_K (`Q5`: Q5_K) block `b` against the prepared Q8_K blocks `ys` of `NT`
+    /// tokens (the weights decoded once): per token, the packed integers of `sb_pack` (`T` in
+    /// the fold of the main lanes, `M` in the min lanes). `sm` is the block's lane of
+    /// [`k4_scales_x4`] copied to every 128-bit lane.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2")]
-    fn k45_block<const Q5: bool>(b: &[u8], y: &[u8], sm: __m512i, k: &Consts) -> __m512i {
+    fn k45_block<const Q5: bool, const NT: usize>(
+        b: &[u8],
+        ys: [&[u8]; NT],
+        sm: __m512i,
+        k: &Consts,
+    ) -> [__m512i; NT] {
         // The 8 mins as i16, each twice (one per 16-element `bsums` entry).
         let mins2 = _mm256_shuffle_epi8(
             _mm512_castsi512_si256(sm),
@@ -278,7 +312,10 @@ mod imp {
                 13, -1, 14, -1, 14, -1, 15, -1, 15, -1,
             ),
         );
-        let prod_m = _mm256_madd_epi16(ld256(y, 260), mins2);
+        let mut prod_m = [_mm256_setzero_si256(); NT];
+        for (pm, y) in prod_m.iter_mut().zip(ys) {
+            *pm = _mm256_madd_epi16(ld256(y, 260), mins2);
+        }
         let m4 = _mm512_set1_epi8(0xF);
         let qs = if Q5 { 48 } else { 16 };
         let qh2 = if Q5 {
@@ -287,7 +324,7 @@ mod imp {
             _mm512_setzero_si512()
         };
         let bit4 = _mm512_set1_epi8(0x10);
-        let mut sumi = _mm512_setzero_si512();
+        let mut sumi = [_mm512_setzero_si512(); NT];
         for h in 0..2 {
             let q = ld512(b, qs + 64 * h);
             let mut v = [
@@ -300,27 +337,38 @@ mod imp {
                     // vi | (qh bit & 0x10)
                     *vi = _mm512_ternarylogic_epi32::<0xF8>(*vi, hbits::<1>(qh2, k, c), bit4);
                 }
-                let p = _mm512_maddubs_epi16(*vi, ld512(y, 4 + 64 * c));
-                sumi = _mm512_dpwssd_epi32(sumi, p, _mm512_shuffle_epi8(sm, k.sidx[c]));
+                let sc = _mm512_shuffle_epi8(sm, k.sidx[c]);
+                for (st, y) in sumi.iter_mut().zip(ys) {
+                    let p = _mm512_maddubs_epi16(*vi, ld512(y, 4 + 64 * c));
+                    *st = _mm512_dpwssd_epi32(*st, p, sc);
+                }
             }
         }
-        sb_pack(sumi, prod_m)
+        let mut out = [_mm512_setzero_si512(); NT];
+        for ((o, st), pm) in out.iter_mut().zip(sumi).zip(prod_m) {
+            *o = sb_pack(st, pm);
+        }
+        out
     }
 
-    /// One Q6_K block `b` against one Q8_K block `y`: packed `T` (of the unsigned 6-bit
-    /// quants times the scales) and `M` (`bsums` times the scales; the integer is `T - 32 M`).
+    /// One Q6_K block `b` against the Q8_K blocks `ys` of `NT` tokens: per token, packed `T`
+    /// (of the unsigned 6-bit quants times the scales) and `M` (`bsums` times the scales; the
+    /// integer is `T - 32 M`).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2")]
-    fn q6_block(b: &[u8], y: &[u8], k: &Consts) -> __m512i {
+    fn q6_block<const NT: usize>(b: &[u8], ys: [&[u8]; NT], k: &Consts) -> [__m512i; NT] {
         let s = &b[192..208];
         // SAFETY: `s` is the 16 scale bytes of the block.
         let sc8 = unsafe { _mm_loadu_si128(s.as_ptr().cast()) };
         let sc16 = _mm256_cvtepi8_epi16(sc8);
         let sc512 = _mm512_castsi256_si512(sc16);
-        let offs = _mm256_madd_epi16(ld256(y, 260), sc16);
+        let mut offs = [_mm256_setzero_si256(); NT];
+        for (of, y) in offs.iter_mut().zip(ys) {
+            *of = _mm256_madd_epi16(ld256(y, 260), sc16);
+        }
         let m4 = _mm512_set1_epi8(0xF);
         let hi2 = _mm512_set1_epi8(0x30);
-        let mut sumi = _mm512_setzero_si512();
+        let mut sumi = [_mm512_setzero_si512(); NT];
         for h in 0..2 {
             let ql = ld512(b, 64 * h);
             let qh2 = _mm512_broadcast_i64x4(ld256(b, 128 + 32 * h));
@@ -332,11 +380,18 @@ mod imp {
                 let p = 2 * h + i;
                 // vi | (qh bits & 0x30)
                 let q = _mm512_ternarylogic_epi32::<0xF8>(vi, hbits::<2>(qh2, k, p), hi2);
-                let prod = _mm512_maddubs_epi16(q, ld512(y, 4 + 64 * p));
-                sumi = _mm512_dpwssd_epi32(sumi, prod, _mm512_permutexvar_epi16(k.sidx[p], sc512));
+                let sc = _mm512_permutexvar_epi16(k.sidx[p], sc512);
+                for (st, y) in sumi.iter_mut().zip(ys) {
+                    let prod = _mm512_maddubs_epi16(q, ld512(y, 4 + 64 * p));
+                    *st = _mm512_dpwssd_epi32(*st, prod, sc);
+                }
             }
         }
-        sb_pack(sumi, offs)
+        let mut out = [_mm512_setzero_si512(); NT];
+        for ((o, st), of) in out.iter_mut().zip(sumi).zip(offs) {
+            *o = sb_pack(st, of);
+        }
+        out
     }
 
     /// The kernel behind [`super::kernel`]: `K` = 0 (Q4_K), 1 (Q5_K), 2 (Q6_K).
@@ -345,19 +400,59 @@ mod imp {
     /// Requires AVX-512F/BW/VL/DQ, VNNI, AVX2, FMA and F16C.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
     pub(super) unsafe fn rows<const K: u8>(w: &[u8], rb: usize, x: &[u8], out: &mut [f32]) {
+        rows_n::<K, 1>(w, rb, [x], [out]);
+    }
+
+    /// The kernel behind [`super::kernel_multi`]: the tokens four at a time.
+    ///
+    /// # Safety
+    /// Requires AVX-512F/BW/VL/DQ, VNNI, AVX2, FMA and F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn multi<const K: u8>(
+        w: &[u8],
+        rb: usize,
+        xs: &[&[u8]],
+        outs: &mut [&mut [f32]],
+    ) {
+        for (xc, oc) in xs.chunks(NT_MAX).zip(outs.chunks_mut(NT_MAX)) {
+            match (xc, oc) {
+                ([a], [p]) => rows_n::<K, 1>(w, rb, [a], [p]),
+                ([a, b], [p, q]) => rows_n::<K, 2>(w, rb, [a, b], [p, q]),
+                ([a, b, c], [p, q, r]) => rows_n::<K, 3>(w, rb, [a, b, c], [p, q, r]),
+                ([a, b, c, d], [p, q, r, t]) => rows_n::<K, 4>(w, rb, [a, b, c, d], [p, q, r, t]),
+                // Unequal counts: nothing (callers pass one output per input).
+                _ => {}
+            }
+        }
+    }
+
+    /// `NT` (1..=4) tokens against the same rows: `outs[t][r] = dot(row r, xs[t])`, every
+    /// weight block decoded once for all tokens; each token's outputs are exactly those of
+    /// the one-token kernel (the same integers and the same f32 chain per row). Callers
+    /// without the enabled features cannot call it outside `unsafe`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    fn rows_n<const K: u8, const NT: usize>(
+        w: &[u8],
+        rb: usize,
+        xs: [&[u8]; NT],
+        mut outs: [&mut [f32]; NT],
+    ) {
+        const { assert!(NT >= 1 && NT <= NT_MAX) };
         let ts: usize = match K {
             0 => 144,
             1 => 176,
             _ => 210,
         };
-        out.fill(0.0);
+        for o in outs.iter_mut() {
+            o.fill(0.0);
+        }
         // Row offsets go into i32 gather lanes: callers keep `rb` far below this (`matmul`
         // takes the per-row kernels for rows over 128 MiB).
         if rb == 0 || i32::try_from(R * rb + ts).is_err() {
             return;
         }
-        let nb = (rb / ts).min(x.len() / 292);
-        let n = out.len().min(w.len() / rb);
+        let nb = xs.iter().fold(rb / ts, |m, x| m.min(x.len() / 292));
+        let n = outs.iter().fold(w.len() / rb, |m, o| m.min(o.len()));
         let k = consts::<K>();
         // Byte offset of a dword ending with (Q6_K) or starting with (Q4_K/Q5_K) the scales.
         let dofs = if K == 2 { 206 } else { 0 };
@@ -371,7 +466,7 @@ mod imp {
             let nr = (n - r0).min(R);
             let g = &w[r0 * rb..(r0 + nr) * rb];
             let valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr as i32), lane);
-            let mut acc = _mm256_setzero_ps();
+            let mut acc = [_mm256_setzero_ps(); NT];
             let mut j0 = 0;
             while j0 < nb {
                 let jn = (nb - j0).min(CH);
@@ -379,23 +474,29 @@ mod imp {
                     let row = &g[r * rb..(r + 1) * rb];
                     // Q4_K/Q5_K: the scale fields of the next four blocks, decoded together.
                     let mut sm4 = _mm512_setzero_si512();
-                    for (j, uj) in u.iter_mut().enumerate().take(jn) {
+                    for j in 0..jn {
                         let s = j0 + j;
                         let b = &row[s * ts..(s + 1) * ts];
                         prefetch_ahead(b.as_ptr(), ts);
-                        let y = &x[s * 292..(s + 1) * 292];
+                        let mut ys = [&b[..0]; NT];
+                        for (y, x) in ys.iter_mut().zip(xs) {
+                            *y = &x[s * 292..(s + 1) * 292];
+                        }
                         if K != 2 && j % 4 == 0 {
                             sm4 = k4_scales_x4(row, s * ts, (jn - j).min(4), ts);
                         }
-                        uj[r] = match K {
-                            0 => k45_block::<false>(b, y, lane_bcast(sm4, j % 4), &k),
-                            1 => k45_block::<true>(b, y, lane_bcast(sm4, j % 4), &k),
-                            _ => q6_block(b, y, &k),
+                        let v = match K {
+                            0 => k45_block::<false, NT>(b, ys, lane_bcast(sm4, j % 4), &k),
+                            1 => k45_block::<true, NT>(b, ys, lane_bcast(sm4, j % 4), &k),
+                            _ => q6_block::<NT>(b, ys, &k),
                         };
+                        for (ut, vt) in u.iter_mut().zip(v) {
+                            ut[j][r] = vt;
+                        }
                     }
                 }
                 // Rows past `nr` hold stale integers: their lanes are never stored.
-                for (j, uj) in u.iter().enumerate().take(jn) {
+                for j in 0..jn {
                     let s = j0 + j;
                     let off = s * ts + dofs;
                     // SAFETY: lane r < nr reads 4 bytes at r * rb + off, inside row r of `g`
@@ -409,30 +510,38 @@ mod imp {
                             valid,
                         )
                     };
-                    let yd = _mm256_set1_ps(f32::from_le_bytes([
-                        x[s * 292],
-                        x[s * 292 + 1],
-                        x[s * 292 + 2],
-                        x[s * 292 + 3],
-                    ]));
-                    let (t, m) = sb_reduce8(uj);
                     let hi16 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(dw)));
-                    if K == 2 {
-                        let f = _mm256_mul_ps(hi16, yd);
-                        let iv = _mm256_sub_epi32(t, _mm256_slli_epi32::<5>(m));
-                        acc = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(iv), acc);
-                    } else {
-                        let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(dw));
-                        acc = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(t), acc);
-                        acc = _mm256_fnmadd_ps(_mm256_mul_ps(hi16, yd), _mm256_cvtepi32_ps(m), acc);
+                    let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(dw));
+                    for ((a, x), ut) in acc.iter_mut().zip(xs).zip(u.iter()) {
+                        let yd = _mm256_set1_ps(f32::from_le_bytes([
+                            x[s * 292],
+                            x[s * 292 + 1],
+                            x[s * 292 + 2],
+                            x[s * 292 + 3],
+                        ]));
+                        let (t, m) = sb_reduce8(&ut[j]);
+                        if K == 2 {
+                            let f = _mm256_mul_ps(hi16, yd);
+                            let iv = _mm256_sub_epi32(t, _mm256_slli_epi32::<5>(m));
+                            *a = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(iv), *a);
+                        } else {
+                            *a = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(t), *a);
+                            *a = _mm256_fnmadd_ps(
+                                _mm256_mul_ps(hi16, yd),
+                                _mm256_cvtepi32_ps(m),
+                                *a,
+                            );
+                        }
                     }
                 }
                 j0 += jn;
             }
-            let mut lanes = [0f32; R];
-            // SAFETY: `lanes` holds 8 f32.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-            out[r0..r0 + nr].copy_from_slice(&lanes[..nr]);
+            for (o, a) in outs.iter_mut().zip(acc) {
+                let mut lanes = [0f32; R];
+                // SAFETY: `lanes` holds 8 f32.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
+                o[r0..r0 + nr].copy_from_slice(&lanes[..nr]);
+            }
             r0 += nr;
         }
     }
@@ -503,6 +612,63 @@ mod tests {
                             e.to_bits(),
                             "{ty:?} n_in {n_in} row {r}/{rows}: {g} vs {e}"
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The multi-token kernel gives every token's outputs bit for bit as the dot kernel, for
+    /// 1 to 9 tokens (every pass size of four and its remainders), row counts around the
+    /// 8-row groups and widths around the 40-super-block passes.
+    #[test]
+    fn multi_token_gemv_equals_dot_kernel_bitwise() {
+        if !SimdLevel::Amx.is_available() {
+            eprintln!("skipped: no AMX level on this CPU");
+            return;
+        }
+        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+            let dk = DotKernel::with_level(ty, SimdLevel::Amx).unwrap();
+            let f = kernel_multi(ty).unwrap();
+            for (n_in, rows) in [(256, 9), (2048, 8), (4352, 17), (11264, 3)] {
+                let rb = ty.row_bytes(n_in).unwrap();
+                let w = weights(ty, rows, n_in, &mut seed);
+                for n_tok in 1..=9 {
+                    let xq: Vec<Vec<u8>> = (0..n_tok)
+                        .map(|_| {
+                            let xf: Vec<f32> = (0..n_in)
+                                .map(|_| (rng(&mut seed) % 20001) as f32 / 1e4 - 1.0)
+                                .collect();
+                            let mut q = vec![0u8; GgmlType::Q8_K.row_bytes(n_in).unwrap()];
+                            quantize_row(GgmlType::Q8_K, &xf, &mut q).unwrap();
+                            q
+                        })
+                        .collect();
+                    let xp: Vec<Vec<u8>> = xq
+                        .iter()
+                        .map(|q| {
+                            let mut p = q.clone();
+                            prepare(ty, &mut p);
+                            p
+                        })
+                        .collect();
+                    let xs: Vec<&[u8]> = xp.iter().map(|p| p.as_slice()).collect();
+                    let mut got = vec![vec![f32::NAN; rows]; n_tok];
+                    let mut outs: Vec<&mut [f32]> =
+                        got.iter_mut().map(|g| g.as_mut_slice()).collect();
+                    // SAFETY: the AMX level (checked above) implies the kernel's features.
+                    unsafe { f(&w, rb, &xs, &mut outs) };
+                    for (t, g) in got.iter().enumerate() {
+                        for (r, wr) in w.chunks_exact(rb).enumerate() {
+                            let e = dk.dot(wr, &xq[t]);
+                            assert_eq!(
+                                g[r].to_bits(),
+                                e.to_bits(),
+                                "{ty:?} n_in {n_in} token {t}/{n_tok} row {r}: {} vs {e}",
+                                g[r]
+                            );
+                        }
                     }
                 }
             }

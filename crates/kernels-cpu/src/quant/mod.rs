@@ -241,6 +241,7 @@ pub struct DotKernel {
     f: DotFn,
     f4: Option<Dot4Fn>,
     gemv: Option<gemv_sb::GemvFn>,
+    gemv_multi: Option<gemv_sb::GemvMultiFn>,
 }
 
 impl std::fmt::Debug for DotKernel {
@@ -291,6 +292,9 @@ impl DotKernel {
         let gemv = (level == SimdLevel::Amx)
             .then(|| gemv_sb::kernel(ty).or_else(|| gemv_blk::kernel(ty)))
             .flatten();
+        let gemv_multi = (level == SimdLevel::Amx)
+            .then(|| gemv_sb::kernel_multi(ty))
+            .flatten();
         Ok(DotKernel {
             ty,
             dot_ty,
@@ -298,6 +302,7 @@ impl DotKernel {
             f,
             f4,
             gemv,
+            gemv_multi,
         })
     }
 
@@ -357,6 +362,28 @@ impl DotKernel {
     pub(crate) fn prepare_gemv(&self, x: &mut [u8]) {
         if self.gemv.is_some() {
             gemv_sb::prepare(self.ty, x);
+        }
+    }
+
+    /// Whether [`DotKernel::gemv_multi`] has a multi-token row-group kernel.
+    pub(crate) fn has_gemv_multi(&self) -> bool {
+        self.gemv_multi.is_some()
+    }
+
+    /// `outs[t][r] = dot(w[r * rb..(r + 1) * rb], xs[t])` for every token `t` and every
+    /// `r < outs[t].len()` (one output slice per input, all of one length), each weight block
+    /// decoded once for all tokens; bit-identical to [`DotKernel::dot`] on the unprepared
+    /// rows. Every `xs[t]` must have gone through [`DotKernel::prepare_gemv`]. `w` holds at
+    /// least that many rows of `rb` bytes.
+    pub(crate) fn gemv_multi(&self, w: &[u8], rb: usize, xs: &[&[u8]], outs: &mut [&mut [f32]]) {
+        match self.gemv_multi {
+            // SAFETY: as in `gemv`: only set at `SimdLevel::Amx`, checked available.
+            Some(g) => unsafe { g(w, rb, xs, outs) },
+            None => {
+                for (x, out) in xs.iter().zip(outs.iter_mut()) {
+                    self.gemv(w, rb, x, out);
+                }
+            }
         }
     }
 

@@ -101,6 +101,10 @@ struct Scratch {
     slot_out: Vec<f32>,
     routed: Vec<f32>,
     shared: Vec<f32>,
+    /// The shared expert's gate and up outputs `[n_ff_shared]` when it joins the routed
+    /// experts' batched GEMVs (one-token steps).
+    sg: Vec<f32>,
+    su: Vec<f32>,
 }
 
 thread_local! {
@@ -148,32 +152,45 @@ fn run_mlp(
         }
     };
     let u = grown(&mut sc.u, n * n_ff);
-    // The down projection's input.
-    let hidden: &[f32] = match (act, gate) {
+    let gv = grown(&mut sc.g, if act == Act::SwiGlu { n * n_ff } else { 0 });
+    match (act, gate) {
         (Act::SwiGlu, Some(g)) => {
-            let gv = grown(&mut sc.g, n * n_ff);
             let ws = [*g, *up];
             let mut ys = [&mut *gv, &mut *u];
             be.matmul_many(&ws, x, n, &mut ys, expert)?;
-            be.silu_mul(gv, u);
-            gv
         }
-        (Act::Relu2, _) => {
-            mm(up, x, u)?;
+        (Act::Relu2, _) => mm(up, x, u)?,
+        (Act::SwiGlu, None) => return Err(no_gate()),
+    }
+    activate(be, act, gv, u);
+    mm(down, hidden(act, gv, u), out)?;
+    Ok(())
+}
+
+fn no_gate() -> ModelError {
+    ModelError::Config("SwiGLU MLP without a gate projection".into())
+}
+
+/// The activation of an MLP in place, on the gate (`g`) and up (`u`) projections' outputs:
+/// SwiGLU leaves `silu(g) * u` in `g`; squared ReLU leaves `relu(u)^2` in `u` (`g` unused).
+fn activate(be: &dyn Backend, act: Act, g: &mut [f32], u: &mut [f32]) {
+    match act {
+        Act::SwiGlu => be.silu_mul(g, u),
+        Act::Relu2 => {
             for v in u.iter_mut() {
                 let r = v.max(0.0);
                 *v = r * r;
             }
-            u
         }
-        (Act::SwiGlu, None) => {
-            return Err(ModelError::Config(
-                "SwiGLU MLP without a gate projection".into(),
-            ))
-        }
-    };
-    mm(down, hidden, out)?;
-    Ok(())
+    }
+}
+
+/// Where [`activate`] left the down projection's input.
+fn hidden<'a>(act: Act, g: &'a [f32], u: &'a [f32]) -> &'a [f32] {
+    match act {
+        Act::SwiGlu => g,
+        Act::Relu2 => u,
+    }
 }
 
 /// How router logits become expert scores.
@@ -473,14 +490,33 @@ impl Moe {
         for (i, &(e, _)) in sel.iter().enumerate() {
             by_expert[e].push(i);
         }
+        // Experts that meet a single (token, slot) pair (in a one-token step, all of them; in
+        // a batched decode step, most) and, in a one-token step, the shared expert run as
+        // batched GEMVs (`run_single_pairs`); the other experts one at a time.
+        let singles: Vec<(usize, usize)> = by_expert
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.len() == 1)
+            .map(|(e, p)| (e, p[0]))
+            .collect();
+        let shared_batched = n == 1 && self.shared.is_some();
         // Every (token, slot) pair belongs to exactly one expert, so every row is written.
         let mut slot_out = std::mem::take(&mut sc.slot_out);
         let mut xin = std::mem::take(&mut sc.xin);
         let mut yout = std::mem::take(&mut sc.yout);
+        let mut shared_buf = std::mem::take(&mut sc.shared);
         let res = (|| {
             let slot_out = grown(&mut slot_out, n * k * d_exp);
+            let shared_out = grown(&mut shared_buf, n * d);
+            let batched_shared = match &self.shared {
+                Some(sh) if shared_batched => Some((sh, x, &mut *shared_out)),
+                _ => None,
+            };
+            if !singles.is_empty() || batched_shared.is_some() {
+                self.run_single_pairs(be, xe, d_exp, &singles, slot_out, batched_shared, sc)?;
+            }
             for (e, pairs) in by_expert.iter().enumerate() {
-                if pairs.is_empty() {
+                if pairs.len() <= 1 {
                     continue;
                 }
                 let m = pairs.len();
@@ -528,18 +564,12 @@ impl Moe {
                 be.matmul(&l.up.matrix()?, &routed_buf[..n * d_exp], n, out)?;
             }
             sc.routed = routed_buf;
-            Ok::<(), ModelError>(())
-        })();
-        sc.slot_out = slot_out;
-        sc.xin = xin;
-        sc.yout = yout;
-        res?;
 
-        if let Some(sh) = &self.shared {
-            let mut s = std::mem::take(&mut sc.shared);
-            let res = (|| {
-                let s = grown(&mut s, n * d);
-                sh.forward_with(be, x, n, s, sc)?;
+            // The shared expert (unless it ran with the routed ones), gated per token.
+            if let Some(sh) = &self.shared {
+                if !shared_batched {
+                    sh.forward_with(be, x, n, shared_out, sc)?;
+                }
                 for t in 0..n {
                     let g = match &self.shared_gate {
                         Some(w) => {
@@ -549,16 +579,121 @@ impl Moe {
                     };
                     for (o, &v) in out[t * d..(t + 1) * d]
                         .iter_mut()
-                        .zip(&s[t * d..(t + 1) * d])
+                        .zip(&shared_out[t * d..(t + 1) * d])
                     {
                         *o += g * v;
                     }
                 }
-                Ok::<(), ModelError>(())
-            })();
-            sc.shared = s;
-            res?;
+            }
+            Ok::<(), ModelError>(())
+        })();
+        sc.slot_out = slot_out;
+        sc.xin = xin;
+        sc.yout = yout;
+        sc.shared = shared_buf;
+        res
+    }
+
+    /// The experts of `singles` (`(expert, pair)`: an expert that meets only (token, slot)
+    /// pair `pair`) and optionally the shared expert of a one-token step (`(mlp, x[d],
+    /// out[d])`), as two batched GEMV rounds ([`Backend::gemv_batch`]): every gate and up
+    /// projection, then every down projection. An expert's output goes to row `pair` of
+    /// `slot_out` (`[n * top_k, d_exp]`). The same products and activations as one
+    /// [`run_mlp`] per expert, so the same results.
+    #[allow(clippy::too_many_arguments)]
+    fn run_single_pairs(
+        &self,
+        be: &dyn Backend,
+        xe: &[f32],
+        d_exp: usize,
+        singles: &[(usize, usize)],
+        slot_out: &mut [f32],
+        shared: Option<(&Mlp, &[f32], &mut [f32])>,
+        sc: &mut Scratch,
+    ) -> Result<()> {
+        let (n_ff, act, k) = (self.n_ff, self.act, self.top_k);
+        let mats = singles
+            .iter()
+            .map(|&(e, _)| self.experts.mats(e, n_ff))
+            .collect::<Result<Vec<_>>>()?;
+        let sh = match &shared {
+            Some((m, ..)) => Some((
+                m.gate.as_ref().map(|g| g.matrix()).transpose()?,
+                m.up.matrix()?,
+                m.down.matrix()?,
+                m.act,
+            )),
+            None => None,
+        };
+        let ns = singles.len();
+        let g = grown(&mut sc.g, ns * n_ff);
+        let u = grown(&mut sc.u, ns * n_ff);
+        let sh_ff = sh.as_ref().map_or(0, |s| s.1.n_out);
+        let sg = grown(&mut sc.sg, sh_ff);
+        let su = grown(&mut sc.su, sh_ff);
+
+        // Round 1: gate and up projections.
+        {
+            let (mut ws, mut xs, mut ys) = (Vec::new(), Vec::new(), Vec::<&mut [f32]>::new());
+            let halves = g.chunks_exact_mut(n_ff).zip(u.chunks_exact_mut(n_ff));
+            for ((m, &(_, i)), (gq, uq)) in mats.iter().zip(singles).zip(halves) {
+                let t = i / k;
+                let xt = &xe[t * d_exp..(t + 1) * d_exp];
+                match (act, &m.gate) {
+                    (Act::SwiGlu, Some(gm)) => {
+                        ws.push(*gm);
+                        xs.push(xt);
+                        ys.push(gq);
+                    }
+                    (Act::SwiGlu, None) => return Err(no_gate()),
+                    (Act::Relu2, _) => {}
+                }
+                ws.push(m.up);
+                xs.push(xt);
+                ys.push(uq);
+            }
+            if let (Some((gm, up, _, sact)), Some((_, x, _))) = (&sh, &shared) {
+                match (sact, gm) {
+                    (Act::SwiGlu, Some(gm)) => {
+                        ws.push(*gm);
+                        xs.push(x);
+                        ys.push(&mut *sg);
+                    }
+                    (Act::SwiGlu, None) => return Err(no_gate()),
+                    (Act::Relu2, _) => {}
+                }
+                ws.push(*up);
+                xs.push(x);
+                ys.push(&mut *su);
+            }
+            be.gemv_batch(&ws, &xs, &mut ys)?;
         }
+        for (gq, uq) in g.chunks_exact_mut(n_ff).zip(u.chunks_exact_mut(n_ff)) {
+            activate(be, act, gq, uq);
+        }
+        if let Some((.., sact)) = &sh {
+            activate(be, *sact, sg, su);
+        }
+
+        // Round 2: down projections, straight into the output rows.
+        let mut rows: Vec<Option<&mut [f32]>> =
+            slot_out.chunks_exact_mut(d_exp).map(Some).collect();
+        let (mut ws, mut xs, mut ys) = (Vec::new(), Vec::new(), Vec::<&mut [f32]>::new());
+        let halves = g.chunks_exact(n_ff).zip(u.chunks_exact(n_ff));
+        for ((m, &(_, i)), (gq, uq)) in mats.iter().zip(singles).zip(halves) {
+            let row = rows.get_mut(i).and_then(Option::take).ok_or_else(|| {
+                ModelError::Config(format!("expert pair {i} listed twice or out of range"))
+            })?;
+            ws.push(m.down);
+            xs.push(hidden(act, gq, uq));
+            ys.push(row);
+        }
+        if let (Some((_, _, down, sact)), Some((_, _, out))) = (&sh, shared) {
+            ws.push(*down);
+            xs.push(hidden(*sact, sg, su));
+            ys.push(out);
+        }
+        be.gemv_batch(&ws, &xs, &mut ys)?;
         Ok(())
     }
 }
