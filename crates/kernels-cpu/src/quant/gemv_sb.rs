@@ -43,34 +43,17 @@ pub(crate) type GemvFn = unsafe fn(w: &[u8], rb: usize, x: &[u8], out: &mut [f32
 /// (taken four tokens at a time).
 pub(crate) type GemvMultiFn = unsafe fn(w: &[u8], rb: usize, xs: &[&[u8]], outs: &mut [&mut [f32]]);
 
-/// The super-block-order GEMV for `ty`, if it has one (Q4_K, Q5_K, Q6_K on x86-64). Callers
-/// must only use it where the super-block order applies (`SimdLevel::Amx`, which implies the
-/// AVX-512 VNNI features the kernels need).
-pub(crate) fn kernel(ty: GgmlType) -> Option<GemvFn> {
+/// The super-block-order GEMVs for `ty`, if it has them (Q4_K, Q5_K, Q6_K on x86-64): the
+/// one-token kernel and the multi-token one. Callers must only use them where the
+/// super-block order applies (`SimdLevel::Amx`, which implies the AVX-512 VNNI features the
+/// kernels need).
+pub(crate) fn kernels(ty: GgmlType) -> Option<(GemvFn, GemvMultiFn)> {
     #[cfg(target_arch = "x86_64")]
     {
         match ty {
-            GgmlType::Q4_K => Some(imp::rows::<0> as GemvFn),
-            GgmlType::Q5_K => Some(imp::rows::<1> as GemvFn),
-            GgmlType::Q6_K => Some(imp::rows::<2> as GemvFn),
-            _ => None,
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = ty;
-        None
-    }
-}
-
-/// The multi-token form of [`kernel`] (same types, same conditions).
-pub(crate) fn kernel_multi(ty: GgmlType) -> Option<GemvMultiFn> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        match ty {
-            GgmlType::Q4_K => Some(imp::multi::<0> as GemvMultiFn),
-            GgmlType::Q5_K => Some(imp::multi::<1> as GemvMultiFn),
-            GgmlType::Q6_K => Some(imp::multi::<2> as GemvMultiFn),
+            GgmlType::Q4_K => Some((imp::rows::<0>, imp::multi::<0>)),
+            GgmlType::Q5_K => Some((imp::rows::<1>, imp::multi::<1>)),
+            GgmlType::Q6_K => Some((imp::rows::<2>, imp::multi::<2>)),
             _ => None,
         }
     }
@@ -82,7 +65,7 @@ pub(crate) fn kernel_multi(ty: GgmlType) -> Option<GemvMultiFn> {
 }
 
 /// Rearranges a quantised Q8_K activation row (`x`: whole 292-byte blocks) in place for the
-/// [`kernel`] of weight type `ty`: for Q4_K/Q5_K, in every block and each 128-element half,
+/// [`kernels`] of weight type `ty`: for Q4_K/Q5_K, in every block and each 128-element half,
 /// the second and third 32-byte chunks of quants swap places. Other types: unchanged.
 pub(crate) fn prepare(ty: GgmlType, x: &mut [u8]) {
     if !matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K) {
@@ -394,7 +377,7 @@ mod imp {
         out
     }
 
-    /// The kernel behind [`super::kernel`]: `K` = 0 (Q4_K), 1 (Q5_K), 2 (Q6_K).
+    /// The one-token kernel of [`super::kernels`]: `K` = 0 (Q4_K), 1 (Q5_K), 2 (Q6_K).
     ///
     /// # Safety
     /// Requires AVX-512F/BW/VL/DQ, VNNI, AVX2, FMA and F16C.
@@ -403,7 +386,7 @@ mod imp {
         rows_n::<K, 1>(w, rb, [x], [out]);
     }
 
-    /// The kernel behind [`super::kernel_multi`]: the tokens four at a time.
+    /// The multi-token kernel of [`super::kernels`]: the tokens four at a time.
     ///
     /// # Safety
     /// Requires AVX-512F/BW/VL/DQ, VNNI, AVX2, FMA and F16C.
@@ -590,7 +573,7 @@ mod tests {
         for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
             let dk = DotKernel::with_level(ty, SimdLevel::Amx).unwrap();
             assert_eq!(dk.level(), SimdLevel::Amx);
-            let f = kernel(ty).unwrap();
+            let f = kernels(ty).unwrap().0;
             for n_in in [256, 1536, 4096, 4352, 8960] {
                 let rb = ty.row_bytes(n_in).unwrap();
                 for rows in [1, 7, 8, 9, 17, 24] {
@@ -630,7 +613,7 @@ mod tests {
         let mut seed = 0x2545_F491_4F6C_DD1Du64;
         for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
             let dk = DotKernel::with_level(ty, SimdLevel::Amx).unwrap();
-            let f = kernel_multi(ty).unwrap();
+            let f = kernels(ty).unwrap().1;
             for (n_in, rows) in [(256, 9), (2048, 8), (4352, 17), (11264, 3)] {
                 let rb = ty.row_bytes(n_in).unwrap();
                 let w = weights(ty, rows, n_in, &mut seed);

@@ -289,12 +289,11 @@ impl DotKernel {
             ),
         };
         // The row-group GEMVs exist for the super-block and block orders only.
-        let gemv = (level == SimdLevel::Amx)
-            .then(|| gemv_sb::kernel(ty).or_else(|| gemv_blk::kernel(ty)))
-            .flatten();
-        let gemv_multi = (level == SimdLevel::Amx)
-            .then(|| gemv_sb::kernel_multi(ty))
-            .flatten();
+        let (gemv, gemv_multi) = match (level == SimdLevel::Amx, gemv_sb::kernels(ty)) {
+            (true, Some((g, m))) => (Some(g), Some(m)),
+            (true, None) => (gemv_blk::kernel(ty), None),
+            (false, _) => (None, None),
+        };
         Ok(DotKernel {
             ty,
             dot_ty,
