@@ -561,8 +561,19 @@ mod tests {
         w
     }
 
+    /// A random activation row of `n_in` elements in [-1, 1], quantised to Q8_K.
+    fn q8k_row(n_in: usize, seed: &mut u64) -> Vec<u8> {
+        let xf: Vec<f32> = (0..n_in)
+            .map(|_| (rng(seed) % 20001) as f32 / 1e4 - 1.0)
+            .collect();
+        let mut q = vec![0u8; GgmlType::Q8_K.row_bytes(n_in).unwrap()];
+        quantize_row(GgmlType::Q8_K, &xf, &mut q).unwrap();
+        q
+    }
+
     /// Every output equals the super-block-order dot kernel's bit for bit, for row counts
-    /// around the 8-row groups and widths around the 16-super-block passes.
+    /// around the 8-row groups and widths of 1 to 35 super-blocks (every tail of the four-block
+    /// scale decode; one pass: `multi_token_gemv_equals_dot_kernel_bitwise` covers two).
     #[test]
     fn gemv_equals_dot_kernel_bitwise() {
         if !SimdLevel::Amx.is_available() {
@@ -578,11 +589,7 @@ mod tests {
                 let rb = ty.row_bytes(n_in).unwrap();
                 for rows in [1, 7, 8, 9, 17, 24] {
                     let w = weights(ty, rows, n_in, &mut seed);
-                    let xf: Vec<f32> = (0..n_in)
-                        .map(|_| (rng(&mut seed) % 20001) as f32 / 1e4 - 1.0)
-                        .collect();
-                    let mut xq = vec![0u8; GgmlType::Q8_K.row_bytes(n_in).unwrap()];
-                    quantize_row(GgmlType::Q8_K, &xf, &mut xq).unwrap();
+                    let xq = q8k_row(n_in, &mut seed);
                     let want: Vec<f32> = w.chunks_exact(rb).map(|r| dk.dot(r, &xq)).collect();
                     let mut xp = xq.clone();
                     prepare(ty, &mut xp);
@@ -618,16 +625,7 @@ mod tests {
                 let rb = ty.row_bytes(n_in).unwrap();
                 let w = weights(ty, rows, n_in, &mut seed);
                 for n_tok in 1..=9 {
-                    let xq: Vec<Vec<u8>> = (0..n_tok)
-                        .map(|_| {
-                            let xf: Vec<f32> = (0..n_in)
-                                .map(|_| (rng(&mut seed) % 20001) as f32 / 1e4 - 1.0)
-                                .collect();
-                            let mut q = vec![0u8; GgmlType::Q8_K.row_bytes(n_in).unwrap()];
-                            quantize_row(GgmlType::Q8_K, &xf, &mut q).unwrap();
-                            q
-                        })
-                        .collect();
+                    let xq: Vec<Vec<u8>> = (0..n_tok).map(|_| q8k_row(n_in, &mut seed)).collect();
                     let xp: Vec<Vec<u8>> = xq
                         .iter()
                         .map(|q| {

@@ -507,7 +507,10 @@ impl Moe {
         let mut shared_buf = std::mem::take(&mut sc.shared);
         let res = (|| {
             let slot_out = grown(&mut slot_out, n * k * d_exp);
-            let shared_out = grown(&mut shared_buf, n * d);
+            let shared_out = grown(
+                &mut shared_buf,
+                if self.shared.is_some() { n * d } else { 0 },
+            );
             let batched_shared = match &self.shared {
                 Some(sh) if shared_batched => Some((sh, x, &mut *shared_out)),
                 _ => None,
