@@ -237,25 +237,43 @@ fn main() {
                 // The same bytes read by plain loops on this thread: every byte with 64-byte
                 // vector loads (what a GEMV must do), and one byte per line (the hardware
                 // still moves whole lines; `kapitsa bench --membw` reports the faster).
-                let mut best_read = [f64::INFINITY; 2];
+                // The third figure reads every byte on all the pool's threads, split like a
+                // GEMV's chunks, alternating with the matmul (what a decode step could reach).
+                let mut best_read = [f64::INFINITY; 3];
+                let mut best_mm = f64::INFINITY;
+                let pieces = 8 * pool.n_threads();
+                let piece = data.len().div_ceil(pieces).next_multiple_of(256);
                 for _ in 0..reps {
                     for (k, b) in best_read.iter_mut().enumerate() {
                         let t = std::time::Instant::now();
-                        std::hint::black_box(if k == 0 {
-                            read_all(&data)
-                        } else {
-                            read_lines(&data)
-                        });
+                        match k {
+                            0 => {
+                                std::hint::black_box(read_all(&data));
+                            }
+                            1 => {
+                                std::hint::black_box(read_lines(&data));
+                            }
+                            _ => pool.run(pieces, &|i| {
+                                let lo = (i * piece).min(data.len());
+                                let hi = ((i + 1) * piece).min(data.len());
+                                std::hint::black_box(read_all(&data[lo..hi]));
+                            }),
+                        }
                         *b = b.min(t.elapsed().as_secs_f64());
                     }
+                    let t = std::time::Instant::now();
+                    matmul_with(level, &*pool, &w, &x, n_tok, &mut y).expect("matmul");
+                    best_mm = best_mm.min(t.elapsed().as_secs_f64());
                 }
                 let gb = data.len() as f64 / 1e9;
                 println!(
-                    "      weights {:.1} MB: matmul {:.1} GB/s, read every byte {:.1} GB/s, one byte per line {:.1} GB/s",
+                    "      weights {:.1} MB: matmul {:.1} GB/s (alternating {:.1}), read every byte {:.1} GB/s, one byte per line {:.1} GB/s, on {threads} thread(s) {:.1} GB/s",
                     gb * 1e3,
                     gb / best,
+                    gb / best_mm,
                     gb / best_read[0],
-                    gb / best_read[1]
+                    gb / best_read[1],
+                    gb / best_read[2]
                 );
             }
             println!(

@@ -20,7 +20,7 @@
 //!   and tokens inner, so a weight row is streamed from memory once per token block and then
 //!   stays in L1 while it meets every activation row of the block (which stay in L2).
 //! * Decode (`n_tok == 1`, [`gemv_batch_with`]): a pure GEMV split over row chunks
-//!   ([`GEMV_TASKS_PER_THREAD`] per thread, whole 16-row groups); where the kernel has a
+//!   (shrinking through the round, whole 16-row groups); where the kernel has a
 //!   row-group GEMV (the K formats, Q8_0 and Q5_0 at [`SimdLevel::Amx`]), each chunk is one
 //!   call of it. Several matrices (an MoE layer's experts, attention's q, k and v) can share
 //!   one pool round.
@@ -51,10 +51,21 @@ pub const GEMM_MIN_TOKENS: usize = 4;
 /// and 1.7x at 256. Below it the same order runs on the AVX-512 GEMM (`kern_k_sb`).
 pub const AMX_MIN_TOKENS: usize = 80;
 
-/// Row chunks per thread of a decode GEMV. Tasks are claimed dynamically, so a thread that
-/// finishes early waits at most for the chunk another thread is still on: more, smaller
-/// chunks shorten that wait (4 per thread left ~4% of a 2-thread decode step idle).
-pub const GEMV_TASKS_PER_THREAD: usize = 8;
+/// Chunking of a decode GEMV round ([`gemv_chunks`]): each chunk takes about
+/// `1 / (GEMV_CHUNK_FACTOR * threads)` of the weight bytes not yet given to a chunk, so chunks
+/// shrink as the round goes on (guided self-scheduling by "factoring"). Tasks are claimed
+/// dynamically and in order, so the long first chunks stream long runs and the short last ones
+/// leave a thread that finishes early only a short wait for the other.
+pub const GEMV_CHUNK_FACTOR: usize = 4;
+
+/// Smallest chunk of a decode GEMV round, in weight bytes (about 10 µs of one core's read
+/// bandwidth here), before rounding up to whole 16-row groups.
+pub const GEMV_MIN_CHUNK_BYTES: usize = 64 << 10;
+
+/// Largest chunk of a decode GEMV round, in weight bytes: bounds what the other threads wait
+/// for when a thread is descheduled in the middle of a chunk (the output head alone is
+/// 200-400 MB on the production-shaped files).
+pub const GEMV_MAX_CHUNK_BYTES: usize = 4 << 20;
 
 /// Largest token count that takes the multi-token row-group GEMV (the K formats at
 /// [`SimdLevel::Amx`]: every weight block decoded in registers once for all tokens) instead of
@@ -272,11 +283,11 @@ pub fn matmul_many_with(
 /// same kernel on the same quantised row).
 ///
 /// Inputs passed as the same slice (same address and length) are quantised once per
-/// activation format. The rows of all matrices are cut into chunks of about equal bytes
-/// ([`GEMV_TASKS_PER_THREAD`] per thread over the whole batch, whole 16-row groups where the
-/// kernel has a row-group GEMV), and all chunks are tasks of a single pool round, so a batch
-/// of small matrices pays one fork-join instead of one per matrix, and an idle thread only
-/// waits for the last chunk of the whole batch.
+/// activation format. The rows of all matrices are cut into chunks that shrink through the
+/// round ([`gemv_chunks`]: whole 16-row groups where the kernel has a row-group GEMV), and all
+/// chunks are tasks of a single pool round, so a batch of small matrices pays one fork-join
+/// instead of one per matrix, and an idle thread only waits for the last, short chunk of the
+/// whole batch.
 pub fn gemv_batch_with(
     level: SimdLevel,
     pool: &dyn ThreadPool,
@@ -341,26 +352,12 @@ pub fn gemv_batch_with(
         });
     }
 
-    // Chunks of about `per` bytes: (matrix, first row, end row).
-    let per = total
-        .div_ceil(pool.n_threads().max(1) * GEMV_TASKS_PER_THREAD)
-        .max(1);
-    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
-    for (i, (w, job)) in ws.iter().zip(&jobs).enumerate() {
-        if w.n_out == 0 || w.n_in == 0 {
-            continue;
-        }
-        let n_chunks = (w.data.len() / per).clamp(1, w.n_out);
-        let mut chunk = w.n_out.div_ceil(n_chunks);
-        if job.gemv {
-            chunk = chunk.next_multiple_of(16).min(w.n_out);
-        }
-        let mut r = 0;
-        while r < w.n_out {
-            tasks.push((i, r, (r + chunk).min(w.n_out)));
-            r += chunk;
-        }
-    }
+    let tasks = gemv_chunks(
+        ws.iter()
+            .zip(&jobs)
+            .map(|(w, job)| (if w.n_in == 0 { 0 } else { w.n_out }, job.rb, job.gemv)),
+        pool.n_threads(),
+    );
     let outs: Vec<SharedMut<f32>> = ys.iter_mut().map(|y| SharedMut(y.as_mut_ptr())).collect();
     let run = |t: usize| {
         let (i, r0, r1) = tasks[t];
@@ -379,6 +376,40 @@ pub fn gemv_batch_with(
     };
     pool.run(tasks.len(), &run);
     Ok(())
+}
+
+/// Row chunks `(matrix, first row, end row)` of one decode round over matrices given as
+/// `(rows, bytes per row, whole 16-row groups)`, in the order tasks are claimed. Each chunk
+/// takes about `1 / (GEMV_CHUNK_FACTOR * n_threads)` of the bytes still unassigned, clamped to
+/// [`GEMV_MIN_CHUNK_BYTES`]..=[`GEMV_MAX_CHUNK_BYTES`], never less than one row, and rounded
+/// up to whole 16-row groups where the row-group GEMV applies; a matrix's last chunk takes
+/// what is left of it. Matrices without rows give no chunk. Together the chunks cover every
+/// row of every matrix exactly once.
+fn gemv_chunks(
+    mats: impl Iterator<Item = (usize, usize, bool)> + Clone,
+    n_threads: usize,
+) -> Vec<(usize, usize, usize)> {
+    let mut left: usize = mats
+        .clone()
+        .map(|(n, rb, _)| n.saturating_mul(rb))
+        .fold(0, usize::saturating_add);
+    let div = GEMV_CHUNK_FACTOR * n_threads.max(1);
+    let mut tasks = Vec::new();
+    for (i, (n_out, rb, group16)) in mats.enumerate() {
+        let mut r = 0;
+        while r < n_out {
+            let bytes = (left / div).clamp(GEMV_MIN_CHUNK_BYTES, GEMV_MAX_CHUNK_BYTES);
+            let mut rows = bytes.div_ceil(rb.max(1)).max(1);
+            if group16 {
+                rows = rows.next_multiple_of(16);
+            }
+            let end = r.saturating_add(rows).min(n_out);
+            tasks.push((i, r, end));
+            left = left.saturating_sub((end - r).saturating_mul(rb));
+            r = end;
+        }
+    }
+    tasks
 }
 
 fn matmul_impl(
@@ -476,15 +507,12 @@ fn matmul_impl(
             kernel.prepare_gemv(row);
         }
         let xs: Vec<&[u8]> = xq.chunks_exact(xrb).collect();
-        let target = pool.n_threads() * GEMV_TASKS_PER_THREAD;
-        let chunk = n_out
-            .div_ceil(target.clamp(1, n_out))
-            .next_multiple_of(16)
-            .min(n_out);
+        // The weights are read once for all tokens, as in a one-token round; the arithmetic
+        // grows with the tokens but stays proportional to the bytes.
+        let tasks = gemv_chunks(std::iter::once((n_out, rb, true)), pool.n_threads());
         let yp = SharedMut(y.as_mut_ptr());
-        pool.run(n_out.div_ceil(chunk), &|task| {
-            let r0 = task * chunk;
-            let r1 = (r0 + chunk).min(n_out);
+        pool.run(tasks.len(), &|task| {
+            let (_, r0, r1) = tasks[task];
             let mut outs: Vec<&mut [f32]> = (0..n_tok)
                 .map(|t| {
                     // SAFETY: elements (t, r0..r1) belong to this task only (the row chunks
@@ -594,4 +622,65 @@ pub fn dequantize_rows(
         return Ok(());
     }
     quant::dequantize_row(w.dtype, &w.data[rows.start * rb..rows.end * rb], out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The chunks of a round cover every row of every matrix once, in order; they start on
+    /// 16-row groups where asked; none is longer than the largest chunk (plus the rounding
+    /// to whole rows and groups); only a matrix's last chunk is shorter than the smallest;
+    /// and they shrink through the round.
+    #[test]
+    fn gemv_chunks_cover_every_row_once_and_shrink() {
+        let cases: Vec<Vec<(usize, usize, bool)>> = vec![
+            vec![(248_320, 1680, true)],
+            vec![(512, 1152, true); 16],
+            vec![(2048, 1152, true), (0, 1152, true), (33, 8192, false), (1, 3, false)],
+            vec![(7, 100, true), (100_000, 17, false)],
+            vec![],
+        ];
+        for mats in cases {
+            for threads in [1, 2, 3, 8] {
+                let tasks = gemv_chunks(mats.iter().copied(), threads);
+                let mut next = (0usize, 0usize);
+                let mut prev_bytes = usize::MAX;
+                for (k, &(i, r0, r1)) in tasks.iter().enumerate() {
+                    let (n_out, rb, g16) = mats[i];
+                    while next.0 < i {
+                        assert_eq!(next.1, mats[next.0].0, "matrix {} not finished", next.0);
+                        next = (next.0 + 1, 0);
+                    }
+                    assert_eq!((i, r0), next, "task {k} of {mats:?} at {threads} threads");
+                    assert!(r0 < r1 && r1 <= n_out);
+                    if g16 {
+                        assert_eq!(r0 % 16, 0);
+                    }
+                    let bytes = (r1 - r0) * rb;
+                    let max_rows = GEMV_MAX_CHUNK_BYTES.div_ceil(rb).next_multiple_of(16);
+                    assert!(r1 - r0 <= max_rows);
+                    if r1 < n_out {
+                        assert!(bytes >= GEMV_MIN_CHUNK_BYTES);
+                        // Shrinking: never longer than the previous full chunk, up to the
+                        // rounding to whole rows / groups.
+                        assert!(bytes <= prev_bytes.saturating_add(16 * rb), "{tasks:?}");
+                        prev_bytes = bytes;
+                    }
+                    next = (i, r1);
+                }
+                while next.0 < mats.len() {
+                    assert_eq!(next.1, mats[next.0].0, "matrix {} not covered", next.0);
+                    next = (next.0 + 1, 0);
+                }
+                // The output head: far more than one chunk per thread, and the last chunks
+                // are the smallest allowed.
+                if mats.len() == 1 && mats[0].0 == 248_320 {
+                    assert!(tasks.len() > 8 * threads);
+                    let (_, r0, r1) = tasks[tasks.len() - 2];
+                    assert!((r1 - r0) * 1680 < 2 * GEMV_MIN_CHUNK_BYTES);
+                }
+            }
+        }
+    }
 }
