@@ -84,16 +84,22 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
-    /// `ys[i][ws[i].n_out] = ws[i] @ xs[i][ws[i].n_in]` for one token each: several decode
-    /// products with their own inputs (the gate and up, then the down projections of every
-    /// active expert of an MoE layer). Each output exactly as
-    /// [`Backend::matmul_small_batch`] computes it for one token; a backend may run them
-    /// together (one fork-join, inputs given as the same slice quantised once).
+    /// `ys[i][m_i, ws[i].n_out] = xs[i][m_i, ws[i].n_in] @ ws[i]ᵀ` for a few tokens each
+    /// (`m_i` read off the input's length): several decode products with their own inputs
+    /// (the gate and up, then the down projections of every active expert of an MoE layer).
+    /// Each output exactly as [`Backend::matmul_small_batch`] computes it for those tokens; a
+    /// backend may run them together (one fork-join, inputs given as the same slice quantised
+    /// once).
     fn gemv_batch(&self, ws: &[QMatrix<'_>], xs: &[&[f32]], ys: &mut [&mut [f32]]) -> Result<()> {
         check_count("gemv_batch", "inputs", ws.len(), xs.len())?;
         check_count("gemv_batch", "outputs", ws.len(), ys.len())?;
         for ((w, x), y) in ws.iter().zip(xs).zip(ys.iter_mut()) {
-            self.matmul_small_batch(w, x, 1, y)?;
+            let m = match (w.n_in, w.n_out) {
+                (0, 0) => 0,
+                (0, n_out) => y.len() / n_out,
+                (n_in, _) => x.len() / n_in,
+            };
+            self.matmul_small_batch(w, x, m, y)?;
         }
         Ok(())
     }

@@ -23,9 +23,9 @@
 //!   (shrinking through the round, whole 16-row groups); where the kernel has a
 //!   row-group GEMV (the K formats, Q8_0 and Q5_0 at [`SimdLevel::Amx`]), each chunk is one
 //!   call of it. Several matrices (an MoE layer's experts, attention's q, k and v) can share
-//!   one pool round.
+//!   one pool round, each with its own input of one or a few tokens.
 //! * A few tokens (2 to [`GEMV_MULTI_MAX_TOKENS`]) on the K formats at [`SimdLevel::Amx`]:
-//!   the same row chunks on the multi-token row-group GEMV, which decodes each weight block
+//!   the same rounds on the multi-token row-group GEMV, which decodes each weight block
 //!   once for all the tokens (before the GEMMs and the per-row dot kernels).
 //!
 //! Results do not depend on the thread count.
@@ -66,6 +66,10 @@ pub const GEMV_MIN_CHUNK_BYTES: usize = 64 << 10;
 /// for when a thread is descheduled in the middle of a chunk (the output head alone is
 /// 200-400 MB on the production-shaped files).
 pub const GEMV_MAX_CHUNK_BYTES: usize = 4 << 20;
+
+/// Weight bytes a product of several tokens without a multi-token kernel meets all its tokens
+/// on before moving on ([`gemv_batch_with`]): small enough to stay in L2 (and mostly L1).
+pub const GEMV_PIECE_BYTES: usize = 32 << 10;
 
 /// Largest token count that takes the multi-token row-group GEMV (the K formats at
 /// [`SimdLevel::Amx`]: every weight block decoded in registers once for all tokens) instead of
@@ -217,7 +221,13 @@ pub fn matmul_many_with(
 ) -> Result<(), KernelError> {
     const OP: &str = "matmul";
     check_len(OP, "outputs", ws.len(), ys.len())?;
-    if n_tok == 1 {
+    // One token, or a few where every matrix has the multi-token row-group GEMV: one round
+    // of batched GEMVs for all the matrices.
+    let few = n_tok <= GEMV_MULTI_MAX_TOKENS
+        && ws
+            .iter()
+            .all(|w| DotKernel::with_level(w.dtype, level).is_ok_and(|k| k.has_gemv_multi()));
+    if n_tok == 1 || few {
         return gemv_batch_with(level, pool, ws, &vec![x; ws.len()], ys);
     }
     let mut done = vec![false; ws.len()];
@@ -230,7 +240,8 @@ pub fn matmul_many_with(
         let amx = n_tok >= AMX_MIN_TOKENS
             && kernel.level() == SimdLevel::Amx
             && crate::gemm_amx::supports(w0.dtype);
-        // (A few tokens on the multi-token GEMV: one `matmul_impl` per matrix.)
+        // (A few tokens on the multi-token GEMV, in a batch with other types: one
+        // `matmul_impl` per matrix.)
         let multi = n_tok <= GEMV_MULTI_MAX_TOKENS && kernel.has_gemv_multi();
         let gk = (!amx
             && !multi
@@ -276,18 +287,22 @@ pub fn matmul_many_with(
     Ok(())
 }
 
-/// `ys[i] = ws[i] · xs[i]` for one token each (`xs[i]` is `[ws[i].n_in]`, `ys[i]` is
-/// `[ws[i].n_out]`, overwritten): several decode GEMVs in one pool round, such as the gate
-/// and up projections of every active expert of an MoE layer, or attention's q, k and v.
-/// Every output is exactly what [`matmul_with`] computes for that matrix and one token (the
-/// same kernel on the same quantised row).
+/// `ys[i] = xs[i] · ws[i]ᵀ` for a few tokens each (`xs[i]` is `[m_i, ws[i].n_in]`, `ys[i]`
+/// is `[m_i, ws[i].n_out]`, overwritten, for any `m_i`, read off the lengths): several decode
+/// GEMVs in one pool round, such as the gate and up projections of every active expert of an
+/// MoE layer, or attention's q, k and v. Every output is exactly what [`matmul_dot_with`]
+/// (and so [`matmul_with`]) computes for that matrix and those tokens (the same kernel on the
+/// same quantised rows).
 ///
 /// Inputs passed as the same slice (same address and length) are quantised once per
 /// activation format. The rows of all matrices are cut into chunks that shrink through the
 /// round ([`gemv_chunks`]: whole 16-row groups where the kernel has a row-group GEMV), and all
 /// chunks are tasks of a single pool round, so a batch of small matrices pays one fork-join
 /// instead of one per matrix, and an idle thread only waits for the last, short chunk of the
-/// whole batch.
+/// whole batch. A chunk meets its product's tokens on the multi-token row-group GEMV where
+/// the kernel has one (passes of [`GEMV_MULTI_MAX_TOKENS`] tokens, each weight block decoded
+/// once per pass); otherwise token by token over pieces of [`GEMV_PIECE_BYTES`], so the
+/// weights are read from memory once and from L1/L2 for the other tokens.
 pub fn gemv_batch_with(
     level: SimdLevel,
     pool: &dyn ThreadPool,
@@ -298,32 +313,45 @@ pub fn gemv_batch_with(
     const OP: &str = "gemv_batch";
     check_len(OP, "inputs", ws.len(), xs.len())?;
     check_len(OP, "outputs", ws.len(), ys.len())?;
-    /// A matrix of the batch: its kernel, bytes per row, whether the row-group GEMV applies,
-    /// and its quantised input.
+    /// A product of the batch: its kernel, bytes per row, its token count, whether the
+    /// (one- or multi-token) row-group GEMV applies, and its quantised input rows.
     struct Job {
         kernel: DotKernel,
         rb: usize,
+        m: usize,
         gemv: bool,
+        multi: bool,
         xq: usize,
     }
-    // Quantised inputs, keyed by (address, length, activation format, weight type whose
-    // row-group GEMV layout it was prepared for).
+    // Quantised inputs (`m` rows of `xrb` bytes each), keyed by (address, length, activation
+    // format, weight type whose row-group GEMV layout they were prepared for).
     type Key = (usize, usize, GgmlType, Option<GgmlType>);
     let mut keys: Vec<Key> = Vec::new();
-    let mut xqs: Vec<Vec<u8>> = Vec::new();
+    let mut xqs: Vec<(Vec<u8>, usize)> = Vec::new();
     let mut jobs = Vec::with_capacity(ws.len());
-    let mut total = 0usize;
     for ((w, x), y) in ws.iter().zip(xs).zip(ys.iter_mut()) {
         let rb = w.check(OP)?;
-        check_len(OP, "x", w.n_in, x.len())?;
-        check_len(OP, "y", w.n_out, y.len())?;
         let kernel = DotKernel::with_level(w.dtype, level)?;
+        let m = match (w.n_in, w.n_out) {
+            (0, 0) => 0,
+            (0, n_out) => y.len() / n_out,
+            (n_in, _) => x.len() / n_in,
+        };
+        let n_x = m
+            .checked_mul(w.n_in)
+            .ok_or(KernelError::Overflow { op: OP })?;
+        let n_y = m
+            .checked_mul(w.n_out)
+            .ok_or(KernelError::Overflow { op: OP })?;
+        check_len(OP, "x", n_x, x.len())?;
+        check_len(OP, "y", n_y, y.len())?;
         if w.n_in == 0 {
             // No products to sum (and no input to quantise).
             y.fill(0.0);
         }
         // The row-group kernels address 8 rows with i32 offsets: rows of up to 128 MiB.
         let gemv = kernel.has_gemv() && rb <= i32::MAX as usize / 16;
+        let multi = gemv && m > 1 && kernel.has_gemv_multi();
         let key = (
             x.as_ptr() as usize,
             x.len(),
@@ -333,45 +361,92 @@ pub fn gemv_batch_with(
         let xq = match keys.iter().position(|k| *k == key) {
             Some(p) => p,
             None => {
-                let mut q = vec![0u8; quant::row_bytes(OP, kernel.dot_type(), w.n_in)?];
-                quant::act::quantize_act(kernel.dot_type(), x, &mut q);
-                if gemv {
-                    kernel.prepare_gemv(&mut q);
+                let xrb = quant::row_bytes(OP, kernel.dot_type(), w.n_in)?;
+                let mut q = vec![0u8; xrb * m];
+                if xrb > 0 {
+                    for (xr, qr) in x.chunks_exact(w.n_in).zip(q.chunks_exact_mut(xrb)) {
+                        quant::act::quantize_act(kernel.dot_type(), xr, qr);
+                        if gemv {
+                            kernel.prepare_gemv(qr);
+                        }
+                    }
                 }
                 keys.push(key);
-                xqs.push(q);
+                xqs.push((q, xrb));
                 xqs.len() - 1
             }
         };
-        total = total.saturating_add(w.data.len());
         jobs.push(Job {
             kernel,
             rb,
+            m,
             gemv,
+            multi,
             xq,
         });
     }
 
     let tasks = gemv_chunks(
-        ws.iter()
-            .zip(&jobs)
-            .map(|(w, job)| (if w.n_in == 0 { 0 } else { w.n_out }, job.rb, job.gemv)),
+        ws.iter().zip(&jobs).map(|(w, job)| {
+            let rows = if w.n_in == 0 || job.m == 0 {
+                0
+            } else {
+                w.n_out
+            };
+            (rows, job.rb, job.gemv)
+        }),
         pool.n_threads(),
     );
     let outs: Vec<SharedMut<f32>> = ys.iter_mut().map(|y| SharedMut(y.as_mut_ptr())).collect();
     let run = |t: usize| {
         let (i, r0, r1) = tasks[t];
         let (w, job) = (&ws[i], &jobs[i]);
-        // SAFETY: rows r0..r1 of output `i` belong to this task only (the chunks of a matrix
-        // are disjoint); r1 <= n_out = ys[i].len() (checked above), and `ys` outlives `run`.
-        let out = unsafe { std::slice::from_raw_parts_mut(outs[i].ptr().add(r0), r1 - r0) };
-        let (rb, xq) = (job.rb, &xqs[job.xq]);
-        if job.gemv {
-            job.kernel.gemv(&w.data[r0 * rb..r1 * rb], rb, xq, out);
-        } else {
-            for (r, o) in (r0..r1).zip(out.iter_mut()) {
-                *o = job.kernel.dot(&w.data[r * rb..(r + 1) * rb], xq);
+        let (xq, xrb) = (&xqs[job.xq].0, xqs[job.xq].1);
+        let out = |tok: usize, lo: usize, hi: usize| {
+            // SAFETY: rows lo..hi (within r0..r1) of token `tok` of output `i` belong to this
+            // task only (the chunks of a matrix are disjoint row ranges, and the tokens' rows
+            // of an output do not overlap); tok * n_out + hi <= m * n_out = ys[i].len()
+            // (checked above), and `ys` outlives `run`.
+            unsafe {
+                std::slice::from_raw_parts_mut(outs[i].ptr().add(tok * w.n_out + lo), hi - lo)
             }
+        };
+        let rb = job.rb;
+        if job.multi {
+            let mut xr: [&[u8]; GEMV_MULTI_MAX_TOKENS] = [&[]; GEMV_MULTI_MAX_TOKENS];
+            let mut os: [&mut [f32]; GEMV_MULTI_MAX_TOKENS] = Default::default();
+            for t0 in (0..job.m).step_by(GEMV_MULTI_MAX_TOKENS) {
+                let p = (job.m - t0).min(GEMV_MULTI_MAX_TOKENS);
+                for j in 0..p {
+                    xr[j] = &xq[(t0 + j) * xrb..(t0 + j + 1) * xrb];
+                    os[j] = out(t0 + j, r0, r1);
+                }
+                job.kernel
+                    .gemv_multi(&w.data[r0 * rb..r1 * rb], rb, &xr[..p], &mut os[..p]);
+            }
+            return;
+        }
+        // Token by token over pieces of the chunk that stay in L1/L2 meanwhile.
+        let piece = if job.m > 1 {
+            GEMV_PIECE_BYTES.div_ceil(rb.max(1)).next_multiple_of(16)
+        } else {
+            r1 - r0
+        };
+        let mut a = r0;
+        while a < r1 {
+            let b = (a + piece).min(r1);
+            for tok in 0..job.m {
+                let xt = &xq[tok * xrb..(tok + 1) * xrb];
+                let o = out(tok, a, b);
+                if job.gemv {
+                    job.kernel.gemv(&w.data[a * rb..b * rb], rb, xt, o);
+                } else {
+                    for (r, o) in (a..b).zip(o.iter_mut()) {
+                        *o = job.kernel.dot(&w.data[r * rb..(r + 1) * rb], xt);
+                    }
+                }
+            }
+            a = b;
         }
     };
     pool.run(tasks.len(), &run);
@@ -448,7 +523,11 @@ fn matmul_impl(
         && n_tok <= GEMV_MULTI_MAX_TOKENS
         && kernel.has_gemv_multi()
         && rb <= i32::MAX as usize / 16;
-    let allow_gemm = allow_gemm && !multi;
+    if multi {
+        // A few tokens on the multi-token row-group GEMV: each weight block decoded once for
+        // all of them.
+        return gemv_batch_with(level, pool, std::slice::from_ref(w), &[x], &mut [y]);
+    }
     // (The block-order tile GEMM gathers the 16 rows' scales with i32 offsets.)
     if allow_gemm
         && n_tok >= 2
@@ -498,32 +577,6 @@ fn matmul_impl(
                 quant::act::quantize_act(dot_ty, &x[t * n_in..(t + 1) * n_in], qr);
             }
         });
-    }
-
-    if multi {
-        // A few tokens on the multi-token row-group GEMV: row chunks (whole 16-row groups),
-        // each weight block decoded once for all tokens.
-        for row in xq.chunks_exact_mut(xrb) {
-            kernel.prepare_gemv(row);
-        }
-        let xs: Vec<&[u8]> = xq.chunks_exact(xrb).collect();
-        // The weights are read once for all tokens, as in a one-token round; the arithmetic
-        // grows with the tokens but stays proportional to the bytes.
-        let tasks = gemv_chunks(std::iter::once((n_out, rb, true)), pool.n_threads());
-        let yp = SharedMut(y.as_mut_ptr());
-        pool.run(tasks.len(), &|task| {
-            let (_, r0, r1) = tasks[task];
-            let mut outs: Vec<&mut [f32]> = (0..n_tok)
-                .map(|t| {
-                    // SAFETY: elements (t, r0..r1) belong to this task only (the row chunks
-                    // are disjoint, and so are the tokens' rows of `y`); t * n_out + r1 <=
-                    // n_tok * n_out = y.len(), and `y` outlives `run`.
-                    unsafe { std::slice::from_raw_parts_mut(yp.ptr().add(t * n_out + r0), r1 - r0) }
-                })
-                .collect();
-            kernel.gemv_multi(&w.data[r0 * rb..r1 * rb], rb, &xs, &mut outs);
-        });
-        return Ok(());
     }
 
     // 2. Tiles of (row chunk) x (token block).
@@ -637,7 +690,12 @@ mod tests {
         let cases: Vec<Vec<(usize, usize, bool)>> = vec![
             vec![(248_320, 1680, true)],
             vec![(512, 1152, true); 16],
-            vec![(2048, 1152, true), (0, 1152, true), (33, 8192, false), (1, 3, false)],
+            vec![
+                (2048, 1152, true),
+                (0, 1152, true),
+                (33, 8192, false),
+                (1, 3, false),
+            ],
             vec![(7, 100, true), (100_000, 17, false)],
             vec![],
         ];

@@ -254,8 +254,11 @@ fn gemv_batch_equals_per_row_dot_bitwise() {
     let pool2 = RayonPool::new(2).unwrap();
     let spin2 = kapitsa_base::pool::SpinPool::new(2).unwrap();
     let pools: [&dyn ThreadPool; 3] = [&SerialPool, &pool2, &spin2];
-    // (type, n_out, n_in, input): inputs 0 and 1 are 512 wide, input 2 is 768 wide.
-    let mats: [(GgmlType, usize, usize, usize); 9] = [
+    // (type, n_out, n_in, input). Inputs (tokens x width): 0 and 1 are 1 x 512, 2 is 1 x 768,
+    // 3 is 2 x 512, 4 is 3 x 768, 5 is 5 x 512 (a pass of 4 tokens and one of 1), 6 is 4 x 256.
+    // Products of several tokens meet the multi-token GEMV (K formats) or go token by token
+    // (the others); some inputs are shared across types whose GEMVs lay them out differently.
+    let mats: [(GgmlType, usize, usize, usize); 19] = [
         (GgmlType::Q4_K, 300, 512, 0),
         (GgmlType::Q6_K, 17, 512, 0),
         (GgmlType::Q5_K, 33, 512, 0),
@@ -265,12 +268,22 @@ fn gemv_batch_equals_per_row_dot_bitwise() {
         (GgmlType::F16, 5, 512, 1),
         (GgmlType::Q4_K, 2000, 768, 2),
         (GgmlType::F32, 3, 768, 2),
+        (GgmlType::Q4_K, 100, 512, 3),
+        (GgmlType::Q6_K, 40, 512, 3),
+        (GgmlType::Q8_0, 3000, 512, 3),
+        (GgmlType::Q5_K, 64, 768, 4),
+        (GgmlType::Q5_0, 80, 768, 4),
+        (GgmlType::F32, 7, 768, 4),
+        (GgmlType::Q4_K, 1500, 512, 5),
+        (GgmlType::Q6_K, 33, 512, 5),
+        (GgmlType::Q5_0, 20, 512, 5),
+        (GgmlType::Q4_K, 48, 256, 6),
     ];
     let data: Vec<Vec<u8>> = mats
         .iter()
         .map(|&(ty, n_out, n_in, _)| random_matrix(ty, n_out, n_in, &mut rng))
         .collect();
-    let inputs: Vec<Vec<f32>> = [512usize, 512, 768]
+    let inputs: Vec<Vec<f32>> = [512usize, 512, 768, 2 * 512, 3 * 768, 5 * 512, 4 * 256]
         .iter()
         .map(|&n| (0..n).map(|_| rng.normal()).collect())
         .collect();
@@ -281,21 +294,27 @@ fn gemv_batch_equals_per_row_dot_bitwise() {
         .collect();
     let xs: Vec<&[f32]> = mats.iter().map(|m| inputs[m.3].as_slice()).collect();
     for level in SimdLevel::available() {
-        // The reference: one dot per row on the quantised input.
+        // The reference: one dot per row and token on the quantised input.
         let want: Vec<Vec<f32>> = ws
             .iter()
             .zip(&xs)
             .map(|(w, x)| {
                 let dt = vec_dot_type(w.dtype).unwrap();
                 let mut q = vec![0u8; dt.row_bytes(w.n_in).unwrap()];
-                quantize_row(dt, x, &mut q).unwrap();
-                (0..w.n_out)
-                    .map(|r| vec_dot_with(level, w.dtype, w.n_in, w.row(r).unwrap(), &q).unwrap())
+                x.chunks_exact(w.n_in)
+                    .flat_map(|xt| {
+                        quantize_row(dt, xt, &mut q).unwrap();
+                        (0..w.n_out)
+                            .map(|r| {
+                                vec_dot_with(level, w.dtype, w.n_in, w.row(r).unwrap(), &q).unwrap()
+                            })
+                            .collect::<Vec<f32>>()
+                    })
                     .collect()
             })
             .collect();
         for pool in pools {
-            let mut got: Vec<Vec<f32>> = ws.iter().map(|w| vec![f32::NAN; w.n_out]).collect();
+            let mut got: Vec<Vec<f32>> = want.iter().map(|w| vec![f32::NAN; w.len()]).collect();
             let mut ys: Vec<&mut [f32]> = got.iter_mut().map(|v| v.as_mut_slice()).collect();
             gemv_batch_with(level, pool, &ws, &xs, &mut ys).unwrap();
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -330,6 +349,11 @@ fn gemv_batch_equals_per_row_dot_bitwise() {
     )
     .is_err());
     assert!(gemv_batch_with(SimdLevel::Scalar, &SerialPool, &ws[..1], x, &mut [&mut y]).is_ok());
+    // Two tokens of input need two tokens of output.
+    let x2 = &xs[9..10];
+    assert!(gemv_batch_with(SimdLevel::Scalar, &SerialPool, &ws[..1], x2, &mut [&mut y]).is_err());
+    let mut y2 = vec![0f32; 600];
+    assert!(gemv_batch_with(SimdLevel::Scalar, &SerialPool, &ws[..1], x2, &mut [&mut y2]).is_ok());
 }
 
 #[test]

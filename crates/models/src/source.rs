@@ -218,6 +218,32 @@ impl Weight {
         }
     }
 
+    /// An owned weight of any type from its raw bytes (tests, derived weights): `shape` is
+    /// slowest dim first, and `bytes` must hold every row of the last dim in `dtype`'s
+    /// encoding.
+    pub fn from_bytes(
+        name: &str,
+        dtype: GgmlType,
+        shape: Vec<usize>,
+        bytes: Vec<u8>,
+    ) -> Result<Weight> {
+        let n_in = shape.last().copied().unwrap_or(0);
+        let rows: usize = shape.iter().rev().skip(1).product();
+        let want = dtype.row_bytes(n_in).and_then(|rb| rb.checked_mul(rows));
+        if want != Some(bytes.len()) {
+            return Err(ModelError::Config(format!(
+                "tensor '{name}': {} bytes do not hold {shape:?} of {dtype:?}",
+                bytes.len()
+            )));
+        }
+        Ok(Weight {
+            name: name.to_string(),
+            dtype,
+            shape,
+            data: WeightData::Owned(bytes),
+        })
+    }
+
     /// The raw bytes.
     pub fn bytes(&self) -> Result<&[u8]> {
         match &self.data {

@@ -93,7 +93,8 @@ struct Scratch {
     /// activation), `g` the gate (SwiGLU: then `silu(gate) * up`).
     u: Vec<f32>,
     g: Vec<f32>,
-    /// MoE: an expert's gathered inputs `[m, d]` and outputs `[m, d]`, every (token, slot)
+    /// MoE: an expert's gathered inputs `[m, d]` and outputs `[m, d]` (in the batched rounds,
+    /// those of all experts of several pairs, one after another), every (token, slot)
     /// pair's expert output `[n * k, d]`, the routed sum `[n, d]` (latent MoE only; otherwise
     /// it goes straight to the output), the shared expert's output `[n, d]`.
     xin: Vec<f32>,
@@ -101,8 +102,8 @@ struct Scratch {
     slot_out: Vec<f32>,
     routed: Vec<f32>,
     shared: Vec<f32>,
-    /// The shared expert's gate and up outputs `[n_ff_shared]` when it joins the routed
-    /// experts' batched GEMVs (one-token steps).
+    /// The shared expert's gate and up outputs `[n, n_ff_shared]` when it joins the routed
+    /// experts' batched GEMVs (steps of at most `SMALL_GROUP` tokens).
     sg: Vec<f32>,
     su: Vec<f32>,
 }
@@ -126,6 +127,11 @@ fn grown(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     }
     &mut v[..n]
 }
+
+/// Largest number of (token, slot) pairs of an MoE expert (and of tokens of a step, for the
+/// shared expert) that run in the batched GEMV rounds of `Moe::run_small_groups`; larger
+/// groups (prefill) take one `run_mlp` each, on the GEMMs.
+const SMALL_GROUP: usize = 4;
 
 /// One MLP over borrowed matrices (dense layers and single experts alike; `expert` routes the
 /// products through [`Backend::matmul_small_batch`]). Gate and up share their input, so they
@@ -490,16 +496,17 @@ impl Moe {
         for (i, &(e, _)) in sel.iter().enumerate() {
             by_expert[e].push(i);
         }
-        // Experts that meet a single (token, slot) pair (in a one-token step, all of them; in
-        // a batched decode step, most) and, in a one-token step, the shared expert run as
-        // batched GEMVs (`run_single_pairs`); the other experts one at a time.
-        let singles: Vec<(usize, usize)> = by_expert
+        // Experts that meet at most `SMALL_GROUP` (token, slot) pairs (all of a one-token
+        // step's, nearly all of a batched decode step's) and, in a step of at most that many
+        // tokens, the shared expert run as batched GEMVs (`run_small_groups`); the other
+        // experts one at a time.
+        let small: Vec<(usize, &[usize])> = by_expert
             .iter()
             .enumerate()
-            .filter(|(_, p)| p.len() == 1)
-            .map(|(e, p)| (e, p[0]))
+            .filter(|(_, p)| (1..=SMALL_GROUP).contains(&p.len()))
+            .map(|(e, p)| (e, &p[..]))
             .collect();
-        let shared_batched = n == 1 && self.shared.is_some();
+        let shared_batched = n <= SMALL_GROUP && self.shared.is_some();
         // Every (token, slot) pair belongs to exactly one expert, so every row is written.
         let mut slot_out = std::mem::take(&mut sc.slot_out);
         let mut xin = std::mem::take(&mut sc.xin);
@@ -515,11 +522,12 @@ impl Moe {
                 Some(sh) if shared_batched => Some((sh, x, &mut *shared_out)),
                 _ => None,
             };
-            if !singles.is_empty() || batched_shared.is_some() {
-                self.run_single_pairs(be, xe, d_exp, &singles, slot_out, batched_shared, sc)?;
+            if !small.is_empty() || batched_shared.is_some() {
+                let bufs = (&mut xin, &mut yout);
+                self.run_small_groups(be, xe, d_exp, &small, slot_out, batched_shared, bufs, sc)?;
             }
             for (e, pairs) in by_expert.iter().enumerate() {
-                if pairs.len() <= 1 {
+                if pairs.len() <= SMALL_GROUP {
                     continue;
                 }
                 let m = pairs.len();
@@ -597,25 +605,28 @@ impl Moe {
         res
     }
 
-    /// The experts of `singles` (`(expert, pair)`: an expert that meets only (token, slot)
-    /// pair `pair`) and optionally the shared expert of a one-token step (`(mlp, x[d],
-    /// out[d])`), as two batched GEMV rounds ([`Backend::gemv_batch`]): every gate and up
-    /// projection, then every down projection. An expert's output goes to row `pair` of
-    /// `slot_out` (`[n * top_k, d_exp]`). The same products and activations as one
-    /// [`run_mlp`] per expert, so the same results.
+    /// The experts of `groups` (`(expert, pairs)`: an expert and the (token, slot) pairs it
+    /// meets, at most [`SMALL_GROUP`]) and optionally the shared expert of a step of at most
+    /// that many tokens (`(mlp, x[n, d], out[n, d])`), as two batched GEMV rounds
+    /// ([`Backend::gemv_batch`]): every gate and up projection, then every down projection.
+    /// Expert `e`'s output for pair `i` goes to row `i` of `slot_out` (`[n * top_k, d_exp]`):
+    /// straight there for an expert of one pair, through `yout` otherwise (the inputs of an
+    /// expert of several pairs are gathered in `xin`). The same products and activations as
+    /// one [`run_mlp`] per expert, so the same results.
     #[allow(clippy::too_many_arguments)]
-    fn run_single_pairs(
+    fn run_small_groups(
         &self,
         be: &dyn Backend,
         xe: &[f32],
         d_exp: usize,
-        singles: &[(usize, usize)],
+        groups: &[(usize, &[usize])],
         slot_out: &mut [f32],
         shared: Option<(&Mlp, &[f32], &mut [f32])>,
+        (xin, yout): (&mut Vec<f32>, &mut Vec<f32>),
         sc: &mut Scratch,
     ) -> Result<()> {
         let (n_ff, act, k) = (self.n_ff, self.act, self.top_k);
-        let mats = singles
+        let mats = groups
             .iter()
             .map(|&(e, _)| self.experts.mats(e, n_ff))
             .collect::<Result<Vec<_>>>()?;
@@ -628,20 +639,56 @@ impl Moe {
             )),
             None => None,
         };
-        let ns = singles.len();
-        let g = grown(&mut sc.g, ns * n_ff);
-        let u = grown(&mut sc.u, ns * n_ff);
-        let sh_ff = sh.as_ref().map_or(0, |s| s.1.n_out);
-        let sg = grown(&mut sc.sg, sh_ff);
-        let su = grown(&mut sc.su, sh_ff);
+        // Rows of each group, and of the groups of several pairs together.
+        let n_rows: usize = groups.iter().map(|(_, p)| p.len()).sum();
+        let n_multi: usize = groups.iter().map(|(_, p)| p.len()).filter(|&m| m > 1).sum();
+        let g = grown(&mut sc.g, n_rows * n_ff);
+        let u = grown(&mut sc.u, n_rows * n_ff);
+        // The shared expert's tokens and width.
+        let (sh_n, sh_ff) = match (&sh, &shared) {
+            (Some((_, up, ..)), Some((_, x, _))) => (x.len() / up.n_in.max(1), up.n_out),
+            _ => (0, 0),
+        };
+        let sg = grown(&mut sc.sg, sh_n * sh_ff);
+        let su = grown(&mut sc.su, sh_n * sh_ff);
+        // The inputs of the groups of several pairs, gathered.
+        let xin = grown(xin, n_multi * d_exp);
+        {
+            let mut rows = xin.chunks_exact_mut(d_exp);
+            for &i in groups
+                .iter()
+                .filter(|(_, p)| p.len() > 1)
+                .flat_map(|(_, p)| p.iter())
+            {
+                let t = i / k;
+                if let Some(row) = rows.next() {
+                    row.copy_from_slice(&xe[t * d_exp..(t + 1) * d_exp]);
+                }
+            }
+        }
+        let xin: &[f32] = xin;
+        let mut xs_g: Vec<&[f32]> = Vec::with_capacity(groups.len());
+        let mut off = 0;
+        for (_, pairs) in groups {
+            if let [i] = pairs[..] {
+                let t = i / k;
+                xs_g.push(&xe[t * d_exp..(t + 1) * d_exp]);
+            } else {
+                let m = pairs.len();
+                xs_g.push(&xin[off * d_exp..(off + m) * d_exp]);
+                off += m;
+            }
+        }
 
         // Round 1: gate and up projections.
         {
             let (mut ws, mut xs, mut ys) = (Vec::new(), Vec::new(), Vec::<&mut [f32]>::new());
-            let halves = g.chunks_exact_mut(n_ff).zip(u.chunks_exact_mut(n_ff));
-            for ((m, &(_, i)), (gq, uq)) in mats.iter().zip(singles).zip(halves) {
-                let t = i / k;
-                let xt = &xe[t * d_exp..(t + 1) * d_exp];
+            let (mut gr, mut ur) = (&mut *g, &mut *u);
+            for ((m, (_, pairs)), &xt) in mats.iter().zip(groups).zip(&xs_g) {
+                let len = pairs.len() * n_ff;
+                let (gq, g_rest) = std::mem::take(&mut gr).split_at_mut(len);
+                let (uq, u_rest) = std::mem::take(&mut ur).split_at_mut(len);
+                (gr, ur) = (g_rest, u_rest);
                 match (act, &m.gate) {
                     (Act::SwiGlu, Some(gm)) => {
                         ws.push(*gm);
@@ -671,32 +718,68 @@ impl Moe {
             }
             be.gemv_batch(&ws, &xs, &mut ys)?;
         }
-        for (gq, uq) in g.chunks_exact_mut(n_ff).zip(u.chunks_exact_mut(n_ff)) {
-            activate(be, act, gq, uq);
+        // Per expert, as `run_mlp` does (the activation kernels may treat a tail apart).
+        {
+            let (mut gr, mut ur) = (&mut *g, &mut *u);
+            for (_, pairs) in groups {
+                let len = pairs.len() * n_ff;
+                let (gq, g_rest) = std::mem::take(&mut gr).split_at_mut(len);
+                let (uq, u_rest) = std::mem::take(&mut ur).split_at_mut(len);
+                (gr, ur) = (g_rest, u_rest);
+                activate(be, act, gq, uq);
+            }
         }
         if let Some((.., sact)) = &sh {
             activate(be, *sact, sg, su);
         }
 
-        // Round 2: down projections, straight into the output rows.
-        let mut rows: Vec<Option<&mut [f32]>> =
-            slot_out.chunks_exact_mut(d_exp).map(Some).collect();
-        let (mut ws, mut xs, mut ys) = (Vec::new(), Vec::new(), Vec::<&mut [f32]>::new());
-        let halves = g.chunks_exact(n_ff).zip(u.chunks_exact(n_ff));
-        for ((m, &(_, i)), (gq, uq)) in mats.iter().zip(singles).zip(halves) {
-            let row = rows.get_mut(i).and_then(Option::take).ok_or_else(|| {
-                ModelError::Config(format!("expert pair {i} listed twice or out of range"))
-            })?;
-            ws.push(m.down);
-            xs.push(hidden(act, gq, uq));
-            ys.push(row);
+        // Round 2: down projections, straight into the output rows of one-pair experts.
+        let yout = grown(yout, n_multi * d_exp);
+        {
+            let mut rows: Vec<Option<&mut [f32]>> =
+                slot_out.chunks_exact_mut(d_exp).map(Some).collect();
+            let (mut ws, mut xs, mut ys) = (Vec::new(), Vec::new(), Vec::<&mut [f32]>::new());
+            let mut yr = &mut *yout;
+            let (mut gr, mut ur) = (&*g, &*u);
+            for (m, (_, pairs)) in mats.iter().zip(groups) {
+                let len = pairs.len() * n_ff;
+                let (gq, g_rest) = gr.split_at(len);
+                let (uq, u_rest) = ur.split_at(len);
+                (gr, ur) = (g_rest, u_rest);
+                let y = if let [i] = pairs[..] {
+                    rows.get_mut(i).and_then(Option::take).ok_or_else(|| {
+                        ModelError::Config(format!("expert pair {i} listed twice or out of range"))
+                    })?
+                } else {
+                    let (y, rest) = std::mem::take(&mut yr).split_at_mut(pairs.len() * d_exp);
+                    yr = rest;
+                    y
+                };
+                ws.push(m.down);
+                xs.push(hidden(act, gq, uq));
+                ys.push(y);
+            }
+            if let (Some((_, _, down, sact)), Some((_, _, out))) = (&sh, shared) {
+                ws.push(*down);
+                xs.push(hidden(*sact, sg, su));
+                ys.push(out);
+            }
+            be.gemv_batch(&ws, &xs, &mut ys)?;
         }
-        if let (Some((_, _, down, sact)), Some((_, _, out))) = (&sh, shared) {
-            ws.push(*down);
-            xs.push(hidden(*sact, sg, su));
-            ys.push(out);
+        // The outputs of the groups of several pairs, to their rows.
+        let mut ys = yout.chunks_exact(d_exp);
+        for &i in groups
+            .iter()
+            .filter(|(_, p)| p.len() > 1)
+            .flat_map(|(_, p)| p.iter())
+        {
+            let dst = slot_out
+                .get_mut(i * d_exp..(i + 1) * d_exp)
+                .ok_or_else(|| ModelError::Config(format!("expert pair {i} out of range")))?;
+            if let Some(y) = ys.next() {
+                dst.copy_from_slice(y);
+            }
         }
-        be.gemv_batch(&ws, &xs, &mut ys)?;
         Ok(())
     }
 }
@@ -726,6 +809,121 @@ impl Ffn {
         match self {
             Ffn::Mlp(m) => m.forward(be, x, n, out),
             Ffn::Moe(m) => m.forward(be, x, n, out),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kapitsa_backend::CpuBackend;
+    use kapitsa_base::pool::RayonPool;
+    use kapitsa_base::GgmlType;
+
+    /// xorshift64*.
+    struct Rng(u64);
+    impl Rng {
+        fn u64(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        }
+        fn f32(&mut self) -> f32 {
+            (self.u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        }
+    }
+
+    /// A `[rows.., n_in]` weight of `ty` with random quants and small f16 scales.
+    fn weight(ty: GgmlType, shape: Vec<usize>, rng: &mut Rng) -> Weight {
+        let n_in = *shape.last().unwrap();
+        let rows: usize = shape.iter().rev().skip(1).product();
+        let mut b: Vec<u8> = (0..ty.row_bytes(n_in).unwrap() * rows)
+            .map(|_| rng.u64() as u8)
+            .collect();
+        let f16_at: &[usize] = match ty {
+            GgmlType::Q4_K => &[0, 2],
+            GgmlType::Q8_0 => &[0],
+            _ => unreachable!("test types"),
+        };
+        for blk in b.chunks_exact_mut(ty.type_size()) {
+            for &o in f16_at {
+                let h = half::f16::from_f32(rng.f32() * 0.01).to_bits();
+                blk[o..o + 2].copy_from_slice(&h.to_le_bytes());
+            }
+        }
+        Weight::from_bytes("w", ty, shape, b).unwrap()
+    }
+
+    fn moe(ty: GgmlType, d: usize, n_ff: usize, n_exp: usize, k: usize, rng: &mut Rng) -> Moe {
+        let router: Vec<f32> = (0..n_exp * d).map(|_| rng.f32()).collect();
+        let shared_gate: Vec<f32> = (0..d).map(|_| rng.f32() * 0.1).collect();
+        Moe {
+            router: Weight::from_f32("router", vec![n_exp, d], &router),
+            gating: Gating::Softmax,
+            top_k: k,
+            norm_topk: true,
+            scale: 1.0,
+            experts: Experts::Stacked {
+                gate: Some(weight(ty, vec![n_exp, n_ff, d], rng)),
+                up: weight(ty, vec![n_exp, n_ff, d], rng),
+                down: weight(ty, vec![n_exp, d, n_ff], rng),
+            },
+            n_ff,
+            act: Act::SwiGlu,
+            shared: Some(Mlp {
+                gate: Some(weight(ty, vec![n_ff, d], rng)),
+                up: weight(ty, vec![n_ff, d], rng),
+                down: weight(ty, vec![d, n_ff], rng),
+                act: Act::SwiGlu,
+            }),
+            shared_gate: Some(shared_gate),
+            latent: None,
+        }
+    }
+
+    /// An MoE block over a batch of tokens gives every token exactly (bitwise) what it gives
+    /// that token alone: experts meeting one pair, 2-4 pairs (the batched GEMV rounds, on the
+    /// multi-token GEMV for Q4_K, token by token for Q8_0) or more (one MLP each), and the
+    /// shared expert batched (up to 4 tokens) or not.
+    #[test]
+    fn moe_batch_rows_equal_each_token_alone_bitwise() {
+        let be = CpuBackend::new(Box::new(RayonPool::new(2).unwrap()));
+        let mut rng = Rng(77);
+        for ty in [GgmlType::Q4_K, GgmlType::Q8_0] {
+            let (d, n_ff) = (256, 256);
+            let m = moe(ty, d, n_ff, 8, 2, &mut rng);
+            m.validate(d).unwrap();
+            let mut sizes = Vec::new();
+            for n in [2, 3, 4, 7, 12] {
+                let x: Vec<f32> = (0..n * d).map(|_| rng.f32()).collect();
+                let mut out = vec![f32::NAN; n * d];
+                m.forward(&be, &x, n, &mut out).unwrap();
+                // Which group sizes this batch makes (8 experts, 2 per token).
+                let sel = m.route(&be, &x, n).unwrap();
+                let mut count = [0usize; 8];
+                for &(e, _) in &sel {
+                    count[e] += 1;
+                }
+                sizes.extend(count);
+                for t in 0..n {
+                    let mut one = vec![f32::NAN; d];
+                    m.forward(&be, &x[t * d..(t + 1) * d], 1, &mut one).unwrap();
+                    let row = &out[t * d..(t + 1) * d];
+                    assert!(
+                        row.iter()
+                            .zip(&one)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{ty:?}, {n} tokens, token {t}: {:?} vs {:?}",
+                        &row[..4],
+                        &one[..4]
+                    );
+                }
+            }
+            // Groups of one, of 2-4 and of more pairs all occurred.
+            assert!(sizes.contains(&1), "{sizes:?}");
+            assert!(sizes.iter().any(|c| (2..=4).contains(c)), "{sizes:?}");
+            assert!(sizes.iter().any(|&c| c > 4), "{sizes:?}");
         }
     }
 }
