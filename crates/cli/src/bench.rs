@@ -52,6 +52,10 @@ pub struct BenchArgs {
     /// Compute threads (0 = one per core).
     #[arg(short, long, default_value_t = 0)]
     threads: usize,
+    /// How the weights are held: auto (a copy in memory when it fits in half the available
+    /// RAM, else a memory map), mmap or memory.
+    #[arg(long, value_enum, default_value_t = crate::commands::LoadModeArg::Auto)]
+    load_mode: crate::commands::LoadModeArg,
     /// Timed runs per test.
     #[arg(short, long = "repetitions", default_value_t = 5)]
     repetitions: usize,
@@ -187,6 +191,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         be.clone(),
         &LoadOptions {
             progress: Some(&progress),
+            load_mode: a.load_mode.into(),
         },
     )
     .with_context(|| format!("loading {}", path.display()))?;

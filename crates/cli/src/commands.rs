@@ -16,7 +16,7 @@ use kapitsa_engine::{
     generate, GenerateOutput, GenerateRequest, ParsedReply, ReplyEvent, ReplyFormat, ReplyParser,
     SamplingParams,
 };
-use kapitsa_models::{BatchInputs, KvCache, KvType, LoadOptions, LoadedModel};
+use kapitsa_models::{BatchInputs, KvCache, KvType, LoadMode, LoadOptions, LoadedModel};
 use kapitsa_text::{ChatTemplate, Tokenizer};
 
 /// Options every model-running command shares.
@@ -35,6 +35,33 @@ pub struct ModelArgs {
     /// needs a head size that is a multiple of 32).
     #[arg(long, default_value = "f16")]
     kv_type: String,
+    /// How the weights are held (see `LoadModeArg`).
+    #[arg(long, value_enum, default_value_t = LoadModeArg::Auto)]
+    load_mode: LoadModeArg,
+}
+
+/// How the weight files are held in memory (`--load-mode`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LoadModeArg {
+    /// A copy in memory when the files take at most half of the available RAM, else a
+    /// memory map.
+    #[default]
+    Auto,
+    /// Memory-map the files: instant to open, no copy; reads go through the page cache.
+    Mmap,
+    /// Read a private copy into memory at load (huge pages requested): slower to open,
+    /// usually faster to decode.
+    Memory,
+}
+
+impl From<LoadModeArg> for LoadMode {
+    fn from(a: LoadModeArg) -> LoadMode {
+        match a {
+            LoadModeArg::Auto => LoadMode::Auto,
+            LoadModeArg::Mmap => LoadMode::Mmap,
+            LoadModeArg::Memory => LoadMode::Memory,
+        }
+    }
 }
 
 /// Sampling options.
@@ -214,6 +241,7 @@ fn load(a: &ModelArgs) -> Result<(LoadedModel, Tokenizer)> {
         be.clone(),
         &LoadOptions {
             progress: Some(&progress),
+            load_mode: a.load_mode.into(),
         },
     )
     .with_context(|| format!("loading {}", a.model.display()))?;

@@ -54,6 +54,10 @@ pub struct ServeArgs {
     /// needs a head size that is a multiple of 32).
     #[arg(long, default_value = "f16")]
     kv_type: String,
+    /// How the weights are held: auto (a copy in memory when it fits in half the available
+    /// RAM, else a memory map), mmap or memory.
+    #[arg(long, value_enum, default_value_t = crate::commands::LoadModeArg::Auto)]
+    load_mode: crate::commands::LoadModeArg,
     /// Token positions in the KV block pool shared by all sequences (0 = every sequence
     /// full at once, capped at a quarter of the available memory, and at least one context).
     /// When the pool runs dry, kept prefixes are evicted, then the newest sequences are
@@ -128,6 +132,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         a.threads,
         a.model_name.clone(),
         a.chat_template_file.as_deref(),
+        a.load_mode.into(),
         Some(&progress),
     )?;
     bar.finish_and_clear();

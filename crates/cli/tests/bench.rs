@@ -1,7 +1,8 @@
 //! `kapitsa bench` as a user drives it: bad arguments fail before the model loads with exactly
 //! one `error:` line; a tiny run on the f32 Qwen2 fixture prints a llama-bench style markdown
-//! table or a JSON array with one entry per test; `--membw` reports two bandwidths. No timing
-//! is asserted beyond "positive and finite".
+//! table (weights memory-mapped) or a JSON array with one entry per test (weights copied into
+//! memory); `--membw` reports two bandwidths. No timing is asserted beyond "positive and
+//! finite".
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -64,6 +65,7 @@ fn bad_arguments_fail_cleanly() {
     assert_error(&["-m", &m, "-p", "12,x"], "invalid value 'x'");
     assert_error(&["-m", &m, "-o", "xml"], "invalid value 'xml'");
     assert_error(&["-m", &m, "--kv-type", "q8"], "unknown --kv-type");
+    assert_error(&["-m", &m, "--load-mode", "ram"], "invalid value 'ram'");
     // More positions than the fixture's training context (512).
     assert_error(&["-m", &m, "-p", "400", "-d", "400"], "cache positions");
     assert_error(&["--membw", "-m", &m], "cannot be used with");
@@ -76,7 +78,21 @@ fn bad_arguments_fail_cleanly() {
 fn markdown_table_shape() {
     let m = tiny_str();
     let o = kapitsa(&[
-        "bench", "-m", &m, "-p", "16", "-n", "4", "-d", "0,8", "-r", "2", "-t", "1",
+        "bench",
+        "-m",
+        &m,
+        "-p",
+        "16",
+        "-n",
+        "4",
+        "-d",
+        "0,8",
+        "-r",
+        "2",
+        "-t",
+        "1",
+        "--load-mode",
+        "mmap",
     ]);
     assert!(o.ok, "{}", o.stderr);
     // Progress went to stderr.
@@ -116,7 +132,21 @@ fn markdown_table_shape() {
 fn json_shape() {
     let m = tiny_str();
     let o = kapitsa(&[
-        "bench", "-m", &m, "-p", "8,16", "-n", "3", "-r", "3", "-t", "2", "-o", "json",
+        "bench",
+        "-m",
+        &m,
+        "-p",
+        "8,16",
+        "-n",
+        "3",
+        "-r",
+        "3",
+        "-t",
+        "2",
+        "-o",
+        "json",
+        "--load-mode",
+        "memory",
     ]);
     assert!(o.ok, "{}", o.stderr);
     let v: serde_json::Value = serde_json::from_str(&o.stdout).expect("JSON on stdout");

@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use crate::error::{FormatError, Result};
 use crate::mlx::MlxQuantConfig;
-use crate::storage::Storage;
+use crate::storage::{self, LoadMode, OpenOptions, Storage};
 use crate::tensor::TensorView;
 
 /// Description of one safetensors tensor of an [`HfModelDir`].
@@ -48,6 +48,8 @@ pub struct HfModelDir {
     generation_config: Option<Value>,
     mlx_quant: Option<MlxQuantConfig>,
     shards: Vec<Storage>,
+    /// How the shards are held ([`LoadMode::Mmap`] or [`LoadMode::Memory`]).
+    mode: LoadMode,
     /// Sorted by name.
     tensors: Vec<HfTensorInfo>,
     index: HashMap<String, usize>,
@@ -113,6 +115,16 @@ impl HfModelDir {
     /// and, for an index, that each listed tensor is in the listed shard. The MLX
     /// `quantization` section of the config, if any, is parsed here (errors surface now).
     pub fn open(dir: &Path) -> Result<HfModelDir> {
+        let opts = OpenOptions {
+            mode: LoadMode::Mmap,
+            progress: None,
+        };
+        Self::open_with(dir, &opts)
+    }
+
+    /// [`HfModelDir::open`], with the shards held as `opts.mode` says (memory maps, or
+    /// copies in memory read now, reporting progress over all the shards).
+    pub fn open_with(dir: &Path, opts: &OpenOptions<'_>) -> Result<HfModelDir> {
         let config_path = dir.join("config.json");
         if !config_path.is_file() {
             return Err(FormatError::MissingFile {
@@ -127,10 +139,27 @@ impl HfModelDir {
         let generation_config = read_json_opt(&dir.join("generation_config.json"))?;
 
         let (files, weight_map) = Self::weight_files(dir)?;
+        let mut sizes = Vec::with_capacity(files.len());
+        for path in &files {
+            let meta = std::fs::metadata(path).map_err(|source| FormatError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            sizes.push(meta.len());
+        }
+        let total: u64 = sizes.iter().sum();
+        let mode = storage::resolve(opts.mode, total);
         let mut shards = Vec::with_capacity(files.len());
         let mut tensors = Vec::new();
+        let mut before = 0u64;
         for (shard, path) in files.iter().enumerate() {
-            let storage = Storage::map_file(path)?;
+            let mut progress = |done: u64| {
+                if let Some(p) = opts.progress {
+                    p(before + done, total);
+                }
+            };
+            let storage = Storage::open(path, mode, &mut progress)?;
+            before += sizes[shard];
             Self::read_shard(path, shard, storage.bytes(), &mut tensors)?;
             shards.push(storage);
         }
@@ -164,9 +193,15 @@ impl HfModelDir {
             generation_config,
             mlx_quant,
             shards,
+            mode,
             tensors,
             index,
         })
+    }
+
+    /// How the shards are held: [`LoadMode::Mmap`] or [`LoadMode::Memory`].
+    pub fn load_mode(&self) -> LoadMode {
+        self.mode
     }
 
     /// The weight files to map, plus the index's weight map if there is one.

@@ -1,6 +1,7 @@
 //! Kapitsa model file formats.
 //!
-//! - [`GgufFile`]: memory-mapped, zero-copy, fully validated GGUF v2/v3 reader, plus
+//! - [`GgufFile`]: memory-mapped (or copied into memory, [`LoadMode`]), fully validated GGUF
+//!   v2/v3 reader, plus
 //!   [`GgufWriter`] for building files in memory.
 //! - [`HfModelDir`]: a Hugging Face model directory (`config.json` + one or more
 //!   `*.safetensors` shards, memory-mapped).
@@ -22,4 +23,5 @@ pub use gguf::{GgufArray, GgufFile, GgufTensorInfo, GgufValue, GgufValueType, Gg
 pub use hf::{HfModelDir, HfTensorInfo};
 pub use kapitsa_base::GgmlType;
 pub use mlx::{mlx_dequantize, mlx_dequantize_rows, MlxQuantConfig, MLX_BITS, MLX_GROUP_SIZES};
+pub use storage::{memory_fits, LoadMode, OpenOptions};
 pub use tensor::TensorView;

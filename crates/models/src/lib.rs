@@ -19,6 +19,7 @@ pub mod source;
 
 pub use batch::{BatchInputs, Logits, SeqChunk};
 pub use error::{ModelError, Result};
+pub use kapitsa_formats::LoadMode;
 pub use kv::{KvCache, KvType, RecurrentSnapshot, DEFAULT_BLOCK_SIZE};
 pub use registry::{load_model, LoadOptions, LoadedModel};
 pub use source::{ModelSource, Weight};

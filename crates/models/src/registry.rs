@@ -4,6 +4,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use kapitsa_backend::Backend;
+use kapitsa_formats::{LoadMode, OpenOptions};
 
 use crate::{CausalLm, ModelError, ModelSource, Result};
 
@@ -45,6 +46,9 @@ pub fn supported_archs() -> Vec<&'static str> {
 pub struct LoadOptions<'a> {
     /// Called with `(bytes_done, bytes_total)` while weights are read into memory.
     pub progress: Option<&'a dyn Fn(u64, u64)>,
+    /// How the weight files are held (default [`LoadMode::Auto`]: a copy in memory when it
+    /// fits in half the available RAM, else a memory map).
+    pub load_mode: LoadMode,
 }
 
 /// A model ready to run, with the source it came from (for tokenizer and template metadata).
@@ -63,7 +67,11 @@ pub fn load_model(
     backend: Arc<dyn Backend>,
     opts: &LoadOptions<'_>,
 ) -> Result<LoadedModel> {
-    let source = ModelSource::open(path)?;
+    let open = OpenOptions {
+        mode: opts.load_mode,
+        progress: opts.progress,
+    };
+    let source = ModelSource::open_with(path, &open)?;
     load_from_source(source, backend, opts)
 }
 
@@ -79,7 +87,10 @@ pub fn load_from_source(
         .find(|(a, _)| *a == arch)
         .map(|(_, f)| *f)
         .ok_or_else(|| ModelError::UnsupportedArch(arch.clone(), supported_archs().join(", ")))?;
-    prefetch(&source, opts.progress);
+    // (A copy in memory was read whole when the source was opened.)
+    if source.load_mode() != LoadMode::Memory {
+        prefetch(&source, opts.progress);
+    }
     let model = load(&source, backend)?;
     Ok(LoadedModel {
         model,

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kapitsa_base::GgmlType;
-use kapitsa_formats::{GgufFile, HfModelDir, TensorView};
+use kapitsa_formats::{GgufFile, HfModelDir, LoadMode, OpenOptions, TensorView};
 use kapitsa_kernels_cpu::matmul::QMatrix;
 
 use crate::{ModelError, Result};
@@ -33,10 +33,19 @@ pub struct ModelSource {
 impl ModelSource {
     /// Open `path`: a directory is read as an HF/MLX model directory, a file as GGUF.
     pub fn open(path: &Path) -> Result<ModelSource> {
+        let opts = OpenOptions {
+            mode: LoadMode::Mmap,
+            progress: None,
+        };
+        Self::open_with(path, &opts)
+    }
+
+    /// [`ModelSource::open`], with the weight files held as `opts.mode` says.
+    pub fn open_with(path: &Path, opts: &OpenOptions<'_>) -> Result<ModelSource> {
         let kind = if path.is_dir() {
-            SourceKind::Hf(HfModelDir::open(path)?)
+            SourceKind::Hf(HfModelDir::open_with(path, opts)?)
         } else {
-            SourceKind::Gguf(GgufFile::open(path)?)
+            SourceKind::Gguf(GgufFile::open_with(path, opts)?)
         };
         Ok(ModelSource {
             inner: Arc::new(kind),
@@ -55,6 +64,14 @@ impl ModelSource {
     /// The path it was opened from.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// How the weight files are held: [`LoadMode::Mmap`] or [`LoadMode::Memory`].
+    pub fn load_mode(&self) -> LoadMode {
+        match &*self.inner {
+            SourceKind::Gguf(g) => g.load_mode(),
+            SourceKind::Hf(h) => h.load_mode(),
+        }
     }
 
     /// The GGUF file, if this is one.

@@ -48,7 +48,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use kapitsa_engine::ReplyFormat;
-use kapitsa_models::{LoadOptions, LoadedModel};
+use kapitsa_models::{LoadMode, LoadOptions, LoadedModel};
 use kapitsa_text::{ChatTemplate, Tokenizer};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
@@ -153,13 +153,21 @@ pub fn load(
     threads: usize,
     name: Option<String>,
     template_override: Option<&Path>,
+    load_mode: LoadMode,
     progress: Option<&dyn Fn(u64, u64)>,
 ) -> anyhow::Result<(LoadedModel, ServedModel)> {
     let pool = kapitsa_base::pool::cpu_pool(threads).context("starting the thread pool")?;
     let be: Arc<dyn kapitsa_backend::Backend> =
         Arc::new(kapitsa_backend::CpuBackend::from_env(pool)?);
-    let loaded = kapitsa_models::load_model(path, be, &LoadOptions { progress })
-        .with_context(|| format!("loading {}", path.display()))?;
+    let loaded = kapitsa_models::load_model(
+        path,
+        be,
+        &LoadOptions {
+            progress,
+            load_mode,
+        },
+    )
+    .with_context(|| format!("loading {}", path.display()))?;
     let tok = kapitsa_engine::loader::tokenizer_for(&loaded.source)
         .with_context(|| format!("building the tokenizer of {}", path.display()))?;
     let src = match template_override {

@@ -27,8 +27,15 @@ fn engine_cfg() -> EngineConfig {
 }
 
 async fn start(ecfg: EngineConfig, scfg: ServerConfig) -> TestServer {
-    let (loaded, served) =
-        kapitsa_server::load(&tiny(), 1, Some("tiny".into()), None, None).expect("load");
+    let (loaded, served) = kapitsa_server::load(
+        &tiny(),
+        1,
+        Some("tiny".into()),
+        None,
+        kapitsa_models::LoadMode::Auto,
+        None,
+    )
+    .expect("load");
     let engine =
         EngineHandle::start(loaded.model.clone(), served.tokenizer.clone(), ecfg).expect("engine");
     TestServer::start(Arc::new(engine), served, scfg).await

@@ -31,8 +31,15 @@ const COUNT: &str = "/v1/messages/count_tokens";
 
 /// One slot, one queue place, a context of 4096 and a body limit of 128 KiB, with an API key.
 async fn server() -> TestServer {
-    let (loaded, served) =
-        kapitsa_server::load(&tiny(), 1, Some("tiny".into()), None, None).expect("load");
+    let (loaded, served) = kapitsa_server::load(
+        &tiny(),
+        1,
+        Some("tiny".into()),
+        None,
+        kapitsa_models::LoadMode::Auto,
+        None,
+    )
+    .expect("load");
     let ecfg = EngineConfig {
         max_running: 1,
         max_batch_tokens: 64,

@@ -28,8 +28,15 @@ use serde_json::{json, Value};
 async fn start(model: &str, tpl: Option<&str>) -> TestServer {
     let dir = repo().join("tests/fixtures/tiny").join(model);
     let tpl = tpl.map(|t| repo().join("tests/fixtures/templates").join(t));
-    let (loaded, served) =
-        kapitsa_server::load(&dir, 1, Some("tiny".into()), tpl.as_deref(), None).expect("load");
+    let (loaded, served) = kapitsa_server::load(
+        &dir,
+        1,
+        Some("tiny".into()),
+        tpl.as_deref(),
+        kapitsa_models::LoadMode::Auto,
+        None,
+    )
+    .expect("load");
     // `..default()`: settings added later keep their defaults here.
     #[allow(clippy::needless_update)]
     let ecfg = EngineConfig {

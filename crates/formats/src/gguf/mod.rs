@@ -20,7 +20,7 @@ pub use value::{GgufArray, GgufValue, GgufValueType};
 pub use writer::GgufWriter;
 
 use crate::error::{FormatError, Result};
-use crate::storage::Storage;
+use crate::storage::{self, LoadMode, OpenOptions, Storage};
 use crate::tensor::TensorView;
 
 /// Description of one tensor of a GGUF file, validated against the file.
@@ -60,6 +60,8 @@ impl GgufTensorInfo {
 /// cannot fail for a listed tensor.
 pub struct GgufFile {
     storage: Storage,
+    /// How the bytes are held ([`LoadMode::Mmap`] or [`LoadMode::Memory`], never `Auto`).
+    mode: LoadMode,
     version: u32,
     alignment: usize,
     data_offset: u64,
@@ -86,18 +88,42 @@ impl GgufFile {
     /// truncated by another process while the returned value lives (the usual contract of
     /// memory-mapped model loaders).
     pub fn open(path: &Path) -> Result<GgufFile> {
-        Self::from_storage(Storage::map_file(path)?)
+        let opts = OpenOptions {
+            mode: LoadMode::Mmap,
+            progress: None,
+        };
+        Self::open_with(path, &opts)
+    }
+
+    /// Opens and validates the GGUF file at `path`, held as `opts.mode` says (a memory map,
+    /// or a copy in memory read now, reporting progress). A memory-mapped file must not be
+    /// modified or truncated by another process while the returned value lives.
+    pub fn open_with(path: &Path, opts: &OpenOptions<'_>) -> Result<GgufFile> {
+        let len = std::fs::metadata(path)
+            .map_err(|source| FormatError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?
+            .len();
+        let mode = storage::resolve(opts.mode, len);
+        let mut progress = |done: u64| {
+            if let Some(p) = opts.progress {
+                p(done, len);
+            }
+        };
+        Self::from_storage(Storage::open(path, mode, &mut progress)?, mode)
     }
 
     /// Validates a GGUF file held in memory (same checks as [`GgufFile::open`]).
     pub fn from_bytes(bytes: Vec<u8>) -> Result<GgufFile> {
-        Self::from_storage(Storage::Owned(bytes))
+        Self::from_storage(Storage::Owned(bytes), LoadMode::Memory)
     }
 
-    fn from_storage(storage: Storage) -> Result<GgufFile> {
+    fn from_storage(storage: Storage, mode: LoadMode) -> Result<GgufFile> {
         let h = parse::parse(storage.bytes())?;
         Ok(GgufFile {
             storage,
+            mode,
             version: h.version,
             alignment: h.alignment,
             data_offset: h.data_offset,
@@ -106,6 +132,12 @@ impl GgufFile {
             tensors: h.tensors,
             tensor_index: h.tensor_index,
         })
+    }
+
+    /// How the bytes are held: [`LoadMode::Mmap`] or [`LoadMode::Memory`] (a copy, or bytes
+    /// given to [`GgufFile::from_bytes`]).
+    pub fn load_mode(&self) -> LoadMode {
+        self.mode
     }
 
     /// GGUF version (2 or 3).

@@ -1,6 +1,8 @@
 //! Writer -> reader round trips and the typed getters.
 
-use kapitsa_formats::{FormatError, GgmlType, GgufArray, GgufFile, GgufValue, GgufWriter};
+use kapitsa_formats::{
+    FormatError, GgmlType, GgufArray, GgufFile, GgufValue, GgufWriter, LoadMode, OpenOptions,
+};
 
 use crate::common::sample_writer;
 
@@ -233,6 +235,59 @@ fn version_2_accepted_and_open_from_disk() {
     let e = GgufFile::open(&dir.path().join("missing.gguf")).unwrap_err();
     assert!(matches!(e, FormatError::Io { .. }));
     assert!(e.to_string().contains("missing.gguf"));
+}
+
+#[test]
+fn memory_and_mmap_opens_hold_the_same_bytes() {
+    let bytes = sample_writer().to_bytes();
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("x.gguf");
+    std::fs::write(&p, &bytes).unwrap();
+    let seen = std::cell::RefCell::new(Vec::new());
+    let progress = |done: u64, total: u64| seen.borrow_mut().push((done, total));
+    let open = |mode| {
+        let opts = OpenOptions {
+            mode,
+            progress: Some(&progress),
+        };
+        GgufFile::open_with(&p, &opts).unwrap()
+    };
+    let mapped = open(LoadMode::Mmap);
+    assert_eq!(mapped.load_mode(), LoadMode::Mmap);
+    assert!(seen.borrow().is_empty(), "a map reads nothing at open");
+    let copy = open(LoadMode::Memory);
+    assert_eq!(copy.load_mode(), LoadMode::Memory);
+    let n = bytes.len() as u64;
+    assert_eq!(seen.borrow().last(), Some(&(n, n)));
+    assert_eq!(copy.file_len(), bytes.len());
+    for t in mapped.tensor_infos() {
+        assert_eq!(
+            copy.tensor(&t.name).unwrap().data,
+            mapped.tensor(&t.name).unwrap().data,
+            "{}",
+            t.name
+        );
+    }
+    // Auto resolves to one of the two (a tiny file fits wherever /proc/meminfo exists).
+    let auto = open(LoadMode::Auto);
+    assert_ne!(auto.load_mode(), LoadMode::Auto);
+    if std::path::Path::new("/proc/meminfo").exists() {
+        assert_eq!(auto.load_mode(), LoadMode::Memory);
+    }
+    assert!(!kapitsa_formats::memory_fits(u64::MAX));
+    // Errors are the same in both modes.
+    for mode in [LoadMode::Mmap, LoadMode::Memory] {
+        let opts = OpenOptions {
+            mode,
+            progress: None,
+        };
+        let e = GgufFile::open_with(&dir.path().join("missing.gguf"), &opts).unwrap_err();
+        assert!(matches!(e, FormatError::Io { .. }), "{e}");
+        let empty = dir.path().join("empty.gguf");
+        std::fs::write(&empty, b"").unwrap();
+        let e = GgufFile::open_with(&empty, &opts).unwrap_err();
+        assert!(matches!(e, FormatError::Truncated { .. }), "{e}");
+    }
 }
 
 #[test]

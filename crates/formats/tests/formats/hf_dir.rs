@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use kapitsa_formats::{FormatError, GgmlType, HfModelDir};
+use kapitsa_formats::{FormatError, GgmlType, HfModelDir, LoadMode, OpenOptions};
 use safetensors::tensor::TensorView as StView;
 use safetensors::Dtype;
 
@@ -157,6 +157,27 @@ fn sharded_dir_with_index() {
     );
     assert_eq!(d.tensor("z.bias").unwrap().to_f32_vec().unwrap(), vec![7.0]);
     assert!(d.tensor_info("z.bias").unwrap().file.ends_with(s2));
+    assert_eq!(d.load_mode(), LoadMode::Mmap);
+    // The same directory as copies in memory: the same tensors; progress runs over both
+    // shards to their total size.
+    let seen = std::cell::RefCell::new(Vec::new());
+    let progress = |done: u64, total: u64| seen.borrow_mut().push((done, total));
+    let opts = OpenOptions {
+        mode: LoadMode::Memory,
+        progress: Some(&progress),
+    };
+    let m = HfModelDir::open_with(dir.path(), &opts).unwrap();
+    assert_eq!(m.load_mode(), LoadMode::Memory);
+    for n in d.tensor_names() {
+        assert_eq!(m.tensor(n).unwrap().data, d.tensor(n).unwrap().data, "{n}");
+    }
+    let total: u64 = [s1, s2]
+        .iter()
+        .map(|f| std::fs::metadata(dir.path().join(f)).unwrap().len())
+        .sum();
+    let seen = seen.borrow();
+    assert_eq!(seen.last(), Some(&(total, total)));
+    assert!(seen.windows(2).all(|w| w[0].0 < w[1].0), "{seen:?}");
 
     // Index naming a tensor that no shard has.
     let bad = serde_json::json!({"weight_map": {"x.weight": s1, "ghost": s2}});
