@@ -32,6 +32,7 @@
 
 use std::ops::Range;
 
+use kapitsa_base::pool::SerialPool;
 use kapitsa_base::{GgmlType, ThreadPool};
 
 use crate::quant::{self, check_len, DotKernel, KernelError, SimdLevel};
@@ -301,8 +302,10 @@ pub fn matmul_many_with(
 /// instead of one per matrix, and an idle thread only waits for the last, short chunk of the
 /// whole batch. A chunk meets its product's tokens on the multi-token row-group GEMV where
 /// the kernel has one (passes of [`GEMV_MULTI_MAX_TOKENS`] tokens, each weight block decoded
-/// once per pass); otherwise token by token over pieces of [`GEMV_PIECE_BYTES`], so the
-/// weights are read from memory once and from L1/L2 for the other tokens.
+/// once per pass); on the AMX block tile GEMM for Q8_0 and Q5_0 at [`SimdLevel::Amx`] (as
+/// [`matmul_with`] does for 2 tokens and more); otherwise token by token over pieces of
+/// [`GEMV_PIECE_BYTES`], so the weights are read from memory once and from L1/L2 for the
+/// other tokens.
 pub fn gemv_batch_with(
     level: SimdLevel,
     pool: &dyn ThreadPool,
@@ -321,11 +324,14 @@ pub fn gemv_batch_with(
         m: usize,
         gemv: bool,
         multi: bool,
+        /// Several tokens on the AMX block tile GEMM (what `matmul_with` runs for them).
+        tile: bool,
         xq: usize,
     }
-    // Quantised inputs (`m` rows of `xrb` bytes each), keyed by (address, length, activation
-    // format, weight type whose row-group GEMV layout they were prepared for).
-    type Key = (usize, usize, GgmlType, Option<GgmlType>);
+    // Quantised inputs (`m` rows of `xrb` bytes each), keyed by (address, length, row width,
+    // activation format, weight type whose row-group GEMV layout they were prepared for,
+    // whether they are needed at all: the tile GEMM quantises its own).
+    type Key = (usize, usize, usize, GgmlType, Option<GgmlType>, bool);
     let mut keys: Vec<Key> = Vec::new();
     let mut xqs: Vec<(Vec<u8>, usize)> = Vec::new();
     let mut jobs = Vec::with_capacity(ws.len());
@@ -352,17 +358,26 @@ pub fn gemv_batch_with(
         // The row-group kernels address 8 rows with i32 offsets: rows of up to 128 MiB.
         let gemv = kernel.has_gemv() && rb <= i32::MAX as usize / 16;
         let multi = gemv && m > 1 && kernel.has_gemv_multi();
+        // (The block-order tile GEMM gathers 16 rows' scales with i32 offsets.)
+        let tile = m > 1
+            && !multi
+            && kernel.level() == SimdLevel::Amx
+            && crate::gemm_amx_blk::supports(w.dtype)
+            && rb <= i32::MAX as usize / 16;
         let key = (
             x.as_ptr() as usize,
             x.len(),
+            w.n_in,
             kernel.dot_type(),
             gemv.then_some(w.dtype),
+            tile,
         );
         let xq = match keys.iter().position(|k| *k == key) {
             Some(p) => p,
             None => {
                 let xrb = quant::row_bytes(OP, kernel.dot_type(), w.n_in)?;
-                let mut q = vec![0u8; xrb * m];
+                // (The tile GEMM quantises its own input.)
+                let mut q = vec![0u8; if tile { 0 } else { xrb * m }];
                 if xrb > 0 {
                     for (xr, qr) in x.chunks_exact(w.n_in).zip(q.chunks_exact_mut(xrb)) {
                         quant::act::quantize_act(kernel.dot_type(), xr, qr);
@@ -382,6 +397,7 @@ pub fn gemv_batch_with(
             m,
             gemv,
             multi,
+            tile,
             xq,
         });
     }
@@ -398,6 +414,8 @@ pub fn gemv_batch_with(
         pool.n_threads(),
     );
     let outs: Vec<SharedMut<f32>> = ys.iter_mut().map(|y| SharedMut(y.as_mut_ptr())).collect();
+    // The first error of a task (the tile GEMM's; none is expected for checked shapes).
+    let failed = std::sync::Mutex::new(None::<KernelError>);
     let run = |t: usize| {
         let (i, r0, r1) = tasks[t];
         let (w, job) = (&ws[i], &jobs[i]);
@@ -412,6 +430,29 @@ pub fn gemv_batch_with(
             }
         };
         let rb = job.rb;
+        if job.tile {
+            // The chunk's rows as a matrix of their own, on one thread; its `[m, rows]`
+            // output then goes to the tokens' rows.
+            let sub = QMatrix {
+                dtype: w.dtype,
+                n_out: r1 - r0,
+                n_in: w.n_in,
+                data: &w.data[r0 * rb..r1 * rb],
+            };
+            let mut tmp = vec![0f32; job.m * (r1 - r0)];
+            match crate::gemm_amx_blk::gemm(&SerialPool, &sub, xs[i], job.m, &mut tmp) {
+                Ok(()) => {
+                    for (tok, t) in tmp.chunks_exact(r1 - r0).enumerate() {
+                        out(tok, r0, r1).copy_from_slice(t);
+                    }
+                }
+                Err(e) => {
+                    let mut slot = failed.lock().unwrap_or_else(|p| p.into_inner());
+                    slot.get_or_insert(e);
+                }
+            }
+            return;
+        }
         if job.multi {
             let mut xr: [&[u8]; GEMV_MULTI_MAX_TOKENS] = [&[]; GEMV_MULTI_MAX_TOKENS];
             let mut os: [&mut [f32]; GEMV_MULTI_MAX_TOKENS] = Default::default();
@@ -450,7 +491,10 @@ pub fn gemv_batch_with(
         }
     };
     pool.run(tasks.len(), &run);
-    Ok(())
+    match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// Row chunks `(matrix, first row, end row)` of one decode round over matrices given as

@@ -256,9 +256,10 @@ fn gemv_batch_equals_per_row_dot_bitwise() {
     let pools: [&dyn ThreadPool; 3] = [&SerialPool, &pool2, &spin2];
     // (type, n_out, n_in, input). Inputs (tokens x width): 0 and 1 are 1 x 512, 2 is 1 x 768,
     // 3 is 2 x 512, 4 is 3 x 768, 5 is 5 x 512 (a pass of 4 tokens and one of 1), 6 is 4 x 256.
-    // Products of several tokens meet the multi-token GEMV (K formats) or go token by token
-    // (the others); some inputs are shared across types whose GEMVs lay them out differently.
-    let mats: [(GgmlType, usize, usize, usize); 19] = [
+    // Products of several tokens meet the multi-token GEMV (K formats), the AMX tile GEMM
+    // (Q8_0, Q5_0) or go token by token (the rest, and every type below the AMX level); some
+    // inputs are shared across types whose GEMVs lay them out differently.
+    let mats: [(GgmlType, usize, usize, usize); 21] = [
         (GgmlType::Q4_K, 300, 512, 0),
         (GgmlType::Q6_K, 17, 512, 0),
         (GgmlType::Q5_K, 33, 512, 0),
@@ -278,6 +279,10 @@ fn gemv_batch_equals_per_row_dot_bitwise() {
         (GgmlType::Q6_K, 33, 512, 5),
         (GgmlType::Q5_0, 20, 512, 5),
         (GgmlType::Q4_K, 48, 256, 6),
+        // Inputs shared by products of other widths (so other token counts): input 2 as
+        // 2 x 384, input 6 as 2 x 512.
+        (GgmlType::Q8_0, 40, 384, 2),
+        (GgmlType::Q4_K, 16, 512, 6),
     ];
     let data: Vec<Vec<u8>> = mats
         .iter()
