@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{cfg, send_request, tiny, wait_until, Resp, TestServer};
+use common::{cfg, load_tiny, send_request, tiny, wait_until, Resp, TestServer};
 use kapitsa_engine::{EngineConfig, EngineHandle};
 use kapitsa_models::KvType;
 use kapitsa_server::ServerConfig;
@@ -27,15 +27,7 @@ fn engine_cfg() -> EngineConfig {
 }
 
 async fn start(ecfg: EngineConfig, scfg: ServerConfig) -> TestServer {
-    let (loaded, served) = kapitsa_server::load(
-        &tiny(),
-        1,
-        Some("tiny".into()),
-        None,
-        kapitsa_models::LoadMode::Auto,
-        None,
-    )
-    .expect("load");
+    let (loaded, served) = load_tiny(&tiny(), None);
     let engine =
         EngineHandle::start(loaded.model.clone(), served.tokenizer.clone(), ecfg).expect("engine");
     TestServer::start(Arc::new(engine), served, scfg).await

@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{cfg, parse_response, send_request, tiny, wait_until, Resp, TestServer};
+use common::{cfg, load_tiny, parse_response, send_request, tiny, wait_until, Resp, TestServer};
 use kapitsa_engine::{EngineConfig, EngineHandle};
 use kapitsa_models::KvType;
 use kapitsa_server::ServerConfig;
@@ -31,15 +31,7 @@ const COUNT: &str = "/v1/messages/count_tokens";
 
 /// One slot, one queue place, a context of 4096 and a body limit of 128 KiB, with an API key.
 async fn server() -> TestServer {
-    let (loaded, served) = kapitsa_server::load(
-        &tiny(),
-        1,
-        Some("tiny".into()),
-        None,
-        kapitsa_models::LoadMode::Auto,
-        None,
-    )
-    .expect("load");
+    let (loaded, served) = load_tiny(&tiny(), None);
     let ecfg = EngineConfig {
         max_running: 1,
         max_batch_tokens: 64,

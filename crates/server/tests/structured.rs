@@ -7,22 +7,14 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{cfg, repo, tiny, Resp, TestServer};
+use common::{cfg, load_tiny, repo, tiny, Resp, TestServer};
 use kapitsa_engine::{EngineConfig, EngineHandle};
 use kapitsa_models::KvType;
 use serde_json::{json, Value};
 
 async fn start(template: Option<&str>) -> TestServer {
     let tpl = template.map(|t| repo().join("tests/fixtures/templates").join(t));
-    let (loaded, served) = kapitsa_server::load(
-        &tiny(),
-        1,
-        Some("tiny".into()),
-        tpl.as_deref(),
-        kapitsa_models::LoadMode::Auto,
-        None,
-    )
-    .expect("load");
+    let (loaded, served) = load_tiny(&tiny(), tpl.as_deref());
     // `..default()`: settings added later keep their defaults here.
     #[allow(clippy::needless_update)]
     let ecfg = EngineConfig {

@@ -10,7 +10,7 @@ mod common;
 
 use std::sync::{Arc, Mutex};
 
-use common::{cfg, repo, template, Resp, TestServer};
+use common::{cfg, load_tiny, repo, template, Resp, TestServer};
 use kapitsa_engine::{
     Constraint, EngineConfig, EngineHandle, ParsedReply, ReplyFormat, ReplyParser, StructuredEnv,
 };
@@ -28,15 +28,7 @@ use serde_json::{json, Value};
 async fn start(model: &str, tpl: Option<&str>) -> TestServer {
     let dir = repo().join("tests/fixtures/tiny").join(model);
     let tpl = tpl.map(|t| repo().join("tests/fixtures/templates").join(t));
-    let (loaded, served) = kapitsa_server::load(
-        &dir,
-        1,
-        Some("tiny".into()),
-        tpl.as_deref(),
-        kapitsa_models::LoadMode::Auto,
-        None,
-    )
-    .expect("load");
+    let (loaded, served) = load_tiny(&dir, tpl.as_deref());
     // `..default()`: settings added later keep their defaults here.
     #[allow(clippy::needless_update)]
     let ecfg = EngineConfig {

@@ -26,6 +26,16 @@ pub fn tiny() -> PathBuf {
     repo().join("tests/fixtures/tiny/qwen2-a")
 }
 
+/// `model` loaded as `kapitsa serve` loads it (one thread, served as "tiny", weights as the
+/// default load mode picks), with an optional chat template file.
+pub fn load_tiny(
+    model: &std::path::Path,
+    template: Option<&std::path::Path>,
+) -> (kapitsa_models::LoadedModel, ServedModel) {
+    let mode = kapitsa_models::LoadMode::Auto;
+    kapitsa_server::load(model, 1, Some("tiny".into()), template, mode, None).expect("load")
+}
+
 /// A template from `tests/fixtures/templates`.
 pub fn template(name: &str) -> String {
     std::fs::read_to_string(repo().join("tests/fixtures/templates").join(name)).expect("template")
