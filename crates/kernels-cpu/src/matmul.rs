@@ -208,10 +208,12 @@ pub fn matmul_dot_with(
 
 /// `ys[i] = x · ws[i]ᵀ` for several weight matrices multiplied by the same activations (an
 /// MLP's gate and up projections, attention's q, k and v), each output exactly as
-/// [`matmul_with`] computes it. Where the batch takes the AVX-512 GEMM, the matrices of one
-/// type and width are done together: the activations are quantised and packed once for them
-/// and all their products run in one pool round. Everything else is one [`matmul_with`] per
-/// matrix. `x` is `[n_tok, n_in]`, `ys[i]` is `[n_tok, ws[i].n_out]`.
+/// [`matmul_with`] computes it. One token, or up to [`GEMV_MULTI_MAX_TOKENS`] where every
+/// matrix has the multi-token GEMV, is one round of [`gemv_batch_with`]. Where the batch takes
+/// the AVX-512 GEMM, the matrices of one type and width are done together: the activations
+/// are quantised and packed once for them and all their products run in one pool round.
+/// Everything else is one [`matmul_with`] per matrix. `x` is `[n_tok, n_in]`, `ys[i]` is
+/// `[n_tok, ws[i].n_out]`.
 pub fn matmul_many_with(
     level: SimdLevel,
     pool: &dyn ThreadPool,
