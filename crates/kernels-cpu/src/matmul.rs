@@ -52,7 +52,7 @@ pub const GEMM_MIN_TOKENS: usize = 4;
 /// and 1.7x at 256. Below it the same order runs on the AVX-512 GEMM (`kern_k_sb`).
 pub const AMX_MIN_TOKENS: usize = 80;
 
-/// Chunking of a decode GEMV round ([`gemv_chunks`]): each chunk takes about
+/// Chunking of a decode GEMV round (`gemv_chunks`): each chunk takes about
 /// `1 / (GEMV_CHUNK_FACTOR * threads)` of the weight bytes not yet given to a chunk, so chunks
 /// shrink as the round goes on (guided self-scheduling by "factoring"). Tasks are claimed
 /// dynamically and in order, so the long first chunks stream long runs and the short last ones
@@ -299,7 +299,7 @@ pub fn matmul_many_with(
 ///
 /// Inputs passed as the same slice (same address and length) are quantised once per
 /// activation format. The rows of all matrices are cut into chunks that shrink through the
-/// round ([`gemv_chunks`]: whole 16-row groups where the kernel has a row-group GEMV), and all
+/// round (`gemv_chunks`: whole 16-row groups where the kernel has a row-group GEMV), and all
 /// chunks are tasks of a single pool round, so a batch of small matrices pays one fork-join
 /// instead of one per matrix, and an idle thread only waits for the last, short chunk of the
 /// whole batch. A chunk meets its product's tokens on the multi-token row-group GEMV where
