@@ -28,14 +28,14 @@
 //! IQ4_NL, MXFP4 (VNNI); `matmul` uses them for batches of 4+ tokens. Activation quantisation
 //! to Q8_0 / Q8_K has byte-identical AVX-512 versions (`act_avx512`).
 //!
-//! At [`SimdLevel::Amx`] the K formats use the super-block order of [`dot_sb`] instead (the
+//! At [`SimdLevel::Amx`] the K formats use the super-block order of `dot_sb` instead (the
 //! only order AMX tiles can reproduce): VNNI dot kernels, an AVX-512 GEMM for small batches
 //! and the tile GEMM (`crate::gemm_amx`) for batches of `AMX_MIN_TOKENS`+, all bit-identical
 //! to each other and to the scalar twin `dot_sb::dot_scalar`. Single-token products at that
 //! level take the row-group GEMV of `gemv_sb` ([`DotKernel`]'s `gemv`, 8 rows per vector
 //! chain), bit-identical to the dot kernels.
 //!
-//! The same holds for Q8_0 and Q5_0 with the block order of [`dot_blk`] (one f32 chain per
+//! The same holds for Q8_0 and Q5_0 with the block order of `dot_blk` (one f32 chain per
 //! row, one FMA per 32-element block): at [`SimdLevel::Amx`] their dot kernel is the
 //! row-group GEMV of `gemv_blk` run on one row, single-token products take that GEMV, and
 //! every batch of 2+ tokens takes the tile GEMM of `crate::gemm_amx_blk`, so a sequence's
@@ -72,8 +72,8 @@ pub enum SimdLevel {
     /// AVX-512 plus VNNI (`vpdpbusd`) and, where used, BF16 (checked separately).
     Avx512Vnni,
     /// AVX-512 VNNI plus AMX-INT8 tiles. The K formats (Q4_K, Q5_K, Q6_K) switch to the
-    /// super-block order of [`dot_sb`] at this level and Q8_0, Q5_0 to the block order of
-    /// [`dot_blk`] (their GEMMs run on the tiles); every other type uses its AVX-512 VNNI
+    /// super-block order of `dot_sb` at this level and Q8_0, Q5_0 to the block order of
+    /// `dot_blk` (their GEMMs run on the tiles); every other type uses its AVX-512 VNNI
     /// kernels.
     Amx,
 }
