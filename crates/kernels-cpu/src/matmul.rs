@@ -131,6 +131,24 @@ impl<'a> QMatrix<'a> {
         self.dtype.row_bytes(self.n_in)
     }
 
+    /// Checks that `x` holds `n_tok` rows of `n_in` and `y` `n_tok` rows of `n_out`.
+    fn check_tokens(
+        &self,
+        op: &'static str,
+        n_tok: usize,
+        x: usize,
+        y: usize,
+    ) -> Result<(), KernelError> {
+        let n_x = n_tok
+            .checked_mul(self.n_in)
+            .ok_or(KernelError::Overflow { op })?;
+        let n_y = n_tok
+            .checked_mul(self.n_out)
+            .ok_or(KernelError::Overflow { op })?;
+        check_len(op, "x", n_x, x)?;
+        check_len(op, "y", n_y, y)
+    }
+
     /// The bytes of row `r`, if in range.
     pub fn row(&self, r: usize) -> Option<&'a [u8]> {
         let rb = self.row_bytes()?;
@@ -264,14 +282,7 @@ pub fn matmul_many_with(
         for &j in &idx {
             let w = &ws[j];
             w.check(OP)?;
-            let n_x = n_tok
-                .checked_mul(w.n_in)
-                .ok_or(KernelError::Overflow { op: OP })?;
-            let n_y = n_tok
-                .checked_mul(w.n_out)
-                .ok_or(KernelError::Overflow { op: OP })?;
-            check_len(OP, "x", n_x, x.len())?;
-            check_len(OP, "y", n_y, ys[j].len())?;
+            w.check_tokens(OP, n_tok, x.len(), ys[j].len())?;
             done[j] = true;
         }
         let group: Vec<QMatrix<'_>> = idx.iter().map(|&j| ws[j]).collect();
@@ -297,8 +308,8 @@ pub fn matmul_many_with(
 /// (and so [`matmul_with`]) computes for that matrix and those tokens (the same kernel on the
 /// same quantised rows).
 ///
-/// Inputs passed as the same slice (same address and length) are quantised once per
-/// activation format. The rows of all matrices are cut into chunks that shrink through the
+/// Inputs passed as the same slice (same address and length) for matrices of the same width
+/// are quantised once per activation format. The rows of all matrices are cut into chunks that shrink through the
 /// round (`gemv_chunks`: whole 16-row groups where the kernel has a row-group GEMV), and all
 /// chunks are tasks of a single pool round, so a batch of small matrices pays one fork-join
 /// instead of one per matrix, and an idle thread only waits for the last, short chunk of the
@@ -345,14 +356,7 @@ pub fn gemv_batch_with(
             (0, n_out) => y.len() / n_out,
             (n_in, _) => x.len() / n_in,
         };
-        let n_x = m
-            .checked_mul(w.n_in)
-            .ok_or(KernelError::Overflow { op: OP })?;
-        let n_y = m
-            .checked_mul(w.n_out)
-            .ok_or(KernelError::Overflow { op: OP })?;
-        check_len(OP, "x", n_x, x.len())?;
-        check_len(OP, "y", n_y, y.len())?;
+        w.check_tokens(OP, m, x.len(), y.len())?;
         if w.n_in == 0 {
             // No products to sum (and no input to quantise).
             y.fill(0.0);
@@ -426,7 +430,8 @@ pub fn gemv_batch_with(
             // SAFETY: rows lo..hi (within r0..r1) of token `tok` of output `i` belong to this
             // task only (the chunks of a matrix are disjoint row ranges, and the tokens' rows
             // of an output do not overlap); tok * n_out + hi <= m * n_out = ys[i].len()
-            // (checked above), and `ys` outlives `run`.
+            // (checked above), and `ys` outlives `run`. Each call below asks for distinct
+            // (token, rows), or for the same ones only after the earlier slice is dropped.
             unsafe {
                 std::slice::from_raw_parts_mut(outs[i].ptr().add(tok * w.n_out + lo), hi - lo)
             }
@@ -545,14 +550,7 @@ fn matmul_impl(
     const OP: &str = "matmul";
     let rb = w.check(OP)?;
     let (n_in, n_out) = (w.n_in, w.n_out);
-    let n_x = n_tok
-        .checked_mul(n_in)
-        .ok_or(KernelError::Overflow { op: OP })?;
-    let n_y = n_tok
-        .checked_mul(n_out)
-        .ok_or(KernelError::Overflow { op: OP })?;
-    check_len(OP, "x", n_x, x.len())?;
-    check_len(OP, "y", n_y, y.len())?;
+    w.check_tokens(OP, n_tok, x.len(), y.len())?;
     let kernel = DotKernel::with_level(w.dtype, level)?;
     if n_tok == 0 || n_out == 0 {
         return Ok(());
