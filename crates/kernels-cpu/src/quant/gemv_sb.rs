@@ -33,7 +33,7 @@ use kapitsa_base::GgmlType;
 
 /// A row-range GEMV: `out[r] = dot(w[r * rb..(r + 1) * rb], x)` for `r < out.len()`, with `x`
 /// prepared by [`prepare`]. Reads only inside `w` and `x`; rows past the end of `w`, blocks
-/// past the end of `x` and rows of 256 MiB or more (beyond the i32 gather offsets) are not
+/// past the end of `x` and rows of 256 MiB or more (the row-group kernels' shared limit) are not
 /// computed and give 0 (callers never pass such rows).
 pub(crate) type GemvFn = unsafe fn(w: &[u8], rb: usize, x: &[u8], out: &mut [f32]);
 
@@ -105,6 +105,27 @@ mod imp {
         static U: UnsafeCell<[[[__m512i; R]; CH]; NT_MAX]> =
             // SAFETY: all-zero bits are valid `__m512i` values (plain integer lanes).
             const { UnsafeCell::new(unsafe { std::mem::zeroed() }) };
+    }
+
+    /// `acc + dpwssd(a, b)` as one `vpdpwssd` instruction. The intrinsic is split by LLVM's
+    /// generic x86-64 tuning into `vpmaddwd` + `vpaddd`, one more uop per call on the two
+    /// vector ports the decode GEMVs saturate.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    fn dpwssd(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+        let mut r = acc;
+        // SAFETY: one register-only instruction (no memory, stack or flags); every caller is
+        // a `#[target_feature]` function of this module with AVX-512 VNNI enabled.
+        unsafe {
+            std::arch::asm!(
+                "vpdpwssd {r}, {a}, {b}",
+                r = inout(zmm_reg) r,
+                a = in(zmm_reg) a,
+                b = in(zmm_reg) b,
+                options(pure, nomem, nostack, preserves_flags),
+            )
+        };
+        r
     }
 
     /// Loads 64 bytes of `p` at `o` (bounds-checked).
@@ -323,7 +344,7 @@ mod imp {
                 let sc = _mm512_shuffle_epi8(sm, k.sidx[c]);
                 for (st, y) in sumi.iter_mut().zip(ys) {
                     let p = _mm512_maddubs_epi16(*vi, ld512(y, 4 + 64 * c));
-                    *st = _mm512_dpwssd_epi32(*st, p, sc);
+                    *st = dpwssd(*st, p, sc);
                 }
             }
         }
@@ -366,7 +387,7 @@ mod imp {
                 let sc = _mm512_permutexvar_epi16(k.sidx[p], sc512);
                 for (st, y) in sumi.iter_mut().zip(ys) {
                     let prod = _mm512_maddubs_epi16(q, ld512(y, 4 + 64 * p));
-                    *st = _mm512_dpwssd_epi32(*st, prod, sc);
+                    *st = dpwssd(*st, prod, sc);
                 }
             }
         }
@@ -429,8 +450,8 @@ mod imp {
         for o in outs.iter_mut() {
             o.fill(0.0);
         }
-        // Row offsets go into i32 gather lanes: callers keep `rb` far below this (`matmul`
-        // takes the per-row kernels for rows over 128 MiB).
+        // The row-group kernels' shared limit on row size (`matmul` takes the per-row kernels
+        // for rows over 128 MiB).
         if rb == 0 || i32::try_from(R * rb + ts).is_err() {
             return;
         }
@@ -439,8 +460,9 @@ mod imp {
         let k = consts::<K>();
         // Byte offset of a dword ending with (Q6_K) or starting with (Q4_K/Q5_K) the scales.
         let dofs = if K == 2 { 206 } else { 0 };
-        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        let row_off = _mm256_mullo_epi32(lane, _mm256_set1_epi32(rb as i32));
+        // Each row-block's dword at `dofs`, stored while its integers are computed, so the
+        // reduction loads 8 rows' scales with one load (instead of a gather from the rows).
+        let mut dd = [[0u32; R]; CH];
         // SAFETY: the cell lives as long as this thread; this function is its only user and
         // never re-enters itself, so no other reference to it exists during the call.
         let u = unsafe { &mut *U.with(|c| c.get()) };
@@ -448,51 +470,78 @@ mod imp {
         while r0 < n {
             let nr = (n - r0).min(R);
             let g = &w[r0 * rb..(r0 + nr) * rb];
-            let valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr as i32), lane);
             let mut acc = [_mm256_setzero_ps(); NT];
             let mut j0 = 0;
             while j0 < nb {
                 let jn = (nb - j0).min(CH);
                 for r in 0..nr {
                     let row = &g[r * rb..(r + 1) * rb];
-                    // Q4_K/Q5_K: the scale fields of the next four blocks, decoded together.
-                    let mut sm4 = _mm512_setzero_si512();
-                    for j in 0..jn {
-                        let s = j0 + j;
-                        let b = &row[s * ts..(s + 1) * ts];
-                        prefetch_ahead(b.as_ptr(), ts);
-                        let mut ys = [&b[..0]; NT];
-                        for (y, x) in ys.iter_mut().zip(xs) {
-                            *y = &x[s * 292..(s + 1) * 292];
-                        }
-                        if K != 2 && j % 4 == 0 {
-                            sm4 = k4_scales_x4(row, s * ts, (jn - j).min(4), ts);
-                        }
-                        let v = match K {
-                            0 => k45_block::<false, NT>(b, ys, lane_bcast(sm4, j % 4), &k),
-                            1 => k45_block::<true, NT>(b, ys, lane_bcast(sm4, j % 4), &k),
-                            _ => q6_block::<NT>(b, ys, &k),
+                    // Four blocks per step: one prefetch call and (Q4_K/Q5_K) one scale
+                    // decode per step, and each block's scale lane a constant once the
+                    // step is unrolled.
+                    let mut j = 0;
+                    while j < jn {
+                        let n4 = (jn - j).min(4);
+                        let s0 = j0 + j;
+                        prefetch_ahead(row[s0 * ts..].as_ptr(), n4 * ts);
+                        let sm4 = if K != 2 {
+                            k4_scales_x4(row, s0 * ts, n4, ts)
+                        } else {
+                            _mm512_setzero_si512()
                         };
-                        for (ut, vt) in u.iter_mut().zip(v) {
-                            ut[j][r] = vt;
+                        // Unchecked indexing in the hot loop (bounds checks were ~10 of the
+                        // ~45 instructions per block). SAFETY of every access below, for
+                        // q < n4: s = s0 + q < j0 + jn <= nb, so block s of `row` ends at
+                        // (s + 1) * ts <= nb * ts <= rb = row.len(), and block s of each x at
+                        // (s + 1) * 292 <= nb * 292 <= x.len() (`nb` is the minimum of both);
+                        // j + q < jn <= CH and r < nr <= R index inside `u`'s arrays.
+                        let mut one = |q: usize| {
+                            let s = s0 + q;
+                            // SAFETY: see above.
+                            let b = unsafe { row.get_unchecked(s * ts..(s + 1) * ts) };
+                            let mut ys = [&b[..0]; NT];
+                            for (y, x) in ys.iter_mut().zip(xs) {
+                                // SAFETY: see above.
+                                *y = unsafe { x.get_unchecked(s * 292..(s + 1) * 292) };
+                            }
+                            let v = match K {
+                                0 => k45_block::<false, NT>(b, ys, lane_bcast(sm4, q), &k),
+                                1 => k45_block::<true, NT>(b, ys, lane_bcast(sm4, q), &k),
+                                _ => q6_block::<NT>(b, ys, &k),
+                            };
+                            for (ut, vt) in u.iter_mut().zip(v) {
+                                // SAFETY: see above.
+                                unsafe { *ut.get_unchecked_mut(j + q).get_unchecked_mut(r) = vt };
+                            }
+                            // SAFETY: see above; dofs + 4 <= ts = b.len().
+                            unsafe {
+                                *dd.get_unchecked_mut(j + q).get_unchecked_mut(r) =
+                                    u32::from_le_bytes([
+                                        *b.get_unchecked(dofs),
+                                        *b.get_unchecked(dofs + 1),
+                                        *b.get_unchecked(dofs + 2),
+                                        *b.get_unchecked(dofs + 3),
+                                    ]);
+                            }
+                        };
+                        if n4 == 4 {
+                            one(0);
+                            one(1);
+                            one(2);
+                            one(3);
+                        } else {
+                            for q in 0..n4 {
+                                one(q);
+                            }
                         }
+                        j += n4;
                     }
                 }
-                // Rows past `nr` hold stale integers: their lanes are never stored.
-                for j in 0..jn {
+                // Rows past `nr` hold stale integers and scales: their lanes are never stored.
+                for (j, ddj) in dd.iter().enumerate().take(jn) {
                     let s = j0 + j;
-                    let off = s * ts + dofs;
-                    // SAFETY: lane r < nr reads 4 bytes at r * rb + off, inside row r of `g`
-                    // (off + 4 <= (s + 1) * ts <= rb); lanes >= nr are masked off and not
-                    // read. Offsets fit in i32 (checked above).
-                    let dw = unsafe {
-                        _mm256_mask_i32gather_epi32::<1>(
-                            _mm256_setzero_si256(),
-                            g.as_ptr().add(off).cast(),
-                            row_off,
-                            valid,
-                        )
-                    };
+                    // SAFETY: `ddj` is 8 u32 (32 bytes); an unaligned load.
+                    let dw = unsafe { _mm256_loadu_si256(ddj.as_ptr().cast()) };
                     let hi16 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(dw)));
                     let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(dw));
                     for ((a, x), ut) in acc.iter_mut().zip(xs).zip(u.iter()) {
@@ -585,7 +634,7 @@ mod tests {
             let dk = DotKernel::with_level(ty, SimdLevel::Amx).unwrap();
             assert_eq!(dk.level(), SimdLevel::Amx);
             let f = kernels(ty).unwrap().0;
-            for n_in in [256, 1536, 4096, 4352, 8960] {
+            for n_in in [256, 1536, 4096, 4352, 8960, 11008] {
                 let rb = ty.row_bytes(n_in).unwrap();
                 for rows in [1, 7, 8, 9, 17, 24] {
                     let w = weights(ty, rows, n_in, &mut seed);
