@@ -11,6 +11,9 @@
 # Environment (defaults in brackets):
 #   KAPITSA_CACHE   cache folder [~/.cache/kapitsa]
 #   BENCH_P BENCH_N BENCH_R   prompt length, generated tokens, repetitions [512 128 3]
+#   BENCH_ROUNDS    rounds per file and thread count [2]: each round runs both engines once
+#                   (BENCH_R repetitions each), in the opposite order to the round before; the
+#                   tables pool the rounds' repetitions and list each round's ratio
 #   BENCH_T         thread counts, comma-separated [2,1]: both engines run at each; 2 is the
 #                   main setting, 1 shows how much of the 2-thread result is lost to other jobs
 #                   on a shared 2-core machine
@@ -36,6 +39,7 @@ P="${BENCH_P:-512}"
 N="${BENCH_N:-128}"
 T="${BENCH_T:-2,1}"
 R="${BENCH_R:-3}"
+ROUNDS="${BENCH_ROUNDS:-2}"
 out_md="${BENCH_OUT:-$root/BENCHMARKS.md}"
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
 results="${BENCH_RESULTS:-$cache/bench-results/$stamp}"
@@ -59,6 +63,7 @@ meta = json.load(open(f"{res}/meta.json"))
 cpu, ncpu, mem = meta["cpu"], meta["ncpu"], meta["mem"]
 llama_version, rev = meta["llama_version"], meta["kapitsa_rev"]
 P, N, R = int(meta["P"]), int(meta["N"]), int(meta["R"])
+ROUNDS = int(meta.get("ROUNDS", 1))
 THREADS = [int(t) for t in meta["T"].replace(",", " ").split()]
 GB = 1e9
 
@@ -134,6 +139,31 @@ def key_of(e):
     return ("pp", e["n_prompt"]) if e["n_prompt"] > 0 else ("tg", e["n_gen"])
 
 
+def round_files(eng, tag, t, ext):
+    """The result files of every round, in order (round 1 has no suffix)."""
+    more = sorted(glob.glob(f"{res}/{eng}-{tag}-t{t}-round*.{ext}"),
+                  key=lambda p: int(re.search(r"-round(\d+)\.", p).group(1)))
+    return [f"{res}/{eng}-{tag}-t{t}.{ext}"] + more
+
+
+def pooled(rounds):
+    """One entry per test with the repetitions of all rounds pooled: mean and sample standard
+    deviation over every repetition (the figures llama-bench reports for one run)."""
+    out = {}
+    for entries in rounds:
+        for e in entries:
+            k = key_of(e)
+            if k not in out:
+                out[k] = dict(e, samples_ts=[])
+            out[k]["samples_ts"] = out[k]["samples_ts"] + list(e["samples_ts"])
+    for e in out.values():
+        xs = e["samples_ts"]
+        m = sum(xs) / len(xs)
+        e["avg_ts"] = m
+        e["stddev_ts"] = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
+    return out
+
+
 def mean(e):
     return e["avg_ts"] if e else float("nan")
 
@@ -180,8 +210,12 @@ L.append("- Both engines read the weights into memory at load (llama-bench `-lm 
 L.append(f"- Same settings for both: pp{P} (one batch of {P} random tokens, logits of the last "
          f"row), tg{N} ({N} single-token decode steps from an empty cache), {R} repetitions after "
          "one warm-up, f16 KV cache; thread counts "
-         f"{tlist} (each engine is run alternately with the other, per file and thread count). "
-         "t/s = mean ± standard deviation over the repetitions; *best* = the fastest repetition.")
+         f"{tlist}. Per file and thread count the engines run alternately in {ROUNDS} round(s), "
+         "each round in the opposite order to the one before (llama.cpp, Kapitsa, then Kapitsa, "
+         "llama.cpp, ...), so a drift in the machine's speed does not favour one engine. "
+         f"t/s = mean ± standard deviation over the {ROUNDS * R} repetitions of all rounds; *best* = "
+         "the fastest repetition; *per round* = each round's ratio of the means, which shows how "
+         "much the ratio moves with the machine's state within one run.")
 L.append("- **The machine is shared with other jobs, so the numbers are noisy.** The 1-minute load "
          "average at the start and end of each run is listed under each table; with a load of 3–6 "
          "on 2 cores every engine loses time to other processes. llama.cpp's worker threads spin "
@@ -202,31 +236,34 @@ for fp in sorted(glob.glob(f"{res}/file-*.path")):
     path = open(fp).read().strip()
     name = os.path.basename(path)
     bd = breakdown(f"{res}/inspect-{tag}.txt")
-    runs = {}
+    runs, per_round = {}, {}
     for t in THREADS:
-        ll = load(f"{res}/llama-{tag}-t{t}.json")
-        kk = load(f"{res}/kapitsa-{tag}-t{t}.json")
-        runs[t] = ({key_of(e): e for e in ll}, {key_of(e): e for e in kk}, ll, kk)
+        lr = [load(p) for p in round_files("llama", tag, t, "json")]
+        kr = [load(p) for p in round_files("kapitsa", tag, t, "json")]
+        runs[t] = (pooled(lr), pooled(kr), lr[0], kr[0])
+        per_round[t] = [({key_of(e): e for e in a}, {key_of(e): e for e in b})
+                        for a, b in zip(lr, kr)]
     _, _, ll0, kk0 = runs[THREADS[0]]
     L.append(f"## {name}\n")
     L.append(f"`{path.replace(home, '~')}`: {kk0[0]['model_type']}, "
              f"{kk0[0]['model_size'] / 2**30:.2f} GiB, {kk0[0]['model_n_params'] / 1e9:.2f} B "
              f"parameters (llama.cpp calls it `{ll0[0].get('model_type', '?')}`).\n")
-    L.append("| test | threads | llama.cpp t/s | best | Kapitsa t/s | best | Kapitsa / llama.cpp | (best / best) |")
-    L.append("| ---- | ------: | ------------: | ---: | ----------: | ---: | ------------------: | ------------: |")
+    L.append("| test | threads | llama.cpp t/s | best | Kapitsa t/s | best | Kapitsa / llama.cpp | (best / best) | per round |")
+    L.append("| ---- | ------: | ------------: | ---: | ----------: | ---: | ------------------: | ------------: | --------: |")
     keys = sorted({k for t in THREADS for k in list(runs[t][0]) + list(runs[t][1])},
                   key=lambda k: (k[0] != "pp", k[1]))
     for k in keys:
         for t in THREADS:
             l, kap = runs[t][0].get(k), runs[t][1].get(k)
+            rounds = ", ".join(fmt_r(mean(b.get(k)) / mean(a.get(k))) for a, b in per_round[t])
             L.append(f"| {k[0]}{k[1]} | {t} | {fmt_ts(l)} | {best(l):.2f} | {fmt_ts(kap)} | "
                      f"{best(kap):.2f} | {fmt_r(mean(kap) / mean(l))} | "
-                     f"{fmt_r(best(kap) / best(l))} |")
+                     f"{fmt_r(best(kap) / best(l))} | {rounds} |")
     loadtxt = []
     for t in THREADS:
-        la = loads(f"{res}/llama-{tag}-t{t}.load")
-        ka = loads(f"{res}/kapitsa-{tag}-t{t}.load")
-        loadtxt.append(f"{t} thread(s): llama-bench {' → '.join(la)}, kapitsa bench {' → '.join(ka)}")
+        la = "; ".join(" → ".join(loads(p)) for p in round_files("llama", tag, t, "load"))
+        ka = "; ".join(" → ".join(loads(p)) for p in round_files("kapitsa", tag, t, "load"))
+        loadtxt.append(f"{t} thread(s): llama-bench {la}, kapitsa bench {ka}")
     L.append("\nLoad average (1 min) at start → end: " + "; ".join(loadtxt) + ".\n")
     k_bytes = kk0[0].get("decode_weight_bytes_per_token")
     summary.append(dict(file=name, bd=bd, runs=runs, k_bytes=k_bytes,
@@ -411,7 +448,7 @@ python3 - "$results/meta.json" \
   llama_version "$llama_version" \
   kapitsa_rev "$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)$(
     [ -n "$(git -C "$root" status --porcelain -- crates Cargo.toml Cargo.lock 2>/dev/null | head -n1)" ] && echo +dirty)" \
-  P "$P" N "$N" T "$T" R "$R" <<'PY'
+  P "$P" N "$N" T "$T" R "$R" ROUNDS "$ROUNDS" <<'PY'
 import json, sys
 a = sys.argv[2:]
 with open(sys.argv[1], "w") as f:
@@ -451,6 +488,7 @@ threads=$(echo "$T" | tr ',' ' ')
 for t in $threads; do
   case "$t" in '' | *[!0-9]* | 0) echo "error: BENCH_T must list thread counts >= 1, got '$T'" >&2; exit 2 ;; esac
 done
+case "$ROUNDS" in '' | *[!0-9]* | 0) echo "error: BENCH_ROUNDS must be a count >= 1, got '$ROUNDS'" >&2; exit 2 ;; esac
 loadavg() { cut -d' ' -f1 /proc/loadavg; }
 membw() { # tag
   local t
@@ -459,11 +497,12 @@ membw() { # tag
     logged "$kapitsa" bench --membw -t "$t" -r 5 -o json >"$results/membw-$1-t$t.json"
   done
 }
-# run_engine llama|kapitsa FILE TAG THREADS
+# run_engine llama|kapitsa FILE TAG THREADS ROUND
 run_engine() {
-  local eng="$1" f="$2" tag="$3" t="$4" base cmd
+  local eng="$1" f="$2" tag="$3" t="$4" k="$5" base cmd
   base="$results/$eng-$tag-t$t"
-  say "[$tag] $eng, $t threads: $(basename "$f")"
+  [ "$k" -gt 1 ] && base="$base-round$k"
+  say "[$tag] $eng, $t threads, round $k/$ROUNDS: $(basename "$f")"
   loadavg >"$base.load"
   if [ "$eng" = llama ]; then
     cmd=(env "$llama_env" "$llama_bench" -m "$f" -p "$P" -n "$N" -t "$t" -r "$R" --repack 0 -lm none -o json)
@@ -487,15 +526,17 @@ for f in "$@"; do
   "$kapitsa" inspect "$f" >"$results/inspect-$tag.txt"
   membw "$tag"
   for t in $threads; do
-    # Alternate which engine goes first, so slow drifts in machine load do not favour one.
-    n_run=$((n_run + 1))
-    if [ $((n_run % 2)) -eq 1 ]; then
-      run_engine llama "$f" "$tag" "$t"
-      run_engine kapitsa "$f" "$tag" "$t"
-    else
-      run_engine kapitsa "$f" "$tag" "$t"
-      run_engine llama "$f" "$tag" "$t"
-    fi
+    for k in $(seq "$ROUNDS"); do
+      # Alternate which engine goes first, so slow drifts in machine load do not favour one.
+      n_run=$((n_run + 1))
+      if [ $((n_run % 2)) -eq 1 ]; then
+        run_engine llama "$f" "$tag" "$t" "$k"
+        run_engine kapitsa "$f" "$tag" "$t" "$k"
+      else
+        run_engine kapitsa "$f" "$tag" "$t" "$k"
+        run_engine llama "$f" "$tag" "$t" "$k"
+      fi
+    done
   done
 done
 membw end
