@@ -476,14 +476,14 @@ mod imp {
                 let jn = (nb - j0).min(CH);
                 for r in 0..nr {
                     let row = &g[r * rb..(r + 1) * rb];
-                    // Four blocks per step: one prefetch call and (Q4_K/Q5_K) one scale
-                    // decode per step, and each block's scale lane a constant once the
-                    // step is unrolled.
+                    // Four blocks per step: (Q4_K/Q5_K) one scale decode per step, and each
+                    // block's scale lane a constant once the step is unrolled. The prefetch
+                    // stays per block: one call per four blocks asked for ~13 lines at once
+                    // and made the Q6_K GEMV 2-4% slower from memory (`gemm_bench`, 2 threads).
                     let mut j = 0;
                     while j < jn {
                         let n4 = (jn - j).min(4);
                         let s0 = j0 + j;
-                        prefetch_ahead(row[s0 * ts..].as_ptr(), n4 * ts);
                         let sm4 = if K != 2 {
                             k4_scales_x4(row, s0 * ts, n4, ts)
                         } else {
@@ -499,6 +499,7 @@ mod imp {
                             let s = s0 + q;
                             // SAFETY: see above.
                             let b = unsafe { row.get_unchecked(s * ts..(s + 1) * ts) };
+                            prefetch_ahead(b.as_ptr(), ts);
                             let mut ys = [&b[..0]; NT];
                             for (y, x) in ys.iter_mut().zip(xs) {
                                 // SAFETY: see above.
