@@ -106,6 +106,11 @@ impl GgufFile {
             })?
             .len();
         let mode = storage::resolve(opts.mode, len);
+        if mode == LoadMode::Memory {
+            // A copy reads the whole file before the header is parsed: reject a file that is
+            // not GGUF from its first bytes instead (the error the full parse would give).
+            parse::check_start(&read_prefix(path, 8)?)?;
+        }
         let mut progress = |done: u64| {
             if let Some(p) = opts.progress {
                 p(done, len);
@@ -367,6 +372,22 @@ impl GgufFile {
             data,
         })
     }
+}
+
+/// Up to the first `n` bytes of the file at `path` (fewer if the file is shorter).
+fn read_prefix(path: &Path, n: u64) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let io = |source| FormatError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut buf = Vec::new();
+    std::fs::File::open(path)
+        .map_err(io)?
+        .take(n)
+        .read_to_end(&mut buf)
+        .map_err(io)?;
+    Ok(buf)
 }
 
 fn wrong_type(key: &str, expected: &'static str, v: &GgufValue) -> FormatError {

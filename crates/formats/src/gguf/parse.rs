@@ -255,9 +255,19 @@ fn alignment_of(metadata: &[(String, GgufValue)], index: &HashMap<String, usize>
     Ok(a as usize)
 }
 
-/// Parses and validates the header of a GGUF file held entirely in `buf`.
-pub(crate) fn parse(buf: &[u8]) -> Result<Header> {
+/// Checks the magic and the version at the start of `buf` (a whole file or its first bytes):
+/// the error [`parse`] gives for a file with that start, or `Ok` if those fields pass or
+/// `buf` is too short to hold them (then [`parse`] reports what is missing).
+pub(crate) fn check_start(buf: &[u8]) -> Result<()> {
+    if buf.len() < 8 {
+        return Ok(());
+    }
     let mut c = Cursor { buf, pos: 0 };
+    magic_and_version(&mut c).map(|_| ())
+}
+
+/// Reads and validates the magic and the version; returns the version.
+fn magic_and_version(c: &mut Cursor<'_>) -> Result<u32> {
     let magic = c.array::<4>("magic")?;
     if &magic != b"GGUF" {
         return Err(FormatError::BadMagic { found: magic });
@@ -266,6 +276,13 @@ pub(crate) fn parse(buf: &[u8]) -> Result<Header> {
     if version != 2 && version != 3 {
         return Err(FormatError::UnsupportedVersion { version });
     }
+    Ok(version)
+}
+
+/// Parses and validates the header of a GGUF file held entirely in `buf`.
+pub(crate) fn parse(buf: &[u8]) -> Result<Header> {
+    let mut c = Cursor { buf, pos: 0 };
+    let version = magic_and_version(&mut c)?;
     let n_tensors = c.u64("tensor count")?;
     let n_kv = c.u64("metadata key/value count")?;
     let rem = c.remaining();

@@ -288,6 +288,32 @@ fn memory_and_mmap_opens_hold_the_same_bytes() {
         let e = GgufFile::open_with(&empty, &opts).unwrap_err();
         assert!(matches!(e, FormatError::Truncated { .. }), "{e}");
     }
+    // A file that is not GGUF fails from its first bytes, before a copy reads it whole (no
+    // progress reported), with the errors of a full parse.
+    let not_gguf = dir.path().join("weights.bin");
+    std::fs::write(&not_gguf, vec![0x5Au8; 8 << 20]).unwrap();
+    let mut bad_version = bytes.clone();
+    bad_version[4..8].copy_from_slice(&7u32.to_le_bytes());
+    let bad_version_path = dir.path().join("v7.gguf");
+    std::fs::write(&bad_version_path, &bad_version).unwrap();
+    for mode in [LoadMode::Mmap, LoadMode::Memory] {
+        seen.borrow_mut().clear();
+        let opts = OpenOptions {
+            mode,
+            progress: Some(&progress),
+        };
+        let e = GgufFile::open_with(&not_gguf, &opts).unwrap_err();
+        assert!(
+            matches!(e, FormatError::BadMagic { found } if found == [0x5A; 4]),
+            "{mode:?}: {e}"
+        );
+        let e = GgufFile::open_with(&bad_version_path, &opts).unwrap_err();
+        assert!(
+            matches!(e, FormatError::UnsupportedVersion { version: 7 }),
+            "{mode:?}: {e}"
+        );
+        assert!(seen.borrow().is_empty(), "{mode:?}: read before the check");
+    }
 }
 
 #[test]
