@@ -74,7 +74,7 @@ pub(super) fn kernel(_ty: GgmlType, _max: SimdLevel, _bf16: bool) -> Option<Chos
 #[cfg(target_arch = "x86_64")]
 pub(super) use imp::{
     hsum_epi32, k4_scales, ld512, prefetch_ahead, q5_0_plus16, q6k_sidx, reduce_lanes8, sb_pack,
-    sb_reduce8,
+    sb_reduce8, vpdpwssd,
 };
 /// The super-block-order K-format dot kernels (see `dot_sb`).
 #[cfg(target_arch = "x86_64")]
@@ -127,6 +127,28 @@ mod imp {
             }
             l += 64;
         }
+    }
+
+    /// `acc` + pairwise i16 products as 16 x i32, as one `vpdpwssd` instruction. Inline
+    /// assembly because LLVM's generic x86-64 tuning splits the intrinsic into `vpmaddwd` +
+    /// `vpaddd`: two uops instead of one on the port pair the GEMM and the decode GEMV of the
+    /// K formats saturate (the same exact integers).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    pub(in crate::quant) fn vpdpwssd(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+        let mut r = acc;
+        // SAFETY: one register-only AVX-512 VNNI instruction (no memory, stack or flags use);
+        // this function is compiled with, and only callable from code that has, that feature.
+        unsafe {
+            std::arch::asm!(
+                "vpdpwssd {r}, {a}, {b}",
+                r = inout(zmm_reg) r,
+                a = in(zmm_reg) a,
+                b = in(zmm_reg) b,
+                options(pure, nomem, nostack, preserves_flags),
+            )
+        };
+        r
     }
 
     /// A Q5_0 block's 32 values plus 16, as unsigned bytes (0..31): the nibble with the

@@ -323,6 +323,7 @@ mod imp {
     use crate::quant::dot_avx2::{f16c, hsum_ps, ld128, ld256, nibbles32};
     use crate::quant::dot_avx512::{
         hsum_epi32, k4_scales, ld512, prefetch_ahead, q5_0_plus16, q6k_sidx, sb_pack, sb_reduce8,
+        vpdpwssd,
     };
 
     pub(super) use super::{pack_q8_0, pack_q8k, pack_q8k_v};
@@ -530,27 +531,6 @@ mod imp {
                 }
             }
         };
-    }
-
-    /// acc + pairwise i16 products as 16 x i32 (`vpdpwssd`). Inline assembly because LLVM
-    /// rewrites the intrinsic into `vpmaddwd` + `vpaddd` for generic x86-64 tuning: two uops
-    /// instead of one on the GEMM's critical port pair (same exact integer result).
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-    fn wacc_vnni(acc: __m512i, p: __m512i, s: __m512i) -> __m512i {
-        let mut r = acc;
-        // SAFETY: a register-only AVX512-VNNI instruction; this function is only compiled with
-        // (and only called from code that requires) AVX512-VNNI. No memory, stack or flags use.
-        unsafe {
-            std::arch::asm!(
-                "vpdpwssd {r}, {p}, {s}",
-                r = inout(zmm_reg) r,
-                p = in(zmm_reg) p,
-                s = in(zmm_reg) s,
-                options(pure, nomem, nostack, preserves_flags)
-            );
-        }
-        r
     }
 
     /// `fma(v, splat(*s), acc)` with the splat as an embedded-broadcast memory operand of the
@@ -922,7 +902,7 @@ mod imp {
                 _mm512_dpbusd_epi32(zero, w[2], y(2)),
                 _mm512_dpbusd_epi32(zero, w[3], y(3)),
             );
-            wacc_vnni(_mm512_madd_epi16(p01, s01), p23, s23)
+            vpdpwssd(_mm512_madd_epi16(p01, s01), p23, s23)
         }
 
         /// K formats, VNNI: `acc += rec x act` for `T` tokens (even, <= 8); per token and

@@ -84,7 +84,7 @@ mod imp {
     use std::arch::x86_64::*;
     use std::cell::UnsafeCell;
 
-    use crate::quant::dot_avx512::{prefetch_ahead, q6k_sidx, sb_pack, sb_reduce8};
+    use crate::quant::dot_avx512::{prefetch_ahead, q6k_sidx, sb_pack, sb_reduce8, vpdpwssd};
 
     /// Rows whose chains share one vector.
     const R: usize = 8;
@@ -105,27 +105,6 @@ mod imp {
         static U: UnsafeCell<[[[__m512i; R]; CH]; NT_MAX]> =
             // SAFETY: all-zero bits are valid `__m512i` values (plain integer lanes).
             const { UnsafeCell::new(unsafe { std::mem::zeroed() }) };
-    }
-
-    /// `acc + dpwssd(a, b)` as one `vpdpwssd` instruction. The intrinsic is split by LLVM's
-    /// generic x86-64 tuning into `vpmaddwd` + `vpaddd`, one more uop per call on the two
-    /// vector ports the decode GEMVs saturate.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512vnni")]
-    fn dpwssd(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
-        let mut r = acc;
-        // SAFETY: one register-only instruction (no memory, stack or flags); every caller is
-        // a `#[target_feature]` function of this module with AVX-512 VNNI enabled.
-        unsafe {
-            std::arch::asm!(
-                "vpdpwssd {r}, {a}, {b}",
-                r = inout(zmm_reg) r,
-                a = in(zmm_reg) a,
-                b = in(zmm_reg) b,
-                options(pure, nomem, nostack, preserves_flags),
-            )
-        };
-        r
     }
 
     /// Loads 64 bytes of `p` at `o` (bounds-checked).
@@ -344,7 +323,7 @@ mod imp {
                 let sc = _mm512_shuffle_epi8(sm, k.sidx[c]);
                 for (st, y) in sumi.iter_mut().zip(ys) {
                     let p = _mm512_maddubs_epi16(*vi, ld512(y, 4 + 64 * c));
-                    *st = dpwssd(*st, p, sc);
+                    *st = vpdpwssd(*st, p, sc);
                 }
             }
         }
@@ -387,7 +366,7 @@ mod imp {
                 let sc = _mm512_permutexvar_epi16(k.sidx[p], sc512);
                 for (st, y) in sumi.iter_mut().zip(ys) {
                     let prod = _mm512_maddubs_epi16(q, ld512(y, 4 + 64 * p));
-                    *st = dpwssd(*st, prod, sc);
+                    *st = vpdpwssd(*st, prod, sc);
                 }
             }
         }
