@@ -309,11 +309,11 @@ pub fn matmul_many_with(
 /// same quantised rows).
 ///
 /// Inputs passed as the same slice (same address and length) for matrices of the same width
-/// are quantised once per activation format. The rows of all matrices are cut into chunks that shrink through the
-/// round (`gemv_chunks`: whole 16-row groups where the kernel has a row-group GEMV), and all
-/// chunks are tasks of a single pool round, so a batch of small matrices pays one fork-join
-/// instead of one per matrix, and an idle thread only waits for the last, short chunk of the
-/// whole batch. A chunk meets its product's tokens on the multi-token row-group GEMV where
+/// are quantised once per activation format. The rows of all matrices are cut into chunks
+/// that shrink through the round (`gemv_chunks`: whole 16-row groups where the kernel has a
+/// row-group GEMV), and all chunks are tasks of a single pool round, so a batch of small
+/// matrices pays one fork-join instead of one per matrix, and an idle thread only waits for
+/// the last, short chunk of the whole batch. A chunk meets its product's tokens on the multi-token row-group GEMV where
 /// the kernel has one (passes of [`GEMV_MULTI_MAX_TOKENS`] tokens, each weight block decoded
 /// once per pass); on the AMX block tile GEMM for Q8_0 and Q5_0 at [`SimdLevel::Amx`] (as
 /// [`matmul_with`] does for 2 tokens and more); otherwise token by token over pieces of
