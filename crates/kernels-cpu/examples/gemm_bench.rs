@@ -9,9 +9,11 @@
 //! n_in`; default the Qwen2.5-Coder-1.5B shapes), `GEMM_AB=1` (alternate the GEMM with the
 //! per-row dot path, `matmul_dot_with`, and print both), `GEMM_QUANT=1` (time activation
 //! quantisation alone), `GEMM_READ=1` (also time plain reads of the weight bytes on the
-//! calling thread, to compare a decode GEMV with the bandwidth that memory gives a core).
+//! calling thread, to compare a decode GEMV with the bandwidth that memory gives a core),
+//! `GEMM_SPLIT=512` (also time the matrix as consecutive matmuls of that many rows, as a
+//! decode step's MoE experts; `n_out` must be a multiple of it).
 
-use kapitsa_base::pool::{RayonPool, SerialPool};
+use kapitsa_base::pool::{SerialPool, SpinPool};
 use kapitsa_base::{GgmlType, ThreadPool};
 use kapitsa_kernels_cpu::{matmul_dot_with, matmul_with, QMatrix, SimdLevel};
 
@@ -146,7 +148,8 @@ fn main() {
     let pool: Box<dyn ThreadPool> = if threads == 1 {
         Box::new(SerialPool)
     } else {
-        Box::new(RayonPool::new(threads).expect("pool"))
+        // The engine's pool (`kapitsa` runs on it), so per-call dispatch costs match.
+        Box::new(SpinPool::new(threads).expect("pool"))
     };
     let level = SimdLevel::detect();
     if std::env::var("GEMM_QUANT").is_ok() {
@@ -231,6 +234,43 @@ fn main() {
                 best_cpu = best_cpu.min((cpu_ns() - c0) as f64 * 1e-9);
             }
             let flop = 2.0 * (n_out * n_in * n_tok) as f64;
+            let split = std::env::var("GEMM_SPLIT")
+                .ok()
+                .map(|v| match v.parse::<usize>() {
+                    Ok(s) if s > 0 && n_out % s == 0 => Some(s),
+                    _ => {
+                        eprintln!("GEMM_SPLIT={v} skipped for {n_out} rows: not a divisor");
+                        None
+                    }
+                });
+            if let Some(split) = split.flatten() {
+                // The same rows as `n_out / split` consecutive matmuls of `split` rows each
+                // (as a decode step's MoE experts), alternating with the whole matrix.
+                let rb = ty.row_bytes(n_in).expect("row bytes");
+                let parts: Vec<QMatrix<'_>> = data
+                    .chunks_exact(split * rb)
+                    .map(|c| QMatrix::new(ty, split, n_in, c).expect("matrix"))
+                    .collect();
+                let mut best_split = f64::INFINITY;
+                let mut best_whole = f64::INFINITY;
+                for _ in 0..reps {
+                    let t = std::time::Instant::now();
+                    for (p, yc) in parts.iter().zip(y.chunks_exact_mut(split * n_tok)) {
+                        matmul_with(level, &*pool, p, &x, n_tok, yc).expect("matmul");
+                    }
+                    best_split = best_split.min(t.elapsed().as_secs_f64());
+                    let t = std::time::Instant::now();
+                    matmul_with(level, &*pool, &w, &x, n_tok, &mut y).expect("matmul");
+                    best_whole = best_whole.min(t.elapsed().as_secs_f64());
+                }
+                let gb = data.len() as f64 / 1e9;
+                println!(
+                    "      in {} matmuls of {split} rows: {:.1} GB/s; whole {:.1} GB/s",
+                    parts.len(),
+                    gb / best_split,
+                    gb / best_whole
+                );
+            }
             total_flop += flop;
             total_t += best;
             if std::env::var("GEMM_READ").is_ok() {
