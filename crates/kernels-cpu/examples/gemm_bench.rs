@@ -17,6 +17,13 @@ use kapitsa_base::pool::{SerialPool, SpinPool};
 use kapitsa_base::{GgmlType, ThreadPool};
 use kapitsa_kernels_cpu::{matmul_dot_with, matmul_with, QMatrix, SimdLevel};
 
+/// Wall-clock seconds `f` takes.
+fn seconds(f: impl FnOnce()) -> f64 {
+    let t = std::time::Instant::now();
+    f();
+    t.elapsed().as_secs_f64()
+}
+
 /// xorshift64*.
 struct Rng(u64);
 impl Rng {
@@ -254,14 +261,14 @@ fn main() {
                 let mut best_split = f64::INFINITY;
                 let mut best_whole = f64::INFINITY;
                 for _ in 0..reps {
-                    let t = std::time::Instant::now();
-                    for (p, yc) in parts.iter().zip(y.chunks_exact_mut(split * n_tok)) {
-                        matmul_with(level, &*pool, p, &x, n_tok, yc).expect("matmul");
-                    }
-                    best_split = best_split.min(t.elapsed().as_secs_f64());
-                    let t = std::time::Instant::now();
-                    matmul_with(level, &*pool, &w, &x, n_tok, &mut y).expect("matmul");
-                    best_whole = best_whole.min(t.elapsed().as_secs_f64());
+                    best_split = best_split.min(seconds(|| {
+                        for (p, yc) in parts.iter().zip(y.chunks_exact_mut(split * n_tok)) {
+                            matmul_with(level, &*pool, p, &x, n_tok, yc).expect("matmul");
+                        }
+                    }));
+                    best_whole = best_whole.min(seconds(|| {
+                        matmul_with(level, &*pool, &w, &x, n_tok, &mut y).expect("matmul");
+                    }));
                 }
                 let gb = data.len() as f64 / 1e9;
                 println!(
@@ -301,9 +308,9 @@ fn main() {
                         }
                         *b = b.min(t.elapsed().as_secs_f64());
                     }
-                    let t = std::time::Instant::now();
-                    matmul_with(level, &*pool, &w, &x, n_tok, &mut y).expect("matmul");
-                    best_mm = best_mm.min(t.elapsed().as_secs_f64());
+                    best_mm = best_mm.min(seconds(|| {
+                        matmul_with(level, &*pool, &w, &x, n_tok, &mut y).expect("matmul");
+                    }));
                 }
                 let gb = data.len() as f64 / 1e9;
                 println!(
