@@ -253,6 +253,28 @@ mod imp {
         }
     }
 
+    /// [`Consts::sidx`] as i16 lanes, built at compile time: Q6_K an i16 index per lane
+    /// (the [`lane_sub`]); Q4_K/Q5_K a byte-shuffle mask per lane, byte `lane_sub` of the
+    /// 128-bit lane, then a zero byte (a mask byte with bit 7 set).
+    const fn sidx_table<const K: u8>() -> [[i16; 32]; 2] {
+        let mut t = [[0i16; 32]; 2];
+        let mut h = 0;
+        while h < 2 {
+            let mut i = 0;
+            while i < 32 {
+                let sub = lane_sub::<K>(h, i) as i16;
+                t[h][i] = if K == 2 {
+                    sub
+                } else {
+                    (0x8000u16 as i16) | sub
+                };
+                i += 1;
+            }
+            h += 1;
+        }
+        t
+    }
+
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     fn consts<const K: u8>() -> Consts {
@@ -265,17 +287,7 @@ mod imp {
         // |bit position - 4|: the distance of a source bit from bit 4.
         let dist = |s: i16| (s - 4).abs();
         let sidx = std::array::from_fn(|h| {
-            let mut idx = [0i16; 32];
-            for (i, v) in idx.iter_mut().enumerate() {
-                let sub = lane_sub::<K>(h, i) as i16;
-                // Q6_K: an i16 index; Q4_K/Q5_K: byte `sub` of the lane, then a zero byte
-                // (a mask byte with bit 7 set).
-                *v = if K == 2 {
-                    sub
-                } else {
-                    (0x8000u16 as i16) | sub
-                };
-            }
+            let idx = &const { sidx_table::<K>() }[h];
             // SAFETY: `idx` is 64 readable bytes; the load is unaligned.
             unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
         });
