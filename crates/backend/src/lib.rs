@@ -1,438 +1,309 @@
-//! The narrow, model-shaped op set models run on, as a trait, and its CPU implementation.
+//! The device-neutral backend seam: the narrow, model-shaped op set models run on, as a trait
+//! ([`Backend`]), with its own handles ([`Tensor`], [`Weight`], [`Batch`]), op descriptors
+//! ([`desc`]) and error type ([`BackendError`]). Implementations live in their own crates:
+//! `kapitsa-backend-cpu` (host memory, SIMD kernels) and `kapitsa-backend-cuda` (device
+//! memory, CUDA kernels). Models, the cache, the engine and the server see only this crate.
 //!
-//! Ops work on host f32 slices (row-major) and borrowed weight matrices. This is enough for the
-//! CPU; a device backend will add buffer handles behind the same op names (see DESIGN.md §4).
+//! # Contract
+//! - **Memory.** Weights are uploaded once at load ([`Backend::upload_weight`]; a backend may
+//!   repack them). Activations, the KV cache and recurrent states are [`Tensor`]s the backend
+//!   allocates; they live on its device. Per step only what the host asks for comes back
+//!   ([`Backend::read_f32`] of the logits rows, or sampled ids).
+//! - **Layouts.** Activations are row-major `[n_tokens, width]` f32 over the whole batch.
+//!   Shapes are given to each op; tensors are flat.
+//! - **Batch invariance.** Every op computes each token's (each sequence's) result with the
+//!   same operation sequence whatever else is in the batch, so a sequence gives the same
+//!   numbers batched as alone. A backend may choose kernels by matrix shape, never by
+//!   batch composition (the CPU backend's llama.cpp-compatible mode is the documented
+//!   exception, see its crate).
+//! - **Errors.** Every op is fallible: bad arguments are [`BackendError::Shape`], a device
+//!   fault is [`BackendError::Device`]. Nothing panics on bad input.
+//! - **Aliasing.** An op's `&mut` output never aliases its inputs (Rust enforces it).
+//! - **References.** Every op has a scalar reference on the CPU (the CPU backend at
+//!   `SimdLevel::Scalar`); [`testing`] holds the suite every backend runs against it.
 
-use kapitsa_base::{CpuFeatures, ThreadPool};
-use kapitsa_kernels_cpu::attention::{self, AttnShape, KvView};
-use kapitsa_kernels_cpu::conv;
-use kapitsa_kernels_cpu::gdn::{self, GdnShape};
-use kapitsa_kernels_cpu::mamba2::{self, Mamba2Shape};
-use kapitsa_kernels_cpu::matmul::{self, QMatrix};
-use kapitsa_kernels_cpu::ops;
-use kapitsa_kernels_cpu::{KernelError, SimdLevel};
+pub mod desc;
+pub mod device;
+pub mod error;
+pub mod tensor;
+pub mod testing;
 
-/// Errors from backend ops: shape or type problems found at an op boundary.
-#[derive(Debug, thiserror::Error)]
-pub enum BackendError {
-    /// A kernel refused its arguments.
-    #[error("kernel error: {0}")]
-    Kernel(#[from] kapitsa_kernels_cpu::KernelError),
-}
+pub use desc::{
+    Act, AttnShape, Batch, BatchDesc, Experts, Gating, GdnShape, HeadOrder, KvLayer, Latent,
+    Mamba2Shape, MlpWeights, MoeWeights, RopeDesc, SeqDesc,
+};
+pub use device::{Device, DeviceChoice};
+pub use error::{check_len, shape_err, BackendError, Result};
+pub use tensor::{DType, HostBytes, HostWeight, Tensor, Weight, Q8_0_BLOCK, Q8_0_BYTES};
 
-/// Result of a backend op.
-pub type Result<T> = std::result::Result<T, BackendError>;
-
-/// One buffer (`what`: "inputs" or "outputs") per matrix of a multi-matrix call `op`.
-fn check_count(op: &'static str, what: &'static str, n_w: usize, n: usize) -> Result<()> {
-    if n_w != n {
-        return Err(KernelError::BadLength {
-            op,
-            what,
-            expected: n_w,
-            got: n,
-        }
-        .into());
-    }
-    Ok(())
-}
-
-/// The ops a model forward pass needs. All activations are row-major f32.
+/// The ops a model forward pass needs. All activations are row-major f32 tensors; every
+/// length is checked against the shapes given.
 pub trait Backend: Send + Sync {
-    /// Short description for logs (`"cpu avx512 vnni bf16, 2 threads"`).
+    // ---- identity and memory -------------------------------------------------------------
+
+    /// Short description for logs (`"cpu avx512 vnni bf16, 2 threads"`, `"cuda:0 NVIDIA H200"`).
     fn describe(&self) -> String;
 
-    /// `y[n_tok, w.n_out] = x[n_tok, w.n_in] @ w^T`.
-    fn matmul(&self, w: &QMatrix<'_>, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()>;
+    /// The device this backend computes on.
+    fn device(&self) -> Device;
 
-    /// [`Backend::matmul`] for weights that calls meet with few tokens: a routed expert (a
-    /// small share of the batch) or the output head (logits of a few rows): the backend may
-    /// use kernels suited to small batches. Every call on the same weights must still compute
-    /// the same operation sequence per output (batch invariance), so the choice may depend on
-    /// the matrix, never on `n_tok`.
-    fn matmul_small_batch(
-        &self,
-        w: &QMatrix<'_>,
-        x: &[f32],
-        n_tok: usize,
-        y: &mut [f32],
-    ) -> Result<()> {
-        self.matmul(w, x, n_tok, y)
+    /// Upload a model weight (a 2-D matrix or 3-D stacked experts). Errors when the backend
+    /// has no kernels for its type.
+    fn upload_weight(&self, w: &HostWeight) -> Result<Weight>;
+
+    /// A new tensor of `len` elements, zero-filled.
+    fn alloc(&self, dtype: DType, len: usize) -> Result<Tensor>;
+
+    /// A new f32 tensor holding `data` (parameters: norms, biases, conv weights, ...).
+    fn upload_f32(&self, data: &[f32]) -> Result<Tensor> {
+        let mut t = self.alloc(DType::F32, data.len())?;
+        self.write_f32(&mut t, 0, data)?;
+        Ok(t)
     }
 
-    /// `ys[i][n_tok, ws[i].n_out] = x @ ws[i]^T` for several matrices sharing the input (an
-    /// MLP's gate and up, attention's q, k and v): each output exactly as
-    /// [`Backend::matmul`] computes it (with `small_batch`, as
-    /// [`Backend::matmul_small_batch`] does); a backend may share the input's preparation and
-    /// run the products together.
+    /// `dst[offset..offset + src.len()] = src` (an f32 tensor).
+    fn write_f32(&self, dst: &mut Tensor, offset: usize, src: &[f32]) -> Result<()>;
+
+    /// `dst = src[offset..offset + dst.len()]` (an f32 tensor). Waits for the work queued
+    /// before it.
+    fn read_f32(&self, src: &Tensor, offset: usize, dst: &mut [f32]) -> Result<()>;
+
+    /// Raw bytes of elements `offset..offset + n` of `src` in its storage encoding (f16 and
+    /// f32 little-endian, Q8_0 blocks; offsets on Q8_0 block boundaries): what the cache's
+    /// disk tier and recurrent snapshots keep.
+    fn read_bytes(&self, src: &Tensor, offset: usize, n: usize) -> Result<Vec<u8>>;
+
+    /// Set elements `offset..` of `dst` from [`Backend::read_bytes`] bytes.
+    fn write_bytes(&self, dst: &mut Tensor, offset: usize, bytes: &[u8]) -> Result<()>;
+
+    /// `dst[dst_off..dst_off + n] = src[src_off..src_off + n]` (same dtype; Q8_0 offsets on
+    /// block boundaries).
+    fn copy(
+        &self,
+        src: &Tensor,
+        src_off: usize,
+        dst: &mut Tensor,
+        dst_off: usize,
+        n: usize,
+    ) -> Result<()>;
+
+    /// Copy elements `src..src + n` of `t` to `dst..dst + n` inside the same tensor (ranges
+    /// must not overlap): copy-on-write of KV blocks, recurrent state slots.
+    fn copy_within(&self, t: &mut Tensor, src: usize, dst: usize, n: usize) -> Result<()>;
+
+    /// Upload a step's batch description (once per forward pass).
+    fn prepare_batch(&self, desc: BatchDesc) -> Result<Batch>;
+
+    /// Wait until every queued op has finished (device backends); surfaces asynchronous
+    /// device errors.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    // ---- matrix products -----------------------------------------------------------------
+
+    /// `y[n_tok, n_out] = x[n_tok, n_in] @ w^T` for a 2-D weight `[n_out, n_in]`.
+    fn matmul(&self, w: &Weight, x: &Tensor, n_tok: usize, y: &mut Tensor) -> Result<()>;
+
+    /// `ys[i] = x @ ws[i]^T` for several matrices sharing the input (attention's q, k, v; the
+    /// Gated DeltaNet in-projections); each output exactly as [`Backend::matmul`] computes it.
     fn matmul_many(
         &self,
-        ws: &[QMatrix<'_>],
-        x: &[f32],
+        ws: &[&Weight],
+        x: &Tensor,
         n_tok: usize,
-        ys: &mut [&mut [f32]],
-        small_batch: bool,
+        ys: &mut [&mut Tensor],
     ) -> Result<()> {
-        check_count("matmul_many", "outputs", ws.len(), ys.len())?;
+        if ws.len() != ys.len() {
+            return shape_err(
+                "matmul_many",
+                format!("{} weights, {} outputs", ws.len(), ys.len()),
+            );
+        }
         for (w, y) in ws.iter().zip(ys.iter_mut()) {
-            if small_batch {
-                self.matmul_small_batch(w, x, n_tok, y)?;
-            } else {
-                self.matmul(w, x, n_tok, y)?;
-            }
+            self.matmul(w, x, n_tok, y)?;
         }
         Ok(())
     }
 
-    /// `ys[i][m_i, ws[i].n_out] = xs[i][m_i, ws[i].n_in] @ ws[i]ᵀ` for a few tokens each
-    /// (`m_i` read off the input's length): several decode products with their own inputs
-    /// (the gate and up, then the down projections of every active expert of an MoE layer).
-    /// Each output exactly as [`Backend::matmul_small_batch`] computes it for those tokens; a
-    /// backend may run them together (one fork-join, inputs given as the same slice quantised
-    /// once).
-    fn gemv_batch(&self, ws: &[QMatrix<'_>], xs: &[&[f32]], ys: &mut [&mut [f32]]) -> Result<()> {
-        check_count("gemv_batch", "inputs", ws.len(), xs.len())?;
-        check_count("gemv_batch", "outputs", ws.len(), ys.len())?;
-        for ((w, x), y) in ws.iter().zip(xs).zip(ys.iter_mut()) {
-            let m = match (w.n_in, w.n_out) {
-                (0, 0) => 0,
-                (0, n_out) => y.len() / n_out,
-                (n_in, _) => x.len() / n_in,
-            };
-            self.matmul_small_batch(w, x, m, y)?;
-        }
-        Ok(())
-    }
+    /// Embedding gather: `out[i, :] = dequant(w[batch.tokens[i], :])`, out `[n_tokens, n_in]`.
+    fn embed(&self, w: &Weight, batch: &Batch, out: &mut Tensor) -> Result<()>;
 
-    /// Embedding gather: `out[i, :] = dequant(w[ids[i], :])`, out `[ids.len(), w.n_in]`.
-    fn get_rows(&self, w: &QMatrix<'_>, ids: &[u32], out: &mut [f32]) -> Result<()>;
+    /// A dense MLP: `out[n, n_out] = mlp(x[n, n_in])` (see [`MlpWeights`]).
+    fn mlp(&self, w: &MlpWeights, x: &Tensor, n: usize, out: &mut Tensor) -> Result<()>;
 
-    /// RMSNorm of each `n`-wide row of `x` in place, weight `w[n] + w_offset`.
-    fn rms_norm(&self, x: &mut [f32], n: usize, w: &[f32], eps: f32, w_offset: f32);
+    /// A routed mixture of experts with its shared expert: `out[n, d] = moe(x[n, d])`
+    /// (semantics on [`MoeWeights`]): router, top-k, grouping tokens by expert, the expert
+    /// MLPs and the weighted combination all happen inside.
+    fn moe(&self, w: &MoeWeights, x: &Tensor, n: usize, out: &mut Tensor) -> Result<()>;
 
-    /// Causal attention of one sequence's new tokens over its cache (see
-    /// [`kapitsa_kernels_cpu::attention`] for layouts).
+    // ---- element-wise and row ops --------------------------------------------------------
+
+    /// RMSNorm of each `width`-wide row of `x` in place with weight `w[width]`:
+    /// `x = x / sqrt(mean(x^2) + eps) * w`.
+    fn rms_norm(&self, x: &mut Tensor, width: usize, w: &Tensor, eps: f32) -> Result<()>;
+
+    /// `y += x` (same length).
+    fn add(&self, y: &mut Tensor, x: &Tensor) -> Result<()>;
+
+    /// Add the row `b[width]` to every `width`-wide row of `x`.
+    fn add_bias(&self, x: &mut Tensor, b: &Tensor) -> Result<()>;
+
+    /// `x = x * sigmoid(gate)` element-wise (same length).
+    fn mul_sigmoid(&self, x: &mut Tensor, gate: &Tensor) -> Result<()>;
+
+    /// Split each row of `src` (`rows` rows of `sum(widths)` values) into `outs[i]`, rows of
+    /// `widths[i]` values: `src = [a | b | c]` per row becomes `a`, `b`, `c`.
+    fn split_cols(
+        &self,
+        src: &Tensor,
+        rows: usize,
+        widths: &[usize],
+        outs: &mut [&mut Tensor],
+    ) -> Result<()>;
+
+    /// Copy rows `batch.logit_rows` (of `width` values) of `x` into `out`
+    /// `[logit_rows.len(), width]`.
+    fn gather_logit_rows(
+        &self,
+        x: &Tensor,
+        width: usize,
+        batch: &Batch,
+        out: &mut Tensor,
+    ) -> Result<()>;
+
+    /// NeoX RoPE in place on `x` `[n_tokens, n_heads * head_dim]` at each token's position.
+    fn rope(
+        &self,
+        x: &mut Tensor,
+        n_heads: usize,
+        head_dim: usize,
+        rope: RopeDesc,
+        batch: &Batch,
+    ) -> Result<()>;
+
+    /// L2 normalisation of each `width`-wide row in place, then `* scale`:
+    /// `x = x / sqrt(sum(x^2) + eps) * scale` (Gated DeltaNet's q and k; as
+    /// transformers' `l2norm`, `rsqrt(sum + eps)`).
+    fn l2_norm(&self, x: &mut Tensor, width: usize, eps: f32, scale: f32) -> Result<()>;
+
+    /// Gated DeltaNet gates in place, rows of `n_v` heads: `beta = sigmoid(beta)`,
+    /// `g = a_neg * softplus(g + dt_bias)` (`softplus` linear above 20).
+    fn gdn_gates(
+        &self,
+        beta: &mut Tensor,
+        g: &mut Tensor,
+        dt_bias: &Tensor,
+        a_neg: &Tensor,
+    ) -> Result<()>;
+
+    /// `dt = softplus(dt + bias)` in place, rows of `bias.len()` (Mamba2's step sizes).
+    fn softplus_bias(&self, dt: &mut Tensor, bias: &Tensor) -> Result<()>;
+
+    /// Gated RMSNorm per `width`-wide row: `x = rmsnorm(x) * w * silu(z)` (Gated DeltaNet's
+    /// output norm; `w[width]` shared by all heads).
+    fn gated_rms_norm(
+        &self,
+        x: &mut Tensor,
+        z: &Tensor,
+        width: usize,
+        w: &Tensor,
+        eps: f32,
+    ) -> Result<()>;
+
+    /// Mamba2's grouped gated norm on rows of `d_inner`: `y = y * silu(z)`, then RMSNorm
+    /// over each of `n_groups` equal groups of a row, times `w[d_inner]`.
+    fn gated_group_rms_norm(
+        &self,
+        y: &mut Tensor,
+        z: &Tensor,
+        d_inner: usize,
+        n_groups: usize,
+        w: &Tensor,
+        eps: f32,
+    ) -> Result<()>;
+
+    // ---- attention and recurrent mixers (whole batch, per-sequence state) -----------------
+
+    /// Write the new K and V rows (`[n_tokens, kv_dim]` f32) into the paged cache at each
+    /// token's position (block `table[p / block_size]`, row `p % block_size`), converting
+    /// to the cache type (quantise-on-write for Q8_0).
+    fn kv_write(&self, k: &Tensor, v: &Tensor, cache: KvLayer<'_>, batch: &Batch)
+        -> Result<()>;
+
+    /// Causal attention of every sequence's new queries `q[n_tokens, n_head * head_dim]`
+    /// over its cached positions `0..=pos` (paged K/V `[n_blocks, block_size, kv_dim]`
+    /// through the block tables), into `out[n_tokens, n_head * head_dim]`.
     fn attention(
         &self,
         shape: AttnShape,
-        q: &[f32],
-        pos: &[u32],
-        k: KvView<'_>,
-        v: KvView<'_>,
-        out: &mut [f32],
-    );
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+        batch: &Batch,
+        out: &mut Tensor,
+    ) -> Result<()>;
 
-    /// `gate = silu(gate) * up`.
-    fn silu_mul(&self, gate: &mut [f32], up: &[f32]);
-
-    /// Depthwise causal conv1d of `t` rows of `c` channels with a carried window of the last
-    /// `k - 1` input rows (see [`kapitsa_kernels_cpu::conv::conv1d_causal`]).
+    /// Depthwise causal conv1d per sequence over `x[n_tokens, channels]` with kernel
+    /// `w[channels, k]` (the last column multiplies the current token), optional bias, and
+    /// optional SiLU; each sequence's window of its last `k - 1` input rows is
+    /// `conv_state[slot]` (`[n_slots, (k - 1) * channels]`, oldest row first), read and
+    /// updated.
     #[allow(clippy::too_many_arguments)]
     fn conv1d_causal(
         &self,
-        x: &[f32],
-        t: usize,
-        c: usize,
+        x: &Tensor,
+        channels: usize,
         k: usize,
-        w: &[f32],
-        bias: Option<&[f32]>,
-        state: &mut [f32],
+        w: &Tensor,
+        bias: Option<&Tensor>,
         silu: bool,
-        out: &mut [f32],
-    );
+        conv_state: &mut Tensor,
+        batch: &Batch,
+        out: &mut Tensor,
+    ) -> Result<()>;
 
-    /// Gated DeltaNet recurrence over one sequence's tokens (see
-    /// [`kapitsa_kernels_cpu::gdn::gdn`]); `keep` receives the state after every position.
+    /// Gated DeltaNet recurrence per sequence: `q, k [n_tokens, n_k_heads * dk]`,
+    /// `v [n_tokens, n_v_heads * dv]`, `g, beta [n_tokens, n_v_heads]`, state
+    /// `[n_slots, n_v_heads, dk, dv]` (read and updated at each sequence's slot), out
+    /// `[n_tokens, n_v_heads * dv]`. Per head and token: `S = S * exp(g)`,
+    /// `S += k ⊗ beta (v - S^T k)`, `o = S^T q`.
     #[allow(clippy::too_many_arguments)]
     fn gdn(
         &self,
-        shape: &GdnShape,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        g: &[f32],
-        beta: &[f32],
-        state: &mut [f32],
-        out: &mut [f32],
-        keep: Option<&mut [f32]>,
-    );
+        shape: GdnShape,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        beta: &Tensor,
+        state: &mut Tensor,
+        batch: &Batch,
+        out: &mut Tensor,
+    ) -> Result<()>;
 
-    /// Mamba2 SSD scan over one sequence's tokens (see
-    /// [`kapitsa_kernels_cpu::mamba2::mamba2`]); `keep` receives the state after every position.
+    /// Mamba2 SSD scan per sequence: `x [n_tokens, H * P]`, `dt [n_tokens, H]` (after
+    /// softplus), `a [H]` (`-exp(A_log)`), `b, c [n_tokens, G * N]`, `d [H]`, state
+    /// `[n_slots, H, P, N]`, `y [n_tokens, H * P]`:
+    /// `h = h * exp(dt a) + dt x ⊗ B`, `y = h C + D x`.
     #[allow(clippy::too_many_arguments)]
     fn mamba2(
         &self,
-        shape: &Mamba2Shape,
-        x: &[f32],
-        dt: &[f32],
-        a: &[f32],
-        b: &[f32],
-        c: &[f32],
-        d: &[f32],
-        state: &mut [f32],
-        y: &mut [f32],
-        keep: Option<&mut [f32]>,
-    );
-}
+        shape: Mamba2Shape,
+        x: &Tensor,
+        dt: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        c: &Tensor,
+        d: &Tensor,
+        state: &mut Tensor,
+        batch: &Batch,
+        y: &mut Tensor,
+    ) -> Result<()>;
 
-/// `KAPITSA_NUMERICS`: whether it asks for llama.cpp-compatible numerics.
-fn numerics_setting(v: Option<&str>) -> std::result::Result<bool, KernelError> {
-    match v {
-        None | Some("") | Some("default") => Ok(false),
-        Some("llama.cpp") => Ok(true),
-        Some(other) => Err(KernelError::BadSetting {
-            name: "KAPITSA_NUMERICS",
-            value: other.to_string(),
-            expected: "'default' or 'llama.cpp'",
-        }),
-    }
-}
+    // ---- sampling helpers ----------------------------------------------------------------
 
-/// The CPU backend: kernels from `kapitsa-kernels-cpu` on a thread pool.
-pub struct CpuBackend {
-    pool: Box<dyn ThreadPool + Send>,
-    /// The most capable kernel level the matrix multiplications may use.
-    level: SimdLevel,
-    /// Reproduce llama.cpp's batch-dependent attention scores (see
-    /// [`CpuBackend::llama_cpp_compatible`]).
-    llama_compat: bool,
-}
-
-impl CpuBackend {
-    /// A CPU backend running on `pool` with the fastest kernels of this CPU.
-    pub fn new(pool: Box<dyn ThreadPool + Send>) -> CpuBackend {
-        CpuBackend {
-            pool,
-            level: SimdLevel::detect(),
-            llama_compat: false,
-        }
-    }
-
-    /// A CPU backend whose matrix multiplications use kernels of at most `level`; errors if
-    /// the CPU lacks `level`. `SimdLevel::Avx512Vnni` on an AMX machine keeps ggml's exact
-    /// summation order for the K formats (what llama.cpp's CPU backend computes), at the cost
-    /// of the tile GEMM.
-    pub fn with_level(
-        pool: Box<dyn ThreadPool + Send>,
-        level: SimdLevel,
-    ) -> std::result::Result<CpuBackend, KernelError> {
-        if !level.is_available() {
-            return Err(KernelError::SimdUnavailable(level));
-        }
-        Ok(CpuBackend {
-            pool,
-            level,
-            llama_compat: false,
-        })
-    }
-
-    /// The CPU backend the CLI and the server run: [`CpuBackend::new`], or
-    /// [`CpuBackend::llama_cpp_compatible`] when the environment variable `KAPITSA_NUMERICS`
-    /// is `llama.cpp` (`default` or unset: the fast kernels). Errors on another value, or on
-    /// `llama.cpp` without AVX-512.
-    pub fn from_env(
-        pool: Box<dyn ThreadPool + Send>,
-    ) -> std::result::Result<CpuBackend, KernelError> {
-        if numerics_setting(std::env::var("KAPITSA_NUMERICS").ok().as_deref())? {
-            CpuBackend::llama_cpp_compatible(pool)
-        } else {
-            Ok(CpuBackend::new(pool))
-        }
-    }
-
-    /// A CPU backend that computes what llama.cpp's CPU backend computes, bit for bit, for
-    /// the model families we check (dense Qwen2.5; see `docs/design-notes.md`, "Bit-exact
-    /// llama.cpp parity"): matrix multiplications in ggml's order (kernels capped at plain
-    /// AVX-512, whose 32-element formats sum in ggml's one chain per row; the VNNI kernels
-    /// keep a faster order for those), and attention's dot products summed the
-    /// way llama.cpp sums them for the size of the call ([`attention::AttnOrder`]). The latter
-    /// makes a sequence's results depend on how its tokens are chunked (one token or
-    /// several), so this is a reference mode for parity checks, not the default.
-    /// Needs AVX-512 (ggml's AVX-512 build is the reference).
-    pub fn llama_cpp_compatible(
-        pool: Box<dyn ThreadPool + Send>,
-    ) -> std::result::Result<CpuBackend, KernelError> {
-        let level = SimdLevel::detect().min(SimdLevel::Avx512);
-        if level < SimdLevel::Avx512 {
-            return Err(KernelError::SimdUnavailable(SimdLevel::Avx512));
-        }
-        Ok(CpuBackend {
-            pool,
-            level,
-            llama_compat: true,
-        })
-    }
-
-    /// The kernel level the matrix multiplications use at most.
-    pub fn level(&self) -> SimdLevel {
-        self.level
-    }
-
-    /// The pool this backend runs on.
-    pub fn pool(&self) -> &dyn ThreadPool {
-        &*self.pool
-    }
-}
-
-impl Backend for CpuBackend {
-    fn describe(&self) -> String {
-        let mut capped = if self.level < SimdLevel::detect() {
-            format!(", matmul kernels capped at {:?}", self.level)
-        } else {
-            String::new()
-        };
-        if self.llama_compat {
-            capped.push_str(", llama.cpp-compatible numerics");
-        }
-        format!(
-            "cpu {}, {} threads{capped}",
-            CpuFeatures::get().describe(),
-            self.pool.n_threads()
-        )
-    }
-
-    fn matmul(&self, w: &QMatrix<'_>, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()> {
-        Ok(matmul::matmul_with(
-            self.level,
-            &*self.pool,
-            w,
-            x,
-            n_tok,
-            y,
-        )?)
-    }
-
-    // `matmul_small_batch` keeps the trait's default (the same kernels as `matmul`). Routed
-    // experts and the output head used to stay below the AMX level, whose super-block-order
-    // decode kernels were the slower ones; since the row-group GEMV (`gemv_sb`) they are the
-    // faster ones (Qwen3.6-L8, 2 threads: pp512 +5%, decode unchanged within noise).
-
-    fn matmul_many(
-        &self,
-        ws: &[QMatrix<'_>],
-        x: &[f32],
-        n_tok: usize,
-        ys: &mut [&mut [f32]],
-        // Small batches take the same kernels (see `matmul_small_batch` above).
-        _small_batch: bool,
-    ) -> Result<()> {
-        Ok(matmul::matmul_many_with(
-            self.level,
-            &*self.pool,
-            ws,
-            x,
-            n_tok,
-            ys,
-        )?)
-    }
-
-    fn gemv_batch(&self, ws: &[QMatrix<'_>], xs: &[&[f32]], ys: &mut [&mut [f32]]) -> Result<()> {
-        Ok(matmul::gemv_batch_with(
-            self.level,
-            &*self.pool,
-            ws,
-            xs,
-            ys,
-        )?)
-    }
-
-    fn get_rows(&self, w: &QMatrix<'_>, ids: &[u32], out: &mut [f32]) -> Result<()> {
-        Ok(matmul::get_rows(w, ids, out)?)
-    }
-
-    fn rms_norm(&self, x: &mut [f32], n: usize, w: &[f32], eps: f32, w_offset: f32) {
-        ops::rms_norm(x, n, w, eps, w_offset)
-    }
-
-    fn attention(
-        &self,
-        shape: AttnShape,
-        q: &[f32],
-        pos: &[u32],
-        k: KvView<'_>,
-        v: KvView<'_>,
-        out: &mut [f32],
-    ) {
-        use attention::{AttnOrder, SumOrder};
-        let order = match (self.llama_compat, pos.len()) {
-            (false, _) => AttnOrder::default(),
-            (true, 1) => AttnOrder {
-                scores: SumOrder::Ggml4Acc,
-                pv: SumOrder::Ggml4Acc,
-            },
-            (true, _) => AttnOrder {
-                scores: SumOrder::Ggml4Acc,
-                pv: SumOrder::OneChain,
-            },
-        };
-        attention::attention_with(&*self.pool, shape, order, q, pos, k, v, out)
-    }
-
-    fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {
-        ops::silu_mul(gate, up)
-    }
-
-    fn conv1d_causal(
-        &self,
-        x: &[f32],
-        t: usize,
-        c: usize,
-        k: usize,
-        w: &[f32],
-        bias: Option<&[f32]>,
-        state: &mut [f32],
-        silu: bool,
-        out: &mut [f32],
-    ) {
-        conv::conv1d_causal(&*self.pool, x, t, c, k, w, bias, state, silu, out)
-    }
-
-    fn gdn(
-        &self,
-        shape: &GdnShape,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        g: &[f32],
-        beta: &[f32],
-        state: &mut [f32],
-        out: &mut [f32],
-        keep: Option<&mut [f32]>,
-    ) {
-        gdn::gdn(&*self.pool, shape, q, k, v, g, beta, state, out, keep)
-    }
-
-    fn mamba2(
-        &self,
-        shape: &Mamba2Shape,
-        x: &[f32],
-        dt: &[f32],
-        a: &[f32],
-        b: &[f32],
-        c: &[f32],
-        d: &[f32],
-        state: &mut [f32],
-        y: &mut [f32],
-        keep: Option<&mut [f32]>,
-    ) {
-        mamba2::mamba2(&*self.pool, shape, x, dt, a, b, c, d, state, y, keep)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn numerics_setting_values() {
-        assert!(!numerics_setting(None).unwrap());
-        assert!(!numerics_setting(Some("")).unwrap());
-        assert!(!numerics_setting(Some("default")).unwrap());
-        assert!(numerics_setting(Some("llama.cpp")).unwrap());
-        let e = numerics_setting(Some("ggml")).unwrap_err().to_string();
-        assert!(
-            e.contains("KAPITSA_NUMERICS") && e.contains("'ggml'"),
-            "{e}"
-        );
-    }
+    /// Index of the largest value of each `width`-wide row of `x` (lowest index on ties),
+    /// `[rows]`.
+    fn argmax_rows(&self, x: &Tensor, width: usize) -> Result<Vec<u32>>;
 }

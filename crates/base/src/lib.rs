@@ -4,6 +4,7 @@
 pub mod cpu;
 pub mod dtype;
 pub mod pool;
+pub mod quant;
 
 pub use cpu::CpuFeatures;
 pub use dtype::GgmlType;

@@ -1,7 +1,7 @@
-//! Cache management: which sequence owns which cache slot, which tokens each slot holds, and
-//! when its KV blocks go back to the pool. The storage itself ([`kapitsa_models::KvCache`],
-//! paged KV blocks plus per-slot recurrent states) is laid out from the model's layer kinds;
-//! this crate decides who uses it.
+//! Cache storage and management. The storage ([`KvCache`], paged KV blocks plus per-slot
+//! recurrent states) is laid out from a model's [`CacheLayout`] and allocated through its
+//! backend, so it lives on the backend's device; [`SlotCache`] decides which sequence owns
+//! which slot, which tokens each slot holds, and when its KV blocks go back to the pool.
 //!
 //! Two reuse modes:
 //! - without a prefix cache, a slot keeps the tokens of its last sequence and a new sequence
@@ -12,9 +12,17 @@
 //!   sequence in any slot resumes from the longest cached prefix ([`SlotCache::admit`]).
 
 mod disk;
+mod error;
+mod kv;
+mod layout;
 pub mod prefix;
 
-use kapitsa_models::{CausalLm, KvCache, KvType, ModelError, Result};
+use std::sync::Arc;
+
+use kapitsa_backend::Backend;
+pub use error::{CacheError, Result};
+pub use kv::{KvCache, KvType, RecurrentSnapshot, DEFAULT_BLOCK_SIZE};
+pub use layout::{CacheLayout, LayerKind, RecurrentShape};
 use prefix::{PrefixCache, PrefixConfig, PrefixStats};
 
 /// A KV cache plus slot bookkeeping: free list and the tokens each slot holds.
@@ -26,23 +34,26 @@ pub struct SlotCache {
 }
 
 impl SlotCache {
-    /// `n_slots` sequences of up to `n_ctx` tokens for `model`, with enough KV blocks for
-    /// every slot to be full at once.
+    /// `n_slots` sequences of up to `n_ctx` tokens of a model with `layout`, on `backend`,
+    /// with enough KV blocks for every slot to be full at once.
     pub fn new(
-        model: &dyn CausalLm,
+        backend: Arc<dyn Backend>,
+        layout: &CacheLayout,
         n_slots: usize,
         n_ctx: usize,
         kv_type: KvType,
     ) -> Result<SlotCache> {
-        Ok(SlotCache::from_kv(KvCache::for_model(
-            model, n_slots, n_ctx, kv_type,
+        Ok(SlotCache::from_kv(KvCache::full(
+            backend, layout, n_slots, n_ctx, kv_type,
         )?))
     }
 
     /// `n_slots` sequences of up to `n_ctx` tokens sharing a pool of `n_blocks` KV blocks of
     /// `block_size` positions. The pool must hold at least one full-context sequence.
+    #[allow(clippy::too_many_arguments)]
     pub fn paged(
-        model: &dyn CausalLm,
+        backend: Arc<dyn Backend>,
+        layout: &CacheLayout,
         n_slots: usize,
         n_ctx: usize,
         n_blocks: usize,
@@ -50,17 +61,18 @@ impl SlotCache {
         kv_type: KvType,
     ) -> Result<SlotCache> {
         if block_size == 0 || n_blocks.saturating_mul(block_size) < n_ctx {
-            return Err(ModelError::Config(format!(
+            return Err(CacheError::Config(format!(
                 "a KV pool of {n_blocks} blocks x {block_size} positions cannot hold one \
                  sequence of {n_ctx} tokens"
             )));
         }
-        Ok(SlotCache::from_kv(KvCache::paged(
-            model, n_slots, n_ctx, n_blocks, block_size, kv_type,
+        Ok(SlotCache::from_kv(KvCache::new(
+            backend, layout, n_slots, n_ctx, n_blocks, block_size, kv_type,
         )?))
     }
 
-    fn from_kv(kv: KvCache) -> SlotCache {
+    /// Slot bookkeeping over existing storage.
+    pub fn from_kv(kv: KvCache) -> SlotCache {
         let n = kv.n_slots();
         SlotCache {
             kv,

@@ -28,7 +28,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kapitsa_models::{KvCache, ModelSpec, RecurrentSnapshot};
+use crate::{CacheLayout, KvCache, RecurrentSnapshot};
 
 use crate::disk::{Disk, Kind, NodeKey, Scanned};
 
@@ -56,12 +56,19 @@ fn chain(parent: u128, tokens: &[u32]) -> u128 {
 }
 
 /// Fingerprint of what cached data depends on: the model (`model_id`, e.g. a hash of the
-/// file's size and first bytes, plus the spec) and the cache layout (element type, block
+/// file's size and first bytes, plus its architecture, vocabulary and layout) and the cache layout (element type, block
 /// size). Cache files with another fingerprint are never used.
-pub fn fingerprint(model_id: &str, spec: &ModelSpec, kv_type: &str, block_size: usize) -> u128 {
+pub fn fingerprint(
+    model_id: &str,
+    arch: &str,
+    n_vocab: usize,
+    layout: &CacheLayout,
+    kv_type: &str,
+    block_size: usize,
+) -> u128 {
     let desc = format!(
-        "kapitsa-prefix-v1|{model_id}|{}|{}|{:?}|{}|{}|{kv_type}|{block_size}",
-        spec.arch, spec.n_vocab, spec.layers, spec.n_head_kv, spec.head_dim
+        "kapitsa-prefix-v1|{model_id}|{arch}|{n_vocab}|{:?}|{}|{}|{kv_type}|{block_size}",
+        layout.layers, layout.n_head_kv, layout.head_dim
     );
     let words: Vec<u32> = desc.bytes().map(u32::from).collect();
     chain(0x006b_6170_6974_7361, &words)
@@ -658,9 +665,10 @@ impl PrefixCache {
             let rows = key.tokens.len();
             // `victim` filtered on `block.is_some()`.
             let b = self.node(v).block.unwrap_or(0);
-            let bytes = kv.export_block(b, rows);
             let keep: Vec<u128> = pinned.iter().map(|&p| self.node(p).hash).collect();
-            if let Some(d) = &mut self.disk {
+            // A block that cannot be read back from the device is dropped, not spilled.
+            let bytes = kv.export_block(b, rows).ok();
+            if let (Some(d), Some(bytes)) = (&mut self.disk, bytes) {
                 if let Ok(gone) = d.write(Kind::Kv, &key, &bytes, &keep) {
                     self.node_mut(v).kv_on_disk = true;
                     self.forget_files(gone);
@@ -697,9 +705,9 @@ impl PrefixCache {
             let n = self.node(id);
             if let (Some(b), false) = (n.block, n.kv_on_disk) {
                 let key = self.key(id);
-                let bytes = kv.export_block(b, key.tokens.len());
+                let bytes = kv.export_block(b, key.tokens.len()).ok();
                 let keep = [key.hash, key.parent];
-                if let Some(d) = &mut self.disk {
+                if let (Some(d), Some(bytes)) = (&mut self.disk, bytes) {
                     if let Ok(gone) = d.write(Kind::Kv, &key, &bytes, &keep) {
                         self.node_mut(id).kv_on_disk = true;
                         self.forget_files(gone);

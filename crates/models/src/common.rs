@@ -2,7 +2,7 @@
 //! hyper-parameters every decoder has, and the attention / MLP / MoE weight tables of the Qwen
 //! families.
 
-use kapitsa_kernels_cpu::ops::Rope;
+use kapitsa_backend::RopeDesc;
 
 use crate::config::Hparams;
 use crate::layers::attention::Attention;
@@ -229,7 +229,10 @@ pub fn load_attention(
         n_head: c.n_head,
         n_head_kv: c.n_head_kv,
         head_dim: hd,
-        rope: Some(Rope::new(o.n_rot, c.rope_theta)),
+        rope: Some(RopeDesc {
+            n_rot: o.n_rot,
+            theta: c.rope_theta,
+        }),
         gated: o.gated,
         eps: c.rms_eps,
     })

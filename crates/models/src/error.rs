@@ -12,6 +12,9 @@ pub enum ModelError {
     /// A backend op failed.
     #[error(transparent)]
     Backend(#[from] kapitsa_backend::BackendError),
+    /// A cache operation failed (bad slot, out of blocks, context full, device copy).
+    #[error(transparent)]
+    Cache(#[from] kapitsa_cache::CacheError),
     /// No architecture in the registry handles this model.
     #[error("unsupported architecture '{0}' (supported: {1})")]
     UnsupportedArch(String, String),

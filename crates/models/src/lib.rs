@@ -7,7 +7,6 @@ pub mod batch;
 pub mod common;
 pub mod config;
 pub mod error;
-pub mod kv;
 pub mod layers;
 pub mod nemotron_h;
 pub mod qwen2;
@@ -17,43 +16,18 @@ pub mod qwen3moe;
 pub mod registry;
 pub mod source;
 
+use std::sync::Arc;
+
 pub use batch::{BatchInputs, Logits, SeqChunk};
 pub use error::{ModelError, Result};
+pub use kapitsa_backend::Backend;
+pub use kapitsa_cache::{
+    CacheLayout, KvCache, KvType, LayerKind, RecurrentShape, RecurrentSnapshot,
+    DEFAULT_BLOCK_SIZE,
+};
 pub use kapitsa_formats::LoadMode;
-pub use kv::{KvCache, KvType, RecurrentSnapshot, DEFAULT_BLOCK_SIZE};
 pub use registry::{load_model, LoadOptions, LoadedModel};
 pub use source::{ModelSource, Weight};
-
-/// What kind of mixer a layer has; the cache layout is derived from this list.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LayerKind {
-    /// Softmax attention with a KV cache.
-    Attention,
-    /// A recurrent mixer (Gated DeltaNet, Mamba2) with fixed-size per-sequence state.
-    Recurrent(RecurrentShape),
-    /// No per-sequence state (a block that is only an MLP or MoE).
-    Stateless,
-}
-
-/// Per-sequence state of one recurrent layer, all f32: a causal-conv window of the last
-/// `conv_kernel - 1` input rows of `conv_channels` values, and `state_len` values of the
-/// recurrent (SSM / delta-rule) state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RecurrentShape {
-    /// Channels the causal conv1d runs over.
-    pub conv_channels: usize,
-    /// Conv kernel width (the state keeps `conv_kernel - 1` rows).
-    pub conv_kernel: usize,
-    /// Values of the recurrent state (e.g. heads x dk x dv).
-    pub state_len: usize,
-}
-
-impl RecurrentShape {
-    /// Values of the conv window: `(conv_kernel - 1) * conv_channels`.
-    pub fn conv_len(&self) -> usize {
-        self.conv_kernel.saturating_sub(1) * self.conv_channels
-    }
-}
 
 /// Static facts about a loaded model that the engine and cache need.
 #[derive(Debug, Clone)]
@@ -91,6 +65,15 @@ impl ModelSpec {
             .filter(|k| matches!(k, LayerKind::Recurrent(_)))
             .count()
     }
+
+    /// What the cache needs to lay out its storage.
+    pub fn cache_layout(&self) -> CacheLayout {
+        CacheLayout {
+            layers: self.layers.clone(),
+            n_head_kv: self.n_head_kv,
+            head_dim: self.head_dim,
+        }
+    }
 }
 
 /// A causal language model.
@@ -98,8 +81,28 @@ pub trait CausalLm: Send + Sync {
     /// Static description (vocab, layer kinds, cache dims).
     fn spec(&self) -> &ModelSpec;
 
+    /// The backend the model's weights live on (caches for it must be allocated there).
+    fn backend(&self) -> &Arc<dyn Backend>;
+
     /// Run the batch: append every sequence's new tokens to its cache slot and return logits
     /// for the rows `batch.logit_rows` asks for. `cache` must have been made for this model
-    /// ([`KvCache::for_model`]).
+    /// ([`new_cache`]).
     fn forward(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits>;
+}
+
+/// A cache for `model` on its backend: `n_slots` sequences of up to `n_ctx` tokens, with
+/// enough KV blocks for every slot to be full at once.
+pub fn new_cache(
+    model: &dyn CausalLm,
+    n_slots: usize,
+    n_ctx: usize,
+    kv_type: KvType,
+) -> Result<KvCache> {
+    Ok(KvCache::full(
+        model.backend().clone(),
+        &model.spec().cache_layout(),
+        n_slots,
+        n_ctx,
+        kv_type,
+    )?)
 }

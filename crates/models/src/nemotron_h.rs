@@ -17,7 +17,7 @@
 use std::sync::Arc;
 
 use kapitsa_backend::Backend;
-use kapitsa_kernels_cpu::mamba2::Mamba2Shape;
+use kapitsa_backend::Mamba2Shape;
 
 use crate::common::{flat_weight, vec_weight};
 use crate::config::Hparams;
@@ -477,6 +477,9 @@ fn load_block(
 impl CausalLm for NemotronH {
     fn spec(&self) -> &ModelSpec {
         self.inner.spec()
+    }
+    fn backend(&self) -> &Arc<dyn Backend> {
+        self.inner.backend()
     }
     fn forward(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
         self.inner.forward(batch, cache)

@@ -59,6 +59,9 @@ impl CausalLm for Qwen2 {
     fn spec(&self) -> &ModelSpec {
         self.inner.spec()
     }
+    fn backend(&self) -> &Arc<dyn Backend> {
+        self.inner.backend()
+    }
     fn forward(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
         self.inner.forward(batch, cache)
     }

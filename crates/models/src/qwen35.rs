@@ -25,7 +25,7 @@
 use std::sync::Arc;
 
 use kapitsa_backend::Backend;
-use kapitsa_kernels_cpu::gdn::GdnShape;
+use kapitsa_backend::GdnShape;
 
 use crate::common::{
     first_weight, flat_weight, load_attention, load_globals, load_qwen_moe, load_swiglu, n_experts,
@@ -437,6 +437,9 @@ fn load_mtp(
 impl CausalLm for Qwen35 {
     fn spec(&self) -> &ModelSpec {
         self.inner.spec()
+    }
+    fn backend(&self) -> &Arc<dyn Backend> {
+        self.inner.backend()
     }
     fn forward(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
         self.inner.forward(batch, cache)

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use kapitsa_base::GgmlType;
 use kapitsa_formats::{GgufFile, HfModelDir, LoadMode, OpenOptions, TensorView};
-use kapitsa_kernels_cpu::matmul::QMatrix;
+use kapitsa_backend::{Backend, HostBytes, HostWeight};
 
 use crate::{ModelError, Result};
 
@@ -188,7 +188,7 @@ impl ModelSource {
             name: name.to_string(),
             dtype: GgmlType::F32,
             shape,
-            data: WeightData::Owned(bytes),
+            data: WeightData::Owned(HostBytes::from_vec(bytes)),
         }))
     }
 
@@ -208,7 +208,7 @@ impl ModelSource {
 
 enum WeightData {
     Source(Arc<SourceKind>),
-    Owned(Vec<u8>),
+    Owned(HostBytes),
 }
 
 /// A named tensor: its element type, shape (PyTorch order, last dim contiguous) and bytes,
@@ -231,7 +231,7 @@ impl Weight {
             name: name.to_string(),
             dtype: GgmlType::F32,
             shape,
-            data: WeightData::Owned(bytes),
+            data: WeightData::Owned(HostBytes::from_vec(bytes)),
         }
     }
 
@@ -257,14 +257,14 @@ impl Weight {
             name: name.to_string(),
             dtype,
             shape,
-            data: WeightData::Owned(bytes),
+            data: WeightData::Owned(HostBytes::from_vec(bytes)),
         })
     }
 
     /// The raw bytes.
     pub fn bytes(&self) -> Result<&[u8]> {
         match &self.data {
-            WeightData::Owned(b) => Ok(b),
+            WeightData::Owned(b) => Ok(b.as_slice()),
             WeightData::Source(s) => {
                 let v = match &**s {
                     SourceKind::Gguf(g) => g.tensor(&self.name),
@@ -281,78 +281,46 @@ impl Weight {
         self.shape.iter().product()
     }
 
-    /// Check that rows of this weight can be dequantised (embedding gathers).
-    pub fn check_dequant_type(&self) -> Result<()> {
-        let n_in = *self.shape.last().unwrap_or(&0);
-        let mut row = vec![0f32; n_in];
-        let ok = self.dtype.row_bytes(n_in).is_some_and(|rb| {
-            self.bytes()
-                .ok()
-                .and_then(|b| b.get(..rb))
-                .is_some_and(|b| {
-                    kapitsa_kernels_cpu::quant::dequantize_row(self.dtype, b, &mut row).is_ok()
-                })
-        });
-        if ok {
-            Ok(())
-        } else {
-            Err(ModelError::UnsupportedType(self.name.clone(), self.dtype))
-        }
+    /// The weight as the backend takes it: the same bytes, shared without a copy.
+    pub fn host(&self) -> Result<HostWeight> {
+        let bytes = match &self.data {
+            WeightData::Owned(b) => b.clone(),
+            WeightData::Source(src) => {
+                let slice = self.bytes()?;
+                let owner: Arc<dyn std::any::Any + Send + Sync> = src.clone();
+                // SAFETY: `slice` points into the tensor data of the opened file that `src`
+                // owns (a read-only memory map, or a private copy read at open that is never
+                // written again), and the returned `HostBytes` keeps a clone of `src` alive.
+                unsafe { HostBytes::new(owner, slice) }
+            }
+        };
+        Ok(HostWeight {
+            name: self.name.clone(),
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            bytes,
+        })
     }
 
-    /// Check that matmuls can use this weight (a dot-product kernel exists for its type).
-    pub fn check_matmul_type(&self) -> Result<()> {
-        kapitsa_kernels_cpu::quant::vec_dot_type(self.dtype)
-            .map(|_| ())
-            .map_err(|_| ModelError::UnsupportedType(self.name.clone(), self.dtype))
+    /// Upload to `be` (a 2-D matrix or 3-D stacked experts); errors name the tensor.
+    pub fn upload(&self, be: &dyn Backend) -> Result<kapitsa_backend::Weight> {
+        be.upload_weight(&self.host()?).map_err(|e| match e {
+            kapitsa_backend::BackendError::Unsupported { .. } => {
+                ModelError::UnsupportedType(self.name.clone(), self.dtype)
+            }
+            e => ModelError::Backend(e),
+        })
     }
 
-    /// View as a matrix `[n_out, n_in]` (a 2-D tensor).
-    pub fn matrix(&self) -> Result<QMatrix<'_>> {
-        let [n_out, n_in] = self.shape[..] else {
+    /// Check that this weight is 2-D (`[n_out, n_in]`).
+    pub fn check_2d(&self) -> Result<()> {
+        if self.shape.len() != 2 {
             return Err(ModelError::Config(format!(
                 "tensor '{}' is not 2-D: {:?}",
                 self.name, self.shape
             )));
-        };
-        Ok(QMatrix {
-            dtype: self.dtype,
-            n_out,
-            n_in,
-            data: self.bytes()?,
-        })
-    }
-
-    /// Rows `rows` of expert `e` of a 3-D weight `[n_expert, n_rows, n_in]` (stacked experts)
-    /// as a matrix `[rows.len(), n_in]`; the bytes are a sub-slice of the tensor.
-    pub fn expert_matrix(&self, e: usize, rows: std::ops::Range<usize>) -> Result<QMatrix<'_>> {
-        let [n_exp, n_rows, n_in] = self.shape[..] else {
-            return Err(ModelError::Config(format!(
-                "tensor '{}' is not 3-D: {:?}",
-                self.name, self.shape
-            )));
-        };
-        if e >= n_exp || rows.start > rows.end || rows.end > n_rows {
-            return Err(ModelError::Config(format!(
-                "expert {e} rows {rows:?} out of range for '{}' {:?}",
-                self.name, self.shape
-            )));
         }
-        let rb = self
-            .dtype
-            .row_bytes(n_in)
-            .ok_or_else(|| ModelError::UnsupportedType(self.name.clone(), self.dtype))?;
-        let first = e * n_rows + rows.start;
-        let data = self
-            .bytes()?
-            .get(first * rb..(first + rows.len()) * rb)
-            .ok_or_else(|| ModelError::MissingTensor(self.name.clone()))?;
-        Ok(QMatrix {
-            dtype: self.dtype,
-            n_out: rows.len(),
-            n_in,
-            data,
-        })
+        Ok(())
     }
 
     /// Check the shape.
@@ -381,7 +349,7 @@ impl Weight {
             .row_bytes(row)
             .ok_or_else(|| ModelError::UnsupportedType(self.name.clone(), self.dtype))?;
         for (i, o) in out.chunks_exact_mut(row).enumerate() {
-            kapitsa_kernels_cpu::quant::dequantize_row(self.dtype, &bytes[i * rb..(i + 1) * rb], o)
+            kapitsa_base::quant::dequantize_row(self.dtype, &bytes[i * rb..(i + 1) * rb], o)
                 .map_err(|_| ModelError::UnsupportedType(self.name.clone(), self.dtype))?;
         }
         Ok(out)

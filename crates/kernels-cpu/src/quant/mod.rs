@@ -45,8 +45,8 @@
 
 pub mod act;
 mod act_avx512;
-pub mod blocks;
-mod dequant;
+pub use kapitsa_base::quant::blocks;
+use kapitsa_base::quant::dequant;
 mod dot_avx2;
 mod dot_avx512;
 pub(crate) mod dot_blk;

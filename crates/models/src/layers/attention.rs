@@ -7,10 +7,9 @@
 //! projection output is `[n_tokens, n_head * head_dim]`, or with a gate
 //! `[n_tokens, n_head, 2 * head_dim]` holding `[q_h | gate_h]` per head.
 
-use kapitsa_kernels_cpu::attention::AttnShape;
-use kapitsa_kernels_cpu::ops::Rope;
+use kapitsa_backend::{AttnShape, Backend, KvLayer, RopeDesc, Tensor};
 
-use crate::layers::{check_matrix, check_vec, sigmoid, Step};
+use crate::layers::{check_matrix, check_vec, tensor, upload_opt, ForwardCtx};
 use crate::{ModelError, Result, Weight};
 
 /// Weights and shape of one attention block.
@@ -41,7 +40,7 @@ pub struct Attention {
     /// Dims per head.
     pub head_dim: usize,
     /// RoPE over the first `rope.n_rot` dims of each head; `None` for no positional encoding.
-    pub rope: Option<Rope>,
+    pub rope: Option<RopeDesc>,
     /// The q projection carries a sigmoid output gate per head (see the module docs).
     pub gated: bool,
     /// RMSNorm epsilon of the q/k norms.
@@ -99,97 +98,124 @@ impl Attention {
         }
     }
 
-    /// `out[n, d] = attention(h[n, d])` for cache layer `layer`.
-    pub fn forward(
-        &self,
-        st: &mut Step<'_>,
-        layer: usize,
-        h: &[f32],
-        out: &mut [f32],
-    ) -> Result<()> {
-        let be = st.be;
-        let batch = st.batch;
-        let n = batch.n_tokens();
-        let hd = self.head_dim;
-        let (q_dim, kv_dim) = (self.n_head * hd, self.n_head_kv * hd);
-        let mut q = vec![0f32; n * q_dim];
-        let mut gate = Vec::new();
-        let mut k = vec![0f32; n * kv_dim];
-        let mut v = vec![0f32; n * kv_dim];
-        let ws = [self.wq.matrix()?, self.wk.matrix()?, self.wv.matrix()?];
-        if self.gated {
-            let mut qg = vec![0f32; n * 2 * q_dim];
-            be.matmul_many(&ws, h, n, &mut [&mut qg, &mut k, &mut v], false)?;
-            gate = vec![0f32; n * q_dim];
-            for ((src, qd), gd) in qg
-                .chunks_exact(2 * hd)
-                .zip(q.chunks_exact_mut(hd))
-                .zip(gate.chunks_exact_mut(hd))
-            {
-                qd.copy_from_slice(&src[..hd]);
-                gd.copy_from_slice(&src[hd..]);
-            }
-        } else {
-            be.matmul_many(&ws, h, n, &mut [&mut q, &mut k, &mut v], false)?;
-        }
-        add_bias(&mut q, self.bq.as_deref());
-        add_bias(&mut k, self.bk.as_deref());
-        add_bias(&mut v, self.bv.as_deref());
-        if let Some(w) = &self.q_norm {
-            be.rms_norm(&mut q, hd, w, self.eps, 0.0);
-        }
-        if let Some(w) = &self.k_norm {
-            be.rms_norm(&mut k, hd, w, self.eps, 0.0);
-        }
-        if let Some(rope) = &self.rope {
-            let np = rope.n_pairs();
-            let mut cs = vec![(0f32, 0f32); np];
-            for (t, &p) in batch.positions.iter().enumerate() {
-                rope.table(p, &mut cs);
-                rope.apply_neox(&mut q[t * q_dim..(t + 1) * q_dim], hd, &cs);
-                rope.apply_neox(&mut k[t * kv_dim..(t + 1) * kv_dim], hd, &cs);
-            }
-        }
-        for c in &batch.seqs {
-            let r = c.start..c.start + c.len;
-            let pos0 = batch.positions[c.start] as usize;
-            st.cache.write(
-                layer,
-                c.slot,
-                pos0,
-                &k[r.start * kv_dim..r.end * kv_dim],
-                &v[r.start * kv_dim..r.end * kv_dim],
-            )?;
-        }
-        let mut att = vec![0f32; n * q_dim];
-        for c in &batch.seqs {
-            let r = c.start..c.start + c.len;
-            let n_ctx = batch.positions[r.end - 1] as usize + 1;
-            let (ks, vs) = st.cache.layer(layer, c.slot, n_ctx)?;
-            be.attention(
-                self.shape(),
-                &q[r.start * q_dim..r.end * q_dim],
-                &batch.positions[r.clone()],
-                ks,
-                vs,
-                &mut att[r.start * q_dim..r.end * q_dim],
-            );
-        }
-        if self.gated {
-            for (a, g) in att.iter_mut().zip(&gate) {
-                *a *= sigmoid(*g);
-            }
-        }
-        be.matmul(&self.wo.matrix()?, &att, n, out)?;
-        Ok(())
+    /// Upload the weights to `be`.
+    pub fn upload(&self, be: &dyn Backend) -> Result<DeviceAttention> {
+        Ok(DeviceAttention {
+            wq: self.wq.upload(be)?,
+            wk: self.wk.upload(be)?,
+            wv: self.wv.upload(be)?,
+            wo: self.wo.upload(be)?,
+            bq: upload_opt(be, &self.bq)?,
+            bk: upload_opt(be, &self.bk)?,
+            bv: upload_opt(be, &self.bv)?,
+            q_norm: upload_opt(be, &self.q_norm)?,
+            k_norm: upload_opt(be, &self.k_norm)?,
+            n_head: self.n_head,
+            n_head_kv: self.n_head_kv,
+            head_dim: self.head_dim,
+            rope: self.rope,
+            gated: self.gated,
+            eps: self.eps,
+        })
     }
 }
 
-/// Add a bias row to every row of `x`.
-pub fn add_bias(x: &mut [f32], b: Option<&[f32]>) {
-    if let Some(b) = b {
-        for row in x.chunks_exact_mut(b.len()) {
-            kapitsa_kernels_cpu::ops::add_inplace(row, b);
+/// An [`Attention`] block uploaded to a backend (same fields, weights on its device).
+#[derive(Debug)]
+pub struct DeviceAttention {
+    wq: kapitsa_backend::Weight,
+    wk: kapitsa_backend::Weight,
+    wv: kapitsa_backend::Weight,
+    wo: kapitsa_backend::Weight,
+    bq: Option<Tensor>,
+    bk: Option<Tensor>,
+    bv: Option<Tensor>,
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    n_head: usize,
+    n_head_kv: usize,
+    head_dim: usize,
+    rope: Option<RopeDesc>,
+    gated: bool,
+    eps: f32,
+}
+
+impl DeviceAttention {
+    /// The kernel shape.
+    pub fn shape(&self) -> AttnShape {
+        AttnShape {
+            n_head: self.n_head,
+            n_head_kv: self.n_head_kv,
+            head_dim: self.head_dim,
+            scale: 1.0 / (self.head_dim as f32).sqrt(),
         }
+    }
+
+    /// `out[n, d] = attention(h[n, d])` for cache layer `layer`: projections, biases, q/k
+    /// norms, RoPE, writing K and V into the paged cache, attention over the whole batch,
+    /// the output gate and the output projection.
+    pub fn forward(
+        &self,
+        cx: &mut ForwardCtx<'_>,
+        layer: usize,
+        h: &Tensor,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        let be = cx.be;
+        let batch = cx.batch;
+        let n = batch.n_tokens();
+        let hd = self.head_dim;
+        let (q_dim, kv_dim) = (self.n_head * hd, self.n_head_kv * hd);
+        let mut q = tensor(be, n * q_dim)?;
+        let mut gate = None;
+        let mut k = tensor(be, n * kv_dim)?;
+        let mut v = tensor(be, n * kv_dim)?;
+        let ws = [&self.wq, &self.wk, &self.wv];
+        if self.gated {
+            // Per head `[q_h | gate_h]`: rows of 2 * head_dim split into q and gate.
+            let mut qg = tensor(be, n * 2 * q_dim)?;
+            be.matmul_many(&ws, h, n, &mut [&mut qg, &mut k, &mut v])?;
+            let mut g = tensor(be, n * q_dim)?;
+            be.split_cols(&qg, n * self.n_head, &[hd, hd], &mut [&mut q, &mut g])?;
+            gate = Some(g);
+        } else {
+            be.matmul_many(&ws, h, n, &mut [&mut q, &mut k, &mut v])?;
+        }
+        for (x, b) in [(&mut q, &self.bq), (&mut k, &self.bk), (&mut v, &self.bv)] {
+            if let Some(b) = b {
+                be.add_bias(x, b)?;
+            }
+        }
+        if let Some(w) = &self.q_norm {
+            be.rms_norm(&mut q, hd, w, self.eps)?;
+        }
+        if let Some(w) = &self.k_norm {
+            be.rms_norm(&mut k, hd, w, self.eps)?;
+        }
+        if let Some(rope) = self.rope {
+            be.rope(&mut q, self.n_head, hd, rope, cx.dev_batch)?;
+            be.rope(&mut k, self.n_head_kv, hd, rope, cx.dev_batch)?;
+        }
+        for c in &batch.seqs {
+            cx.cache
+                .check_writable(c.slot, batch.positions[c.start] as usize, c.len)?;
+        }
+        {
+            let (kc, vc) = cx.cache.kv_tensors_mut(layer)?;
+            let dst = KvLayer {
+                k: kc,
+                v: vc,
+                kv_dim,
+            };
+            be.kv_write(&k, &v, dst, cx.dev_batch)?;
+        }
+        let mut att = tensor(be, n * q_dim)?;
+        let (kc, vc) = cx.cache.kv_tensors(layer)?;
+        be.attention(self.shape(), &q, kc, vc, cx.dev_batch, &mut att)?;
+        if let Some(g) = &gate {
+            be.mul_sigmoid(&mut att, g)?;
+        }
+        be.matmul(&self.wo, &att, n, out)?;
+        Ok(())
     }
 }

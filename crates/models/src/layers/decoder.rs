@@ -6,19 +6,20 @@
 //! one block (a mixer or an FFN). The cache is indexed by layer; the layer kinds of
 //! [`ModelSpec`] follow from the blocks' ops.
 //!
-//! Activations are row-major `[n_tokens, n_embd]` f32 over the whole batch; attention and the
-//! recurrent mixers work per sequence inside their ops.
+//! Activations are row-major `[n_tokens, n_embd]` f32 tensors over the whole batch on the
+//! backend's device; attention and the recurrent mixers work per sequence inside their ops
+//! (block tables and slots come with the batch). Only the requested logits rows come back to
+//! the host.
 
 use std::sync::Arc;
 
-use kapitsa_backend::Backend;
-use kapitsa_kernels_cpu::ops::add_inplace;
+use kapitsa_backend::{Backend, BatchDesc, DType, SeqDesc, Tensor};
 
-use crate::layers::attention::Attention;
-use crate::layers::ffn::Ffn;
-use crate::layers::gdn::GatedDeltaNet;
-use crate::layers::mamba2::Mamba2;
-use crate::layers::{check_matrix, check_vec, Step};
+use crate::layers::attention::{Attention, DeviceAttention};
+use crate::layers::ffn::{DeviceFfn, Ffn};
+use crate::layers::gdn::{DeviceGdn, GatedDeltaNet};
+use crate::layers::mamba2::{DeviceMamba2, Mamba2};
+use crate::layers::{check_matrix, check_vec, ForwardCtx};
 use crate::{BatchInputs, KvCache, LayerKind, Logits, ModelError, ModelSpec, Result, Weight};
 
 /// What a block computes.
@@ -65,16 +66,34 @@ pub struct DecoderParts {
     pub output: Option<Weight>,
 }
 
-/// A whole model.
+/// A block's op uploaded to the backend.
+#[derive(Debug)]
+enum DeviceOp {
+    Attention(DeviceAttention),
+    Gdn(DeviceGdn),
+    Mamba2(DeviceMamba2),
+    Ffn(DeviceFfn),
+}
+
+/// A [`Block`] uploaded to the backend.
+#[derive(Debug)]
+struct DeviceBlock {
+    layer: usize,
+    norm: Tensor,
+    op: DeviceOp,
+}
+
+/// A whole model, its weights on the backend's device.
 pub struct Decoder {
     spec: ModelSpec,
     backend: Arc<dyn Backend>,
     n_embd: usize,
     rms_eps: f32,
-    tok_embd: Weight,
-    blocks: Vec<Block>,
-    out_norm: Vec<f32>,
-    output: Option<Weight>,
+    tok_embd: kapitsa_backend::Weight,
+    blocks: Vec<DeviceBlock>,
+    out_norm: Tensor,
+    /// `None` when tied to the embedding.
+    output: Option<kapitsa_backend::Weight>,
 }
 
 impl Decoder {
@@ -99,7 +118,6 @@ impl Decoder {
                 p.arch
             )));
         }
-        p.tok_embd.check_dequant_type()?;
         match &p.output {
             Some(o) => check_matrix(o, [n_vocab, d])?,
             None => check_matrix(&p.tok_embd, [n_vocab, d])?,
@@ -152,6 +170,25 @@ impl Decoder {
             }
         }
         let (n_head_kv, head_dim) = attn_dims.unwrap_or((0, 0));
+        let be = &*backend;
+        let blocks = blocks
+            .iter()
+            .map(|b| {
+                Ok(DeviceBlock {
+                    layer: b.layer,
+                    norm: be.upload_f32(&b.norm)?,
+                    op: match &b.op {
+                        BlockOp::Attention(a) => DeviceOp::Attention(a.upload(be)?),
+                        BlockOp::Gdn(g) => DeviceOp::Gdn(g.upload(be)?),
+                        BlockOp::Mamba2(m) => DeviceOp::Mamba2(m.upload(be)?),
+                        BlockOp::Ffn(f) => DeviceOp::Ffn(f.upload(be)?),
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let tok_embd = p.tok_embd.upload(be)?;
+        let output = p.output.as_ref().map(|o| o.upload(be)).transpose()?;
+        let out_norm = be.upload_f32(&p.out_norm)?;
         let spec = ModelSpec {
             arch: p.arch,
             n_vocab,
@@ -166,10 +203,10 @@ impl Decoder {
             backend,
             n_embd: d,
             rms_eps: p.rms_eps,
-            tok_embd: p.tok_embd,
+            tok_embd,
             blocks,
-            out_norm: p.out_norm,
-            output: p.output,
+            out_norm,
+            output,
         })
     }
 
@@ -183,9 +220,9 @@ impl Decoder {
         self.spec.n_mtp_layers = n;
     }
 
-    /// The blocks (for inspection and tests).
-    pub fn blocks(&self) -> &[Block] {
-        &self.blocks
+    /// The backend the weights live on.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
     }
 
     /// Forward pass over a batch (see [`crate::CausalLm::forward`]).
@@ -226,39 +263,66 @@ impl Decoder {
             }
         }
 
-        let mut x = vec![0f32; n * d];
-        be.get_rows(&self.tok_embd.matrix()?, &batch.tokens, &mut x)?;
-        let mut h = vec![0f32; n * d];
-        let mut o = vec![0f32; n * d];
-        let mut st = Step { be, batch, cache };
-        for b in &self.blocks {
-            h.copy_from_slice(&x);
-            be.rms_norm(&mut h, d, &b.norm, self.rms_eps, 0.0);
-            match &b.op {
-                BlockOp::Attention(a) => a.forward(&mut st, b.layer, &h, &mut o)?,
-                BlockOp::Gdn(g) => g.forward(&mut st, b.layer, &h, &mut o)?,
-                BlockOp::Mamba2(m) => m.forward(&mut st, b.layer, &h, &mut o)?,
-                BlockOp::Ffn(f) => f.forward(be, &h, n, &mut o)?,
-            }
-            add_inplace(&mut x, &o);
+        let mut desc = BatchDesc {
+            tokens: batch.tokens.clone(),
+            positions: batch.positions.clone(),
+            seqs: Vec::with_capacity(batch.seqs.len()),
+            block_tables: Vec::new(),
+            block_size: if cache.has_kv() { cache.block_size() } else { 0 },
+            logit_rows: batch.logit_rows.iter().map(|&r| r as u32).collect(),
+        };
+        for c in &batch.seqs {
+            let table = if cache.has_kv() { cache.table(c.slot) } else { &[] };
+            desc.seqs.push(SeqDesc {
+                slot: c.slot,
+                start: c.start,
+                len: c.len,
+                pos0: batch.positions[c.start] as usize,
+                table_start: desc.block_tables.len(),
+                table_len: table.len(),
+            });
+            desc.block_tables.extend_from_slice(table);
         }
-        if st.cache.has_recurrent() {
+        let dev_batch = be.prepare_batch(desc)?;
+
+        let mut x = be.alloc(DType::F32, n * d)?;
+        be.embed(&self.tok_embd, &dev_batch, &mut x)?;
+        let mut h = be.alloc(DType::F32, n * d)?;
+        let mut o = be.alloc(DType::F32, n * d)?;
+        let mut cx = ForwardCtx {
+            be,
+            batch,
+            dev_batch: &dev_batch,
+            cache,
+        };
+        for b in &self.blocks {
+            be.copy(&x, 0, &mut h, 0, n * d)?;
+            be.rms_norm(&mut h, d, &b.norm, self.rms_eps)?;
+            match &b.op {
+                DeviceOp::Attention(a) => a.forward(&mut cx, b.layer, &h, &mut o)?,
+                DeviceOp::Gdn(g) => g.forward(&mut cx, b.layer, &h, &mut o)?,
+                DeviceOp::Mamba2(m) => m.forward(&mut cx, b.layer, &h, &mut o)?,
+                DeviceOp::Ffn(f) => f.forward(be, &h, n, &mut o)?,
+            }
+            be.add(&mut x, &o)?;
+        }
+        if cx.cache.has_recurrent() {
             for c in &batch.seqs {
                 let end = batch.positions[c.start + c.len - 1] as usize + 1;
-                st.cache.end_recurrent(c.slot, end);
+                cx.cache.end_recurrent(c.slot, end);
             }
         }
 
         let rows = &batch.logit_rows;
-        let mut hr = vec![0f32; rows.len() * d];
-        for (i, &r) in rows.iter().enumerate() {
-            hr[i * d..(i + 1) * d].copy_from_slice(&x[r * d..(r + 1) * d]);
-        }
-        be.rms_norm(&mut hr, d, &self.out_norm, self.rms_eps, 0.0);
-        let out_w = self.output.as_ref().unwrap_or(&self.tok_embd);
         let mut data = vec![0f32; rows.len() * n_vocab];
         if !rows.is_empty() {
-            be.matmul_small_batch(&out_w.matrix()?, &hr, rows.len(), &mut data)?;
+            let mut hr = be.alloc(DType::F32, rows.len() * d)?;
+            be.gather_logit_rows(&x, d, &dev_batch, &mut hr)?;
+            be.rms_norm(&mut hr, d, &self.out_norm, self.rms_eps)?;
+            let out_w = self.output.as_ref().unwrap_or(&self.tok_embd);
+            let mut logits = be.alloc(DType::F32, rows.len() * n_vocab)?;
+            be.matmul(out_w, &hr, rows.len(), &mut logits)?;
+            be.read_f32(&logits, 0, &mut data)?;
         }
         Ok(Logits {
             n_vocab,

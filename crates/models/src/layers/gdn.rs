@@ -4,17 +4,17 @@
 //! conv1d (kernel `conv_k`, no bias) over those channels with SiLU, L2-normalised q (scaled by
 //! `1/sqrt(dk)`) and k, `beta = sigmoid(x W_b^T)`, log decay
 //! `g = -exp(A_log) * softplus(x W_a^T + dt_bias)`, the delta-rule recurrence per value head
-//! (kernel [`kapitsa_kernels_cpu::gdn`]), an RMSNorm per value head gated by `silu(z)` with
+//! ([`Backend::gdn`]), an RMSNorm per value head gated by `silu(z)` with
 //! `z = x W_z^T`, and the output projection.
 //!
 //! The value-head → key-head pairing differs by file format (HF/MLX grouped, GGUF tiled); it is
-//! a parameter of the kernel ([`HeadOrder`]), so no weights are permuted.
+//! a parameter of the op ([`HeadOrder`]), so no weights are permuted.
 //!
 //! References: transformers `Qwen3_5MoeGatedDeltaNet`; llama.cpp `build_layer_attn_linear`.
 
-use kapitsa_kernels_cpu::gdn::{gated_rms_norm, l2_norm_rows, GdnShape, HeadOrder};
+use kapitsa_backend::{Backend, GdnShape, HeadOrder, Tensor};
 
-use crate::layers::{check_matrix, check_vec, sigmoid, Step};
+use crate::layers::{check_matrix, check_vec, tensor, ForwardCtx};
 use crate::{ModelError, RecurrentShape, Result, Weight};
 
 /// Weights and shape of one Gated DeltaNet mixer.
@@ -104,106 +104,94 @@ impl GatedDeltaNet {
         Ok(())
     }
 
-    /// `out[n, d] = gdn(h[n, d])`, updating the recurrent states of cache layer `layer`.
-    pub fn forward(
-        &self,
-        st: &mut Step<'_>,
-        layer: usize,
-        h: &[f32],
-        out: &mut [f32],
-    ) -> Result<()> {
-        let be = st.be;
-        let batch = st.batch;
-        let n = batch.n_tokens();
-        let s = &self.shape;
-        let (kd, vd, cd, nv) = (
-            self.key_dim(),
-            self.value_dim(),
-            self.conv_dim(),
-            s.n_v_heads,
-        );
-
-        let mut qkv = vec![0f32; n * cd];
-        let mut z = vec![0f32; n * vd];
-        let mut b = vec![0f32; n * nv];
-        let mut a = vec![0f32; n * nv];
-        be.matmul_many(
-            &[
-                self.w_qkv.matrix()?,
-                self.w_z.matrix()?,
-                self.w_b.matrix()?,
-                self.w_a.matrix()?,
-            ],
-            h,
-            n,
-            &mut [&mut qkv, &mut z, &mut b, &mut a],
-            false,
-        )?;
-
-        // beta and log decay for every token.
-        for v in b.iter_mut() {
-            *v = sigmoid(*v);
-        }
-        for row in a.chunks_exact_mut(nv) {
-            for ((g, &bias), &an) in row.iter_mut().zip(&self.dt_bias).zip(&self.a_neg) {
-                *g = an * softplus(*g + bias);
-            }
-        }
-
-        let mut o = vec![0f32; n * vd];
-        let mut conv = Vec::new();
-        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
-        for c in &batch.seqs {
-            let t = c.len;
-            let r = c.start..c.start + t;
-            let (conv_state, state) = st.cache.recurrent_mut(layer, c.slot)?;
-            conv.resize(t * cd, 0.0);
-            be.conv1d_causal(
-                &qkv[r.start * cd..r.end * cd],
-                t,
-                cd,
-                self.conv_k,
-                &self.conv_w,
-                None,
-                conv_state,
-                true,
-                &mut conv,
-            );
-            q.clear();
-            k.clear();
-            v.clear();
-            for row in conv.chunks_exact(cd) {
-                q.extend_from_slice(&row[..kd]);
-                k.extend_from_slice(&row[kd..2 * kd]);
-                v.extend_from_slice(&row[2 * kd..]);
-            }
-            l2_norm_rows(&mut q, s.dk, self.l2_eps, 1.0 / (s.dk as f32).sqrt());
-            l2_norm_rows(&mut k, s.dk, self.l2_eps, 1.0);
-            be.gdn(
-                s,
-                &q,
-                &k,
-                &v,
-                &a[r.start * nv..r.end * nv],
-                &b[r.start * nv..r.end * nv],
-                state,
-                &mut o[r.start * vd..r.end * vd],
-                None,
-            );
-        }
-        gated_rms_norm(&mut o, &z, s.dv, &self.norm, self.eps);
-        be.matmul(&self.w_out.matrix()?, &o, n, out)?;
-        Ok(())
+    /// Upload the weights to `be`.
+    pub fn upload(&self, be: &dyn Backend) -> Result<DeviceGdn> {
+        Ok(DeviceGdn {
+            w_qkv: self.w_qkv.upload(be)?,
+            w_z: self.w_z.upload(be)?,
+            w_b: self.w_b.upload(be)?,
+            w_a: self.w_a.upload(be)?,
+            conv_w: be.upload_f32(&self.conv_w)?,
+            conv_k: self.conv_k,
+            dt_bias: be.upload_f32(&self.dt_bias)?,
+            a_neg: be.upload_f32(&self.a_neg)?,
+            norm: be.upload_f32(&self.norm)?,
+            w_out: self.w_out.upload(be)?,
+            shape: self.shape,
+            eps: self.eps,
+            l2_eps: self.l2_eps,
+        })
     }
 }
 
-/// `ln(1 + e^x)`, linear above 20 (as torch's `softplus`).
-#[inline]
-pub fn softplus(x: f32) -> f32 {
-    if x > 20.0 {
-        x
-    } else {
-        x.exp().ln_1p()
+/// A [`GatedDeltaNet`] mixer uploaded to a backend (same fields, weights on its device).
+#[derive(Debug)]
+pub struct DeviceGdn {
+    w_qkv: kapitsa_backend::Weight,
+    w_z: kapitsa_backend::Weight,
+    w_b: kapitsa_backend::Weight,
+    w_a: kapitsa_backend::Weight,
+    conv_w: Tensor,
+    conv_k: usize,
+    dt_bias: Tensor,
+    a_neg: Tensor,
+    norm: Tensor,
+    w_out: kapitsa_backend::Weight,
+    shape: GdnShape,
+    eps: f32,
+    l2_eps: f32,
+}
+
+impl DeviceGdn {
+    /// `out[n, d] = gdn(h[n, d])`, updating the recurrent states of cache layer `layer`.
+    pub fn forward(
+        &self,
+        cx: &mut ForwardCtx<'_>,
+        layer: usize,
+        h: &Tensor,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        let be = cx.be;
+        let n = cx.batch.n_tokens();
+        let s = &self.shape;
+        let (kd, vd, nv) = (s.n_k_heads * s.dk, s.n_v_heads * s.dv, s.n_v_heads);
+        let cd = 2 * kd + vd;
+        let mut qkv = tensor(be, n * cd)?;
+        let mut z = tensor(be, n * vd)?;
+        let mut beta = tensor(be, n * nv)?;
+        let mut g = tensor(be, n * nv)?;
+        be.matmul_many(
+            &[&self.w_qkv, &self.w_z, &self.w_b, &self.w_a],
+            h,
+            n,
+            &mut [&mut qkv, &mut z, &mut beta, &mut g],
+        )?;
+        // beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias) for every token.
+        be.gdn_gates(&mut beta, &mut g, &self.dt_bias, &self.a_neg)?;
+        let mut conv = tensor(be, n * cd)?;
+        let (conv_state, state) = cx.cache.recurrent_tensors_mut(layer)?;
+        be.conv1d_causal(
+            &qkv,
+            cd,
+            self.conv_k,
+            &self.conv_w,
+            None,
+            true,
+            conv_state,
+            cx.dev_batch,
+            &mut conv,
+        )?;
+        let mut q = tensor(be, n * kd)?;
+        let mut k = tensor(be, n * kd)?;
+        let mut v = tensor(be, n * vd)?;
+        be.split_cols(&conv, n, &[kd, kd, vd], &mut [&mut q, &mut k, &mut v])?;
+        be.l2_norm(&mut q, s.dk, self.l2_eps, 1.0 / (s.dk as f32).sqrt())?;
+        be.l2_norm(&mut k, s.dk, self.l2_eps, 1.0)?;
+        let mut o = tensor(be, n * vd)?;
+        be.gdn(*s, &q, &k, &v, &g, &beta, state, cx.dev_batch, &mut o)?;
+        be.gated_rms_norm(&mut o, &z, s.dv, &self.norm, self.eps)?;
+        be.matmul(&self.w_out, &o, n, out)?;
+        Ok(())
     }
 }
 

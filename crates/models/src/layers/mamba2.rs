@@ -4,16 +4,15 @@
 //! conv1d with bias and SiLU over xBC; split into x, B, C; `dt = softplus(dt + dt_bias)` (no
 //! clamp, as llama.cpp; transformers clamps at `time_step_min` in its chunked form only, which
 //! real inputs do not reach); the SSD scan per head with `A = -exp(A_log)` and the `D` skip
-//! (kernel [`kapitsa_kernels_cpu::mamba2`]); an RMSNorm per group of `d_inner / G` channels
+//! ([`Backend::mamba2`]); an RMSNorm per group of `d_inner / G` channels
 //! applied to `y * silu(z)` (gate before norm); the output projection.
 //!
 //! References: transformers `NemotronHMamba2Mixer`, `NemotronHRMSNormGated`; llama.cpp
 //! `build_mamba2_layer`.
 
-use kapitsa_kernels_cpu::mamba2::{gated_group_rms_norm, Mamba2Shape};
+use kapitsa_backend::{Backend, Mamba2Shape, Tensor};
 
-use crate::layers::gdn::softplus;
-use crate::layers::{check_matrix, check_vec, Step};
+use crate::layers::{check_matrix, check_vec, tensor, upload_opt, ForwardCtx};
 use crate::{ModelError, RecurrentShape, Result, Weight};
 
 /// Weights and shape of one Mamba2 mixer.
@@ -94,75 +93,94 @@ impl Mamba2 {
         Ok(())
     }
 
+    /// Upload the weights to `be`.
+    pub fn upload(&self, be: &dyn Backend) -> Result<DeviceMamba2> {
+        Ok(DeviceMamba2 {
+            w_in: self.w_in.upload(be)?,
+            conv_w: be.upload_f32(&self.conv_w)?,
+            conv_b: upload_opt(be, &self.conv_b)?,
+            conv_k: self.conv_k,
+            dt_bias: be.upload_f32(&self.dt_bias)?,
+            a_neg: be.upload_f32(&self.a_neg)?,
+            d: be.upload_f32(&self.d)?,
+            norm: be.upload_f32(&self.norm)?,
+            w_out: self.w_out.upload(be)?,
+            shape: self.shape,
+            eps: self.eps,
+        })
+    }
+}
+
+/// A [`Mamba2`] mixer uploaded to a backend (same fields, weights on its device).
+#[derive(Debug)]
+pub struct DeviceMamba2 {
+    w_in: kapitsa_backend::Weight,
+    conv_w: Tensor,
+    conv_b: Option<Tensor>,
+    conv_k: usize,
+    dt_bias: Tensor,
+    a_neg: Tensor,
+    d: Tensor,
+    norm: Tensor,
+    w_out: kapitsa_backend::Weight,
+    shape: Mamba2Shape,
+    eps: f32,
+}
+
+impl DeviceMamba2 {
     /// `out[n, d] = mamba2(h[n, d])`, updating the recurrent states of cache layer `layer`.
     pub fn forward(
         &self,
-        st: &mut Step<'_>,
+        cx: &mut ForwardCtx<'_>,
         layer: usize,
-        h: &[f32],
-        out: &mut [f32],
+        h: &Tensor,
+        out: &mut Tensor,
     ) -> Result<()> {
-        let be = st.be;
-        let batch = st.batch;
-        let n = batch.n_tokens();
+        let be = cx.be;
+        let n = cx.batch.n_tokens();
         let s = &self.shape;
-        let (di, cd, nh) = (self.d_inner(), self.conv_dim(), s.n_heads);
+        let (di, nh) = (s.d_inner(), s.n_heads);
         let gn = s.n_groups * s.d_state;
-        let w = di + cd + nh;
-        let mut proj = vec![0f32; n * w];
-        be.matmul(&self.w_in.matrix()?, h, n, &mut proj)?;
-        let mut z = Vec::with_capacity(n * di);
-        let mut xbc = Vec::with_capacity(n * cd);
-        let mut dt = Vec::with_capacity(n * nh);
-        for row in proj.chunks_exact(w) {
-            z.extend_from_slice(&row[..di]);
-            xbc.extend_from_slice(&row[di..di + cd]);
-            for (v, &b) in row[di + cd..].iter().zip(&self.dt_bias) {
-                dt.push(softplus(v + b));
-            }
-        }
-        let mut y = vec![0f32; n * di];
-        let mut conv = Vec::new();
-        let (mut x, mut bm, mut cm) = (Vec::new(), Vec::new(), Vec::new());
-        for c in &batch.seqs {
-            let t = c.len;
-            let r = c.start..c.start + t;
-            let (conv_state, state) = st.cache.recurrent_mut(layer, c.slot)?;
-            conv.resize(t * cd, 0.0);
-            be.conv1d_causal(
-                &xbc[r.start * cd..r.end * cd],
-                t,
-                cd,
-                self.conv_k,
-                &self.conv_w,
-                self.conv_b.as_deref(),
-                conv_state,
-                true,
-                &mut conv,
-            );
-            x.clear();
-            bm.clear();
-            cm.clear();
-            for row in conv.chunks_exact(cd) {
-                x.extend_from_slice(&row[..di]);
-                bm.extend_from_slice(&row[di..di + gn]);
-                cm.extend_from_slice(&row[di + gn..]);
-            }
-            be.mamba2(
-                s,
-                &x,
-                &dt[r.start * nh..r.end * nh],
-                &self.a_neg,
-                &bm,
-                &cm,
-                &self.d,
-                state,
-                &mut y[r.start * di..r.end * di],
-                None,
-            );
-        }
-        gated_group_rms_norm(&mut y, &z, di, s.n_groups, &self.norm, self.eps);
-        be.matmul(&self.w_out.matrix()?, &y, n, out)?;
+        let cd = di + 2 * gn;
+        let mut proj = tensor(be, n * (di + cd + nh))?;
+        be.matmul(&self.w_in, h, n, &mut proj)?;
+        let mut z = tensor(be, n * di)?;
+        let mut xbc = tensor(be, n * cd)?;
+        let mut dt = tensor(be, n * nh)?;
+        be.split_cols(&proj, n, &[di, cd, nh], &mut [&mut z, &mut xbc, &mut dt])?;
+        be.softplus_bias(&mut dt, &self.dt_bias)?;
+        let mut conv = tensor(be, n * cd)?;
+        let (conv_state, state) = cx.cache.recurrent_tensors_mut(layer)?;
+        be.conv1d_causal(
+            &xbc,
+            cd,
+            self.conv_k,
+            &self.conv_w,
+            self.conv_b.as_ref(),
+            true,
+            conv_state,
+            cx.dev_batch,
+            &mut conv,
+        )?;
+        let mut x = tensor(be, n * di)?;
+        let mut bm = tensor(be, n * gn)?;
+        let mut cm = tensor(be, n * gn)?;
+        be.split_cols(&conv, n, &[di, gn, gn], &mut [&mut x, &mut bm, &mut cm])?;
+        let mut y = tensor(be, n * di)?;
+        be.mamba2(
+            *s,
+            &x,
+            &dt,
+            &self.a_neg,
+            &bm,
+            &cm,
+            &self.d,
+            state,
+            cx.dev_batch,
+            &mut y,
+        )?;
+        be.gated_group_rms_norm(&mut y, &z, di, s.n_groups, &self.norm, self.eps)?;
+        be.matmul(&self.w_out, &y, n, out)?;
         Ok(())
     }
 }

@@ -1,5 +1,10 @@
 //! Building blocks shared by the architectures: the generic pre-norm residual [`decoder`] and the
 //! ops its blocks run ([`attention`], [`ffn`] (MLP and MoE), [`gdn`] (Gated DeltaNet), [`mamba2`]).
+//!
+//! Each block exists twice: as loaded from the file (host weights, checked against the
+//! hyper-parameters: `Attention`, `GatedDeltaNet`, `Mamba2`, `Ffn`) and as uploaded to the
+//! backend (`Device*`), whose `forward` runs the block as backend ops on device tensors. The
+//! model code computes nothing itself: every arithmetic step is a [`Backend`] op.
 
 pub mod attention;
 pub mod decoder;
@@ -7,27 +12,29 @@ pub mod ffn;
 pub mod gdn;
 pub mod mamba2;
 
-use kapitsa_backend::Backend;
+use kapitsa_backend::{Backend, Batch, DType, Tensor};
 
 use crate::{BatchInputs, KvCache, ModelError, Result, Weight};
 
-/// What a block's forward pass borrows: the backend, the batch and the cache.
-pub struct Step<'a> {
+/// What a block's forward pass borrows: the backend, the batch (host form and the backend's
+/// copy) and the cache.
+pub struct ForwardCtx<'a> {
     /// Ops.
     pub be: &'a dyn Backend,
-    /// The batch being run.
+    /// The batch being run, as the engine built it.
     pub batch: &'a BatchInputs,
+    /// The batch as the backend holds it (positions, block tables, slots).
+    pub dev_batch: &'a Batch,
     /// The caller's cache.
     pub cache: &'a mut KvCache,
 }
 
-/// `1 / (1 + exp(-x))`.
-#[inline]
-pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+/// A zero-filled f32 activation tensor of `n` values on `be`'s device.
+pub fn tensor(be: &dyn Backend, n: usize) -> Result<Tensor> {
+    Ok(be.alloc(DType::F32, n)?)
 }
 
-/// Check a matmul weight: a dot kernel exists for its type and its shape is `want`.
+/// Check a matmul weight's shape is `want` (its type is checked when it is uploaded).
 pub fn check_matrix(w: &Weight, want: [usize; 2]) -> Result<()> {
     check_weight(w, &want)
 }
@@ -38,7 +45,6 @@ pub fn check_experts(w: &Weight, want: [usize; 3]) -> Result<()> {
 }
 
 fn check_weight(w: &Weight, want: &[usize]) -> Result<()> {
-    w.check_matmul_type()?;
     if w.shape != want {
         return Err(ModelError::BadShape {
             name: w.name.clone(),
@@ -59,4 +65,12 @@ pub fn check_vec(name: &str, v: &[f32], n: usize) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// Upload an optional f32 vector.
+pub fn upload_opt(be: &dyn Backend, v: &Option<Vec<f32>>) -> Result<Option<Tensor>> {
+    Ok(match v {
+        Some(v) => Some(be.upload_f32(v)?),
+        None => None,
+    })
 }

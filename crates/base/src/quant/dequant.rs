@@ -9,8 +9,8 @@ use super::blocks::*;
 
 /// Dequantises whole blocks of `ty` from `src` into `dst`. Caller guarantees
 /// `src.len() == dst.len() / block_size * type_size` and a supported type.
-pub(crate) fn dequantize_blocks(ty: kapitsa_base::GgmlType, src: &[u8], dst: &mut [f32]) {
-    use kapitsa_base::GgmlType as T;
+pub fn dequantize_blocks(ty: crate::GgmlType, src: &[u8], dst: &mut [f32]) {
+    use crate::GgmlType as T;
     let bs = ty.block_size();
     let ts = ty.type_size();
     debug_assert_eq!(src.len() / ts * bs, dst.len());
@@ -79,7 +79,7 @@ fn q4_1(b: &[u8], y: &mut [f32]) {
 
 /// The 5-bit values of a Q5_0/Q5_1 block (0..32), element order.
 #[inline(always)]
-pub(crate) fn q5_values(qh: u32, qs: &[u8]) -> [u8; 32] {
+pub fn q5_values(qh: u32, qs: &[u8]) -> [u8; 32] {
     let mut v = [0u8; 32];
     for j in 0..16 {
         let h0 = ((qh >> j) << 4) as u8 & 0x10;
@@ -243,7 +243,7 @@ fn q5_k(b: &[u8], y: &mut [f32]) {
 
 /// The 6-bit values (minus 32) of a Q6_K block, element order.
 #[inline(always)]
-pub(crate) fn q6k_values(b: &[u8]) -> [i8; QK_K] {
+pub fn q6k_values(b: &[u8]) -> [i8; QK_K] {
     let mut v = [0i8; QK_K];
     for half in 0..2 {
         let ql = &b[half * 64..half * 64 + 64];
