@@ -20,7 +20,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use kapitsa_backend::{Backend, CpuBackend};
+use kapitsa_backend::Backend;
+use kapitsa_backend_cpu::CpuBackend;
 use kapitsa_base::pool::cpu_pool;
 use kapitsa_base::CpuFeatures;
 use kapitsa_models::{BatchInputs, CausalLm, KvCache, KvType, LoadOptions, ModelSource};
@@ -207,9 +208,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             spec.n_ctx_train
         );
     }
-    let mut cache = KvCache::for_model(model, 1, max_ctx, kvt)?;
+    let mut cache = kapitsa_models::new_cache(model, 1, max_ctx, kvt)?;
     // Recurrent state (conv windows + SSM/delta-rule states): read and written every step.
-    let state_bytes = KvCache::for_model(model, 1, 0, kvt)?.size_bytes() as u64;
+    let state_bytes = kapitsa_models::new_cache(model, 1, 0, kvt)?.size_bytes() as u64;
     eprintln!(
         "bench: {} ({}, {} layers, vocab {}) on {}; cache {} positions ({:.1} MiB)",
         info.filename,

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use kapitsa_backend::{Backend, CpuBackend};
+use kapitsa_backend::Backend;
+use kapitsa_backend_cpu::CpuBackend;
 use kapitsa_base::pool::cpu_pool;
 use kapitsa_cache::SlotCache;
 use kapitsa_engine::loader::{chat_template_for, tokenizer_for};
@@ -16,7 +17,7 @@ use kapitsa_engine::{
     generate, GenerateOutput, GenerateRequest, ParsedReply, ReplyEvent, ReplyFormat, ReplyParser,
     SamplingParams,
 };
-use kapitsa_models::{BatchInputs, KvCache, KvType, LoadMode, LoadOptions, LoadedModel};
+use kapitsa_models::{BatchInputs, KvType, LoadMode, LoadOptions, LoadedModel};
 use kapitsa_text::{ChatTemplate, Tokenizer};
 
 /// Options every model-running command shares.
@@ -273,7 +274,13 @@ fn session(a: &ModelArgs) -> Result<Session> {
     } else {
         a.ctx
     };
-    let cache = SlotCache::new(&*loaded.model, 1, n_ctx, kv_type(&a.kv_type)?)?;
+    let cache = SlotCache::new(
+        loaded.model.backend().clone(),
+        &loaded.model.spec().cache_layout(),
+        1,
+        n_ctx,
+        kv_type(&a.kv_type)?,
+    )?;
     Ok(Session { loaded, tok, cache })
 }
 
@@ -684,7 +691,7 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
     if let Some(t) = ids.iter().find(|&&t| t >= n_vocab) {
         bail!("token id {t} is outside the vocabulary ({n_vocab})");
     }
-    let mut cache = KvCache::for_model(model, 1, ids.len(), kv_type(&a.model.kv_type)?)?;
+    let mut cache = kapitsa_models::new_cache(model, 1, ids.len(), kv_type(&a.model.kv_type)?)?;
     // Write to a temporary file next to the output and rename it on success, so a failure
     // never leaves a partial or empty logits file behind.
     // (Special files such as /dev/null or a pipe are written directly.)

@@ -3,6 +3,7 @@
 mod bench;
 mod commands;
 mod inspect;
+mod selftest;
 mod serve;
 mod synth;
 
@@ -35,6 +36,9 @@ enum Cmd {
     Synth(synth::SynthArgs),
     /// Serve the model over HTTP (OpenAI- and Anthropic-compatible API).
     Serve(serve::ServeArgs),
+    /// Check a backend: every op against the CPU scalar reference, then the tiny reference
+    /// checkpoints on that device (what scripts/test-gpu.sh runs on a GPU).
+    Selftest(selftest::SelftestArgs),
 }
 
 fn main() -> ExitCode {
@@ -48,6 +52,7 @@ fn main() -> ExitCode {
         Cmd::Bench(a) => bench::bench(a),
         Cmd::Synth(a) => synth::synth(a),
         Cmd::Serve(a) => serve::serve(a),
+        Cmd::Selftest(a) => selftest::selftest(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -27,6 +27,12 @@ pub enum EngineError {
     /// The model failed.
     #[error(transparent)]
     Model(#[from] kapitsa_models::ModelError),
+    /// Cache storage could not be made or used.
+    #[error(transparent)]
+    Cache(#[from] kapitsa_cache::CacheError),
+    /// The backend (device) failed.
+    #[error(transparent)]
+    Backend(#[from] kapitsa_backend::BackendError),
     /// Tokenisation or detokenisation failed.
     #[error(transparent)]
     Text(#[from] kapitsa_text::TextError),

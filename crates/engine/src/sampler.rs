@@ -116,7 +116,7 @@ impl Sampler {
         }
         apply_penalties(&mut l, history, p);
         if p.temperature <= 0.0 {
-            return kapitsa_kernels_cpu::ops::argmax(&l) as u32;
+            return argmax(&l) as u32;
         }
         // candidates sorted by logit, descending; `-inf` (masked out by a constraint) never
         // is one, so no fallback below can pick it
@@ -200,6 +200,19 @@ fn apply_penalties(l: &mut [f32], history: &[u32], p: &SamplingParams) {
         }
         *v -= n as f32 * p.frequency_penalty + p.presence_penalty;
     }
+}
+
+/// Index of the largest value (first one on ties); 0 for an empty slice. NaN never wins.
+pub fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    let mut bv = f32::NEG_INFINITY;
+    for (i, &v) in x.iter().enumerate() {
+        if v > bv {
+            bv = v;
+            best = i;
+        }
+    }
+    best
 }
 
 #[cfg(test)]

@@ -610,7 +610,8 @@ mod engine {
                 .kv_pool_tokens
                 .unwrap_or(cfg.max_running.saturating_mul(cfg.n_ctx));
             let mut cache = SlotCache::paged(
-                &*model,
+                model.backend().clone(),
+                &model.spec().cache_layout(),
                 cfg.max_running,
                 cfg.n_ctx,
                 pool.div_ceil(bs),
@@ -623,7 +624,15 @@ mod engine {
             }
             if let Some(p) = &cfg.prefix_cache {
                 let kvt = format!("{:?}", cfg.kv_type);
-                let fp = kapitsa_cache::prefix::fingerprint(&p.model_id, model.spec(), &kvt, bs);
+                let spec = model.spec();
+                let fp = kapitsa_cache::prefix::fingerprint(
+                    &p.model_id,
+                    &spec.arch,
+                    spec.n_vocab,
+                    &spec.cache_layout(),
+                    &kvt,
+                    bs,
+                );
                 cache
                     .enable_prefix_cache(&kapitsa_cache::prefix::PrefixConfig {
                         fingerprint: fp,

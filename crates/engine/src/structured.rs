@@ -487,7 +487,7 @@ mod tests {
                 }
             }
             m.allowed_mask(&mut l).unwrap();
-            let t = kapitsa_kernels_cpu::ops::argmax(&l) as u32;
+            let t = crate::sampler::argmax(&l) as u32;
             if env.eos_ids().contains(&t) {
                 assert!(m.is_accepting());
                 m.consume(t).unwrap();

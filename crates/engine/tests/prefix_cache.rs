@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kapitsa_backend::{Backend, CpuBackend};
+use kapitsa_backend::Backend;
+use kapitsa_backend_cpu::CpuBackend;
 use kapitsa_base::pool::RayonPool;
 use kapitsa_cache::SlotCache;
 use kapitsa_engine::loader::tokenizer_for;
@@ -54,7 +55,7 @@ fn request(p: &[u32]) -> Request {
 
 /// Greedy tokens of `p` computed from scratch (fresh one-slot cache, no prefix cache).
 fn scratch(model: &dyn CausalLm, tok: &Tokenizer, p: &[u32]) -> Vec<u32> {
-    let mut cache = SlotCache::new(model, 1, N_CTX, KvType::F32).unwrap();
+    let mut cache = SlotCache::new(model.backend().clone(), &model.spec().cache_layout(), 1, N_CTX, KvType::F32).unwrap();
     let slot = cache.alloc().unwrap();
     let r = request(p);
     let g = GenerateRequest {

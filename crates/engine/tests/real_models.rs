@@ -8,11 +8,12 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kapitsa_backend::{Backend, CpuBackend};
+use kapitsa_backend::Backend;
+use kapitsa_backend_cpu::CpuBackend;
 use kapitsa_base::pool::RayonPool;
 use kapitsa_engine::loader::{chat_template_for, tokenizer_for};
-use kapitsa_kernels_cpu::SimdLevel;
-use kapitsa_models::{load_model, BatchInputs, CausalLm, KvCache, KvType, LoadOptions};
+use kapitsa_backend_cpu::SimdLevel;
+use kapitsa_models::{load_model, BatchInputs, CausalLm, KvType, LoadOptions};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/real")
@@ -48,7 +49,7 @@ fn prompt_then_greedy(
     n_gen: usize,
     mut visit: impl FnMut(usize, &[f32]),
 ) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let mut cache = KvCache::for_model(model, 1, ids.len() + n_gen + 1, KvType::F32).unwrap();
+    let mut cache = kapitsa_models::new_cache(model, 1, ids.len() + n_gen + 1, KvType::F32).unwrap();
     let mut pos = 0;
     let mut last = Vec::new();
     for c in ids.chunks(chunk) {
@@ -67,7 +68,7 @@ fn prompt_then_greedy(
     let mut out = Vec::new();
     let mut rows = Vec::new();
     while out.len() < n_gen {
-        let t = kapitsa_kernels_cpu::ops::argmax(&last) as u32;
+        let t = kapitsa_engine::sampler::argmax(&last) as u32;
         out.push(t);
         rows.push(std::mem::take(&mut last));
         if out.len() == n_gen {

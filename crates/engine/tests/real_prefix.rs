@@ -9,7 +9,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kapitsa_backend::{Backend, CpuBackend};
+use kapitsa_backend::Backend;
+use kapitsa_backend_cpu::CpuBackend;
 use kapitsa_base::pool::RayonPool;
 use kapitsa_cache::SlotCache;
 use kapitsa_engine::loader::{model_identity, tokenizer_for};
@@ -65,7 +66,7 @@ fn request(p: &[u32]) -> Request {
 }
 
 fn scratch(model: &dyn CausalLm, tok: &Tokenizer, p: &[u32]) -> Vec<u32> {
-    let mut cache = SlotCache::new(model, 1, N_CTX, KvType::F16).unwrap();
+    let mut cache = SlotCache::new(model.backend().clone(), &model.spec().cache_layout(), 1, N_CTX, KvType::F16).unwrap();
     let slot = cache.alloc().unwrap();
     let g = GenerateRequest {
         prompt: p.to_vec(),

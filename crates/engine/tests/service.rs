@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kapitsa_backend::{Backend, CpuBackend};
+use kapitsa_backend::Backend;
+use kapitsa_backend_cpu::CpuBackend;
 use kapitsa_base::pool::RayonPool;
 use kapitsa_cache::SlotCache;
 use kapitsa_engine::loader::tokenizer_for;
@@ -127,7 +128,7 @@ fn solo(
     n_ctx: usize,
     chunk: usize,
 ) -> kapitsa_engine::GenerateOutput {
-    let mut cache = SlotCache::new(model, 1, n_ctx, KvType::F32).unwrap();
+    let mut cache = SlotCache::new(model.backend().clone(), &model.spec().cache_layout(), 1, n_ctx, KvType::F32).unwrap();
     let slot = cache.alloc().unwrap();
     let g = GenerateRequest {
         prompt: req.prompt.clone(),
@@ -565,6 +566,10 @@ const POISON: u32 = 396;
 impl CausalLm for Faulty {
     fn spec(&self) -> &ModelSpec {
         self.inner.spec()
+    }
+
+    fn backend(&self) -> &Arc<dyn Backend> {
+        self.inner.backend()
     }
 
     fn forward(&self, batch: &BatchInputs, cache: &mut KvCache) -> kapitsa_models::Result<Logits> {

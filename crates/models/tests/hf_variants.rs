@@ -11,9 +11,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use half::{bf16, f16};
-use kapitsa_backend::{Backend, CpuBackend};
+use kapitsa_backend::Backend;
+use kapitsa_backend_cpu::CpuBackend;
 use kapitsa_base::pool::RayonPool;
-use kapitsa_models::{load_model, BatchInputs, CausalLm, KvCache, KvType, LoadOptions};
+use kapitsa_models::{load_model, BatchInputs, CausalLm, KvType, LoadOptions};
 use safetensors::Dtype;
 use serde_json::{json, Value};
 
@@ -103,7 +104,7 @@ fn fixture(name: &'static str) -> Fixture {
 
 /// All-position logits of one prompt in a single prefill chunk, f32 KV cache.
 fn logits(model: &dyn CausalLm, ids: &[u32]) -> Vec<f32> {
-    let mut cache = KvCache::for_model(model, 1, ids.len() + 8, KvType::F32).unwrap();
+    let mut cache = kapitsa_models::new_cache(model, 1, ids.len() + 8, KvType::F32).unwrap();
     let l = model
         .forward(
             &BatchInputs::single(0, ids, 0, (0..ids.len()).collect()),

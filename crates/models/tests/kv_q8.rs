@@ -13,13 +13,13 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kapitsa_backend::{Backend, CpuBackend};
+use kapitsa_backend::Backend;
+use kapitsa_backend_cpu::CpuBackend;
 use kapitsa_base::pool::RayonPool;
-use kapitsa_kernels_cpu::ops::argmax;
 use kapitsa_models::{load_model, BatchInputs, CausalLm, KvCache, KvType, LoadOptions, ModelError};
 
 mod common;
-use common::{backend, model_dirs};
+use common::{argmax, backend, model_dirs};
 
 /// Prefill `ids` in chunks of `chunk` tokens into one fresh cache per entry of `types`
 /// (room for `n_extra` more tokens), calling `visit(pos, rows)` with the logits row of every
@@ -34,7 +34,7 @@ fn prefill_lockstep(
 ) -> Vec<(KvCache, Vec<f32>)> {
     let mut caches: Vec<KvCache> = types
         .iter()
-        .map(|&t| KvCache::for_model(model, 1, ids.len() + n_extra + 1, t).unwrap())
+        .map(|&t| kapitsa_models::new_cache(model, 1, ids.len() + n_extra + 1, t).unwrap())
         .collect();
     let mut last = vec![Vec::new(); types.len()];
     let mut pos = 0;
@@ -126,8 +126,11 @@ fn tiny_models_q8_0_cache_follows_f32() {
         let model = &*m.model;
         let spec = model.spec();
         if !spec.head_dim.is_multiple_of(32) {
-            let err = KvCache::for_model(model, 1, 8, KvType::Q8_0).unwrap_err();
-            assert!(matches!(err, ModelError::Config(_)), "{name}: {err}");
+            let err = kapitsa_models::new_cache(model, 1, 8, KvType::Q8_0).unwrap_err();
+            assert!(
+                matches!(err, ModelError::Cache(kapitsa_cache::CacheError::Config(_))),
+                "{name}: {err}"
+            );
             println!("{name}: head_dim {} -> q8_0 refused: {err}", spec.head_dim);
             continue;
         }

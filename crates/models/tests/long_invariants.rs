@@ -26,7 +26,7 @@ fn ids(n_vocab: usize, len: usize, seed: u64) -> Vec<u32> {
 
 /// All-position logits, fed in pieces of the given sizes (cycled).
 fn logits_in_pieces(model: &dyn CausalLm, ids: &[u32], pieces: &[usize]) -> Vec<f32> {
-    let mut cache = KvCache::for_model(model, 1, ids.len() + 4, KvType::F32).unwrap();
+    let mut cache = kapitsa_models::new_cache(model, 1, ids.len() + 4, KvType::F32).unwrap();
     let mut out = Vec::new();
     let mut pos = 0usize;
     let mut i = 0;
@@ -48,7 +48,7 @@ fn logits_in_pieces(model: &dyn CausalLm, ids: &[u32], pieces: &[usize]) -> Vec<
 
 fn argmaxes(l: &[f32], n_vocab: usize) -> Vec<usize> {
     l.chunks_exact(n_vocab)
-        .map(kapitsa_kernels_cpu::ops::argmax)
+        .map(common::argmax)
         .collect()
 }
 
@@ -92,7 +92,7 @@ fn recurrent_state_save_restore_and_misuse() {
         }
         let nv = model.spec().n_vocab;
         let ids = ids(nv, 200, 11);
-        let mut cache = KvCache::for_model(model, 2, 256, KvType::F32).unwrap();
+        let mut cache = kapitsa_models::new_cache(model, 2, 256, KvType::F32).unwrap();
         let run = |cache: &mut KvCache, slot: usize, c: &[u32], pos: usize| {
             model.forward(
                 &BatchInputs::single(slot, c, pos as u32, (0..c.len()).collect()),
@@ -128,7 +128,7 @@ fn recurrent_state_save_restore_and_misuse() {
         assert!(run(&mut cache, 0, &[nv as u32], 201).is_err());
         assert_eq!(cache.recurrent_pos(0), Some(201));
         let fresh = run(&mut cache, 0, &ids[..10], 0).unwrap();
-        let mut other = KvCache::for_model(model, 1, 64, KvType::F32).unwrap();
+        let mut other = kapitsa_models::new_cache(model, 1, 64, KvType::F32).unwrap();
         let want = run(&mut other, 0, &ids[..10], 0).unwrap();
         assert_eq!(fresh.data, want.data, "{}: restart at 0", dir.display());
     }

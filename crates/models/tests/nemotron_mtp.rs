@@ -9,10 +9,11 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kapitsa_backend::{Backend, CpuBackend};
+use kapitsa_backend::Backend;
+use kapitsa_backend_cpu::CpuBackend;
 use kapitsa_base::pool::SerialPool;
 use kapitsa_formats::{GgufFile, GgufValue, GgufWriter};
-use kapitsa_models::{load_model, BatchInputs, CausalLm, KvCache, KvType, LoadOptions};
+use kapitsa_models::{load_model, BatchInputs, CausalLm, KvType, LoadOptions};
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/nemotronh-moe-a")
@@ -24,7 +25,7 @@ fn backend() -> Arc<dyn Backend> {
 
 fn logits(model: &dyn CausalLm) -> Vec<f32> {
     let ids: Vec<u32> = (0..20).map(|i| (i * 37 + 5) % 390).collect();
-    let mut cache = KvCache::for_model(model, 1, 32, KvType::F32).unwrap();
+    let mut cache = kapitsa_models::new_cache(model, 1, 32, KvType::F32).unwrap();
     model
         .forward(
             &BatchInputs::single(0, &ids, 0, (0..ids.len()).collect()),

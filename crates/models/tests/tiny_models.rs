@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use kapitsa_models::{load_model, BatchInputs, CausalLm, KvCache, KvType, LoadOptions};
+use kapitsa_models::{load_model, BatchInputs, CausalLm, KvType, LoadOptions};
 
 mod common;
 use common::{backend, fixtures, model_dirs, rel_err};
@@ -51,7 +51,7 @@ fn prompts(dir: &Path) -> (usize, Vec<Prompt>) {
 
 /// All-position logits of one prompt, prefilled in chunks of `chunk` tokens.
 fn logits(model: &dyn CausalLm, ids: &[u32], chunk: usize) -> Vec<f32> {
-    let mut cache = KvCache::for_model(model, 1, ids.len() + 40, KvType::F32).unwrap();
+    let mut cache = kapitsa_models::new_cache(model, 1, ids.len() + 40, KvType::F32).unwrap();
     let mut out = Vec::new();
     let mut pos = 0;
     for c in ids.chunks(chunk) {
@@ -68,21 +68,21 @@ fn logits(model: &dyn CausalLm, ids: &[u32], chunk: usize) -> Vec<f32> {
 }
 
 fn greedy(model: &dyn CausalLm, ids: &[u32], n: usize) -> Vec<u32> {
-    let mut cache = KvCache::for_model(model, 1, ids.len() + n + 1, KvType::F32).unwrap();
+    let mut cache = kapitsa_models::new_cache(model, 1, ids.len() + n + 1, KvType::F32).unwrap();
     let l = model
         .forward(
             &BatchInputs::single(0, ids, 0, vec![ids.len() - 1]),
             &mut cache,
         )
         .unwrap();
-    let mut t = kapitsa_kernels_cpu::ops::argmax(l.row(0)) as u32;
+    let mut t = common::argmax(l.row(0)) as u32;
     let mut out = vec![t];
     let mut pos = ids.len() as u32;
     while out.len() < n {
         let l = model
             .forward(&BatchInputs::single(0, &[t], pos, vec![0]), &mut cache)
             .unwrap();
-        t = kapitsa_kernels_cpu::ops::argmax(l.row(0)) as u32;
+        t = common::argmax(l.row(0)) as u32;
         out.push(t);
         pos += 1;
     }
@@ -189,7 +189,7 @@ fn batch_of_three_equals_each_alone() {
         let alone: Vec<Vec<f32>> = ps.iter().map(|p| logits(model, &p.ids, 512)).collect();
         // All three prompts in one batch, every row's logits, slots in reverse order.
         let max_len = ps.iter().map(|p| p.ids.len()).max().unwrap();
-        let mut cache = KvCache::for_model(model, 3, max_len + 8, KvType::F32).unwrap();
+        let mut cache = kapitsa_models::new_cache(model, 3, max_len + 8, KvType::F32).unwrap();
         let mut b = BatchInputs::default();
         for (i, p) in ps.iter().enumerate().take(3) {
             b.push_seq(2 - i, &p.ids, 0, false);
@@ -324,7 +324,7 @@ fn bad_batches_are_errors_not_panics() {
     let dir = &model_dirs()[0];
     let m = load_model(dir, backend(), &LoadOptions::default()).unwrap();
     let model = &*m.model;
-    let mut cache = KvCache::for_model(model, 1, 8, KvType::F32).unwrap();
+    let mut cache = kapitsa_models::new_cache(model, 1, 8, KvType::F32).unwrap();
     let n_vocab = model.spec().n_vocab as u32;
     // token out of range
     assert!(model

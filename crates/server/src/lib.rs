@@ -158,7 +158,7 @@ pub fn load(
 ) -> anyhow::Result<(LoadedModel, ServedModel)> {
     let pool = kapitsa_base::pool::cpu_pool(threads).context("starting the thread pool")?;
     let be: Arc<dyn kapitsa_backend::Backend> =
-        Arc::new(kapitsa_backend::CpuBackend::from_env(pool)?);
+        Arc::new(kapitsa_backend_cpu::CpuBackend::from_env(pool)?);
     let loaded = kapitsa_models::load_model(
         path,
         be,

@@ -7,11 +7,12 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kapitsa_backend::{Backend, CpuBackend};
+use kapitsa_backend::Backend;
+use kapitsa_backend_cpu::CpuBackend;
 use kapitsa_base::pool::RayonPool;
 use kapitsa_formats::{GgmlType, GgufArray, GgufFile, GgufValue};
 use kapitsa_kernels_cpu::quant::dequantize_row;
-use kapitsa_models::{load_model, BatchInputs, KvCache, KvType, LoadOptions};
+use kapitsa_models::{load_model, BatchInputs, KvType, LoadOptions};
 use kapitsa_synth::quant::{fill_rows, Rng};
 use kapitsa_synth::write::small_tensor_values;
 use kapitsa_synth::{prepare, presets, synthesize, QuantMix, SynthError, SynthOptions};
@@ -85,7 +86,7 @@ fn write_load_run(o: &SynthOptions) {
     let model = m.model.as_ref();
     assert_eq!(model.spec().n_vocab, n_vocab);
     assert_eq!(model.spec().layers.len(), plan.pattern.len());
-    let mut cache = KvCache::for_model(model, 1, 16, KvType::F32).unwrap();
+    let mut cache = kapitsa_models::new_cache(model, 1, 16, KvType::F32).unwrap();
     let ids: Vec<u32> = vec![1, 17, 42, 100, 7, 300];
     let l = model
         .forward(

@@ -4,7 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kapitsa_backend::{Backend, CpuBackend};
+use kapitsa_backend::Backend;
+use kapitsa_backend_cpu::CpuBackend;
 use kapitsa_base::pool::RayonPool;
 
 /// `tests/fixtures/tiny`.
@@ -34,4 +35,15 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     let scale = b.iter().fold(1f32, |m, v| m.max(v.abs()));
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+/// Index of the largest logit (first on ties).
+pub fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best
 }

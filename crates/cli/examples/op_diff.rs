@@ -8,20 +8,21 @@
 //!
 //! ```text
 //! GGML_CPU_TILED_MM=0 llama_ref MODEL.gguf prompt.txt OUT --threads 1 --n-gen 1 --dump dump.bin
-//! cargo run --release -p kapitsa-models --example op_diff -- MODEL.gguf dump.bin
+//! cargo run --release -p kapitsa-cli --example op_diff -- MODEL.gguf dump.bin
 //! ```
 //!
-//! The backend is `CpuBackend::llama_cpp_compatible` (ggml's float order), one thread. Only
+//! The kernels run as `CpuBackend::llama_cpp_compatible` runs them (ggml's float order: matmuls
+//! capped at plain AVX-512, attention in ggml's summation order), one thread. Only
 //! positions `0..n` of one sequence (the prompt) are supported, which is what the dump holds.
 //! (`GGML_CPU_TILED_MM=0`: see `tests/fixtures/real/README.md`.)
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
 
-use kapitsa_backend::{Backend, CpuBackend};
 use kapitsa_base::pool::SerialPool;
-use kapitsa_kernels_cpu::attention::{AttnShape, KvSlice, KvView};
+use kapitsa_kernels_cpu::attention::{attention_with, AttnOrder, AttnShape, KvSlice, KvView, SumOrder};
+use kapitsa_kernels_cpu::ops::{rms_norm, silu_mul};
+use kapitsa_kernels_cpu::{matmul_with, QMatrix, SimdLevel};
 use kapitsa_kernels_cpu::ops::Rope;
 use kapitsa_models::ModelSource;
 
@@ -88,6 +89,23 @@ fn report(op: &str, ours: &[f32], want: &[f32]) {
     );
 }
 
+/// `w` (2-D) as a kernel matrix, and its row count.
+fn qm(w: &kapitsa_models::Weight) -> Res<(QMatrix<'_>, usize)> {
+    let [n_out, n_in] = w.shape[..] else {
+        return Err(format!("{} is not 2-D", w.name).into());
+    };
+    let data = w.bytes()?;
+    Ok((
+        QMatrix {
+            dtype: w.dtype,
+            n_out,
+            n_in,
+            data,
+        },
+        n_out,
+    ))
+}
+
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().collect();
     let [_, model, dump] = &args[..] else {
@@ -105,7 +123,7 @@ fn main() -> Res<()> {
     let eps = g.get_f32("qwen2.attention.layer_norm_rms_epsilon")?;
     let theta = g.get_f32("qwen2.rope.freq_base").unwrap_or(1e6);
     let hd = d / n_head;
-    let be: Arc<dyn Backend> = Arc::new(CpuBackend::llama_cpp_compatible(Box::new(SerialPool))?);
+    let level = SimdLevel::detect().min(SimdLevel::Avx512);
     let t = Dump::read(Path::new(dump))?;
     let n = t.get("attn_norm-0", 0)?.len() / d;
     println!("{n} tokens, {n_layer} layers, d {d}, heads {n_head}/{n_head_kv} x {hd}");
@@ -113,7 +131,8 @@ fn main() -> Res<()> {
     let mm = |name: &str, x: &[f32], rows: usize| -> Res<Vec<f32>> {
         let w = src.weight(name)?;
         let mut y = vec![0f32; n * rows];
-        be.matmul(&w.matrix()?, x, n, &mut y)?;
+        let (m, _) = qm(&w)?;
+        matmul_with(level, &SerialPool, &m, x, n, &mut y)?;
         Ok(y)
     };
     let rope = Rope::new(hd, theta);
@@ -127,10 +146,10 @@ fn main() -> Res<()> {
         let nm = |s: &str| format!("{s}-{l}");
         // norms: ggml normalises, then multiplies by the weight (two ops)
         let mut h = x_in.clone();
-        be.rms_norm(&mut h, d, &vec![1.0; d], eps, 0.0);
+        rms_norm(&mut h, d, &vec![1.0; d], eps, 0.0);
         report(&nm("norm(attn)"), &h, t.get(&nm("norm"), 0)?);
         let mut h = x_in.clone();
-        be.rms_norm(&mut h, d, &f32w(&p("attn_norm.weight"))?, eps, 0.0);
+        rms_norm(&mut h, d, &f32w(&p("attn_norm.weight"))?, eps, 0.0);
         report(&nm("attn_norm"), &h, t.get(&nm("attn_norm"), 0)?);
         let a = t.get(&nm("attn_norm"), 0)?;
         for (w, b, name, rows) in [
@@ -167,8 +186,17 @@ fn main() -> Res<()> {
             scale: 1.0 / (hd as f32).sqrt(),
         };
         let mut att = vec![0f32; n * n_head * hd];
-        be.attention(
+        attention_with(
+            &SerialPool,
             shape,
+            AttnOrder {
+                scores: SumOrder::Ggml4Acc,
+                pv: if n == 1 {
+                    SumOrder::Ggml4Acc
+                } else {
+                    SumOrder::OneChain
+                },
+            },
             q,
             &pos,
             KvView::contiguous(KvSlice::F32(k)),
@@ -184,7 +212,7 @@ fn main() -> Res<()> {
         kapitsa_kernels_cpu::ops::add_inplace(&mut r, &x_in);
         report(&nm("attn_out+res"), &r, ffn_inp);
         let mut h = ffn_inp.to_vec();
-        be.rms_norm(&mut h, d, &f32w(&p("ffn_norm.weight"))?, eps, 0.0);
+        rms_norm(&mut h, d, &f32w(&p("ffn_norm.weight"))?, eps, 0.0);
         report(&nm("ffn_norm"), &h, t.get(&nm("ffn_norm"), 0)?);
         let hn = t.get(&nm("ffn_norm"), 0)?;
         let n_ff = t.get(&nm("ffn_gate"), 0)?.len() / n;
@@ -193,13 +221,13 @@ fn main() -> Res<()> {
         let up = mm(&p("ffn_up.weight"), hn, n_ff)?;
         report(&nm("ffn_up"), &up, t.get(&nm("ffn_up"), 0)?);
         let mut sw = t.get(&nm("ffn_gate"), 0)?.to_vec();
-        be.silu_mul(&mut sw, t.get(&nm("ffn_up"), 0)?);
+        silu_mul(&mut sw, t.get(&nm("ffn_up"), 0)?);
         report(&nm("ffn_swiglu"), &sw, t.get(&nm("ffn_swiglu"), 0)?);
         let dn = mm(&p("ffn_down.weight"), t.get(&nm("ffn_swiglu"), 0)?, d)?;
         report(&nm("ffn_out"), &dn, t.get(&nm("ffn_out"), 0)?);
     }
     let mut h = t.get(&format!("l_out-{}", n_layer - 1), 0)?.to_vec();
-    be.rms_norm(&mut h, d, &f32w("output_norm.weight")?, eps, 0.0);
+    rms_norm(&mut h, d, &f32w("output_norm.weight")?, eps, 0.0);
     report("result_norm", &h, t.get("result_norm", 0)?);
     let out_name = if src.has("output.weight") {
         "output.weight"
@@ -207,8 +235,9 @@ fn main() -> Res<()> {
         "token_embd.weight"
     };
     let w = src.weight(out_name)?;
-    let mut y = vec![0f32; n * w.shape[0]];
-    be.matmul_small_batch(&w.matrix()?, t.get("result_norm", 0)?, n, &mut y)?;
+    let (m, n_out) = qm(&w)?;
+    let mut y = vec![0f32; n * n_out];
+    matmul_with(level, &SerialPool, &m, t.get("result_norm", 0)?, n, &mut y)?;
     report("result_output", &y, t.get("result_output", 0)?);
     Ok(())
 }

@@ -1,0 +1,329 @@
+//! `kapitsa selftest`: the correctness checks of a backend, runnable where only the binary
+//! can go (the GPU machine has no Rust toolchain): every backend op against the CPU scalar
+//! reference on random shapes ([`kapitsa_backend::testing::check_ops`]), then the tiny
+//! reference checkpoints (`tests/fixtures/tiny`) on the chosen device: logits at every
+//! position against transformers', greedy tokens, one chunk == pieces == token by token, a
+//! batch of 3 == each alone, and the same logits as the CPU engine. Prints a table; exits
+//! non-zero when a check fails. `scripts/test-gpu.sh` runs it with `--device cuda`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use kapitsa_backend::{Backend, Device, DeviceChoice};
+use kapitsa_backend_cpu::{CpuBackend, SimdLevel};
+use kapitsa_base::pool::RayonPool;
+use kapitsa_models::{load_model, BatchInputs, CausalLm, KvType, LoadOptions};
+
+/// `kapitsa selftest` options.
+#[derive(clap::Args)]
+pub struct SelftestArgs {
+    /// Device to check: cpu, cuda, cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Folder of tiny reference checkpoints (each with a `reference.json`).
+    #[arg(long, default_value = "tests/fixtures/tiny")]
+    fixtures: PathBuf,
+    /// Only checkpoints whose `arch` is in this comma-separated list (empty: all).
+    #[arg(long, default_value = "qwen2,qwen3")]
+    archs: String,
+    /// Random cases per op.
+    #[arg(long, default_value_t = 6)]
+    cases: usize,
+    /// Seed of the op suite.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Skip the op suite.
+    #[arg(long)]
+    no_ops: bool,
+    /// Also compare this model file's logits (a 64-token prompt, every position) on the
+    /// device with the CPU engine's (repeatable; synthetic files from `kapitsa synth`).
+    #[arg(long = "model")]
+    models: Vec<PathBuf>,
+}
+
+/// The backend `--device` names (cpu: the fast kernels).
+pub(crate) fn backend_for(device: &str, threads: usize) -> Result<Arc<dyn Backend>> {
+    let choice: DeviceChoice = device.parse()?;
+    Ok(match choice {
+        DeviceChoice::Exact(Device::Cpu) | DeviceChoice::Auto => {
+            Arc::new(CpuBackend::from_env(Box::new(RayonPool::new(threads)?))?)
+        }
+        DeviceChoice::Exact(Device::Cuda(n)) => {
+            Arc::new(kapitsa_backend_cuda::CudaBackend::new(n)?)
+        }
+    })
+}
+
+fn scalar_reference() -> Result<CpuBackend> {
+    Ok(CpuBackend::with_level(
+        Box::new(RayonPool::new(2)?),
+        SimdLevel::Scalar,
+    )?)
+}
+
+fn quantize(ty: kapitsa_base::GgmlType, x: &[f32]) -> Vec<u8> {
+    let n = ty.row_bytes(x.len()).unwrap_or(0);
+    let mut out = vec![0u8; n];
+    // The suite only asks for types and lengths `quantize_row` supports; an empty result
+    // makes the upload fail loudly instead.
+    if kapitsa_kernels_cpu::quantize_row(ty, x, &mut out).is_err() {
+        out.clear();
+    }
+    out
+}
+
+/// One checkpoint's reference prompts.
+struct Prompt {
+    ids: Vec<u32>,
+    hf_logits: Vec<f32>,
+    hf_greedy: Vec<u32>,
+}
+
+fn read_f32(path: &Path) -> Result<Vec<f32>> {
+    let b = std::fs::read(path).with_context(|| path.display().to_string())?;
+    Ok(b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+fn reference(dir: &Path) -> Result<(String, Vec<Prompt>)> {
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect())
+            .unwrap_or_default()
+    };
+    let mut ps = Vec::new();
+    for p in j["prompts"].as_array().context("reference.json: prompts")? {
+        ps.push(Prompt {
+            ids: ids(&p["ids"]),
+            hf_logits: read_f32(&dir.join(p["hf_logits"].as_str().context("hf_logits")?))?,
+            hf_greedy: ids(&p["hf_greedy"]),
+        });
+    }
+    Ok((j["arch"].as_str().unwrap_or("").to_string(), ps))
+}
+
+/// max |a - b| / max(1, max |b|).
+fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    if a.len() != b.len() {
+        return f32::INFINITY;
+    }
+    let scale = b.iter().fold(1f32, |m, v| m.max(v.abs()));
+    a.iter()
+        .zip(b)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+        / scale
+}
+
+fn argmax(x: &[f32]) -> u32 {
+    kapitsa_engine::sampler::argmax(x) as u32
+}
+
+/// All-position logits of `ids`, prefilled in chunks of `chunk` tokens.
+fn logits(model: &dyn CausalLm, ids: &[u32], chunk: usize) -> Result<Vec<f32>> {
+    let mut cache = kapitsa_models::new_cache(model, 1, ids.len() + 40, KvType::F32)?;
+    let mut out = Vec::new();
+    let mut pos = 0;
+    for c in ids.chunks(chunk) {
+        let l = model.forward(
+            &BatchInputs::single(0, c, pos, (0..c.len()).collect()),
+            &mut cache,
+        )?;
+        out.extend_from_slice(&l.data);
+        pos += c.len() as u32;
+    }
+    Ok(out)
+}
+
+fn greedy(model: &dyn CausalLm, ids: &[u32], n: usize) -> Result<Vec<u32>> {
+    let mut cache = kapitsa_models::new_cache(model, 1, ids.len() + n + 1, KvType::F32)?;
+    let l = model.forward(
+        &BatchInputs::single(0, ids, 0, vec![ids.len() - 1]),
+        &mut cache,
+    )?;
+    let mut t = argmax(l.row(0));
+    let mut out = vec![t];
+    let mut pos = ids.len() as u32;
+    while out.len() < n {
+        let l = model.forward(&BatchInputs::single(0, &[t], pos, vec![0]), &mut cache)?;
+        t = argmax(l.row(0));
+        out.push(t);
+        pos += 1;
+    }
+    Ok(out)
+}
+
+/// Logits of the last token of each of `prompts` run together in one batch (3 slots).
+fn batched_last(model: &dyn CausalLm, prompts: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
+    let max = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+    let mut cache = kapitsa_models::new_cache(model, prompts.len(), max + 8, KvType::F32)?;
+    let mut b = BatchInputs::default();
+    for (slot, p) in prompts.iter().enumerate() {
+        b.push_seq(slot, p, 0, true);
+    }
+    let l = model.forward(&b, &mut cache)?;
+    Ok((0..prompts.len()).map(|i| l.row(i).to_vec()).collect())
+}
+
+struct Row {
+    what: String,
+    value: String,
+    pass: bool,
+}
+
+fn check(rows: &mut Vec<Row>, what: String, value: String, pass: bool) {
+    rows.push(Row { what, value, pass });
+}
+
+/// Run the checks.
+pub fn selftest(a: SelftestArgs) -> Result<()> {
+    let be = backend_for(&a.device, 2)?;
+    eprintln!("selftest on {}", be.describe());
+    let mut rows = Vec::new();
+    if !a.no_ops {
+        let reference = scalar_reference()?;
+        let reports = kapitsa_backend::testing::check_ops(
+            &*be,
+            &reference,
+            &quantize,
+            a.seed,
+            a.cases,
+        )
+        .map_err(|e| anyhow::anyhow!("op suite: {e}"))?;
+        for r in &reports {
+            check(
+                &mut rows,
+                format!("op {}", r.name),
+                format!("{} cases, worst {:.2e} (tol {:.0e})", r.cases, r.worst, r.tol),
+                r.pass,
+            );
+        }
+    }
+    let archs: Vec<&str> = a.archs.split(',').filter(|s| !s.is_empty()).collect();
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&a.fixtures)
+        .with_context(|| format!("reading {}", a.fixtures.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("reference.json").exists())
+        .collect();
+    dirs.sort();
+    let cpu: Arc<dyn Backend> = Arc::new(CpuBackend::new(Box::new(RayonPool::new(2)?)));
+    for dir in dirs {
+        let (arch, prompts) = reference(&dir)?;
+        if !archs.is_empty() && !archs.contains(&arch.as_str()) {
+            continue;
+        }
+        let name = dir.file_name().map_or(String::new(), |n| {
+            n.to_string_lossy().into_owned()
+        });
+        let m = load_model(&dir, be.clone(), &LoadOptions::default())?;
+        let mc = load_model(&dir, cpu.clone(), &LoadOptions::default())?;
+        let model = &*m.model;
+        for (i, p) in prompts.iter().enumerate() {
+            let one = logits(model, &p.ids, 512)?;
+            let e = rel_err(&one, &p.hf_logits);
+            check(
+                &mut rows,
+                format!("{name} p{i} logits vs transformers"),
+                format!("{e:.2e} (tol 1e-4)"),
+                e < 1e-4,
+            );
+            let e = rel_err(&one, &logits(&*mc.model, &p.ids, 512)?);
+            check(
+                &mut rows,
+                format!("{name} p{i} logits vs cpu engine"),
+                format!("{e:.2e} (tol 1e-4)"),
+                e < 1e-4,
+            );
+            let g = greedy(model, &p.ids, p.hf_greedy.len())?;
+            let same = g.iter().zip(&p.hf_greedy).take_while(|(a, b)| a == b).count();
+            check(
+                &mut rows,
+                format!("{name} p{i} greedy tokens"),
+                format!("{same}/{} equal", p.hf_greedy.len()),
+                same == p.hf_greedy.len() && g.len() == p.hf_greedy.len(),
+            );
+            for chunk in [5, 1] {
+                let e = rel_err(&logits(model, &p.ids, chunk)?, &one);
+                check(
+                    &mut rows,
+                    format!("{name} p{i} chunks of {chunk} == one chunk"),
+                    format!("{e:.2e} (tol 1e-5)"),
+                    e < 1e-5,
+                );
+            }
+        }
+        if prompts.len() >= 3 {
+            let ps: Vec<&[u32]> = prompts.iter().take(3).map(|p| p.ids.as_slice()).collect();
+            let together = batched_last(model, &ps)?;
+            for (i, p) in ps.iter().enumerate() {
+                let alone = batched_last(model, &[p])?;
+                let e = rel_err(&together[i], &alone[0]);
+                check(
+                    &mut rows,
+                    format!("{name} batch of 3 == alone (seq {i})"),
+                    format!("{e:.2e} (tol 1e-6)"),
+                    e < 1e-6,
+                );
+            }
+        }
+    }
+    for path in &a.models {
+        compare_with_cpu(&be, &cpu, path, &mut rows)?;
+    }
+    let w = rows.iter().map(|r| r.what.len()).max().unwrap_or(0);
+    let mut failed = 0;
+    for r in &rows {
+        let mark = if r.pass { "ok  " } else { "FAIL" };
+        failed += usize::from(!r.pass);
+        println!("{mark} {:w$}  {}", r.what, r.value);
+    }
+    println!("{} passed, {failed} failed", rows.len() - failed);
+    if failed > 0 {
+        bail!("{failed} selftest checks failed on {}", be.describe());
+    }
+    Ok(())
+}
+
+/// Logits of a 64-token prompt at every position on `be` and on the CPU: the largest
+/// relative difference, and the top-1 agreement at positions whose CPU top two are not a
+/// near tie (within 1e-3 of the logit scale).
+fn compare_with_cpu(
+    be: &Arc<dyn Backend>,
+    cpu: &Arc<dyn Backend>,
+    path: &Path,
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    let name = path
+        .file_name()
+        .map_or(String::new(), |n| n.to_string_lossy().into_owned());
+    let m = load_model(path, be.clone(), &LoadOptions::default())?;
+    let mc = load_model(path, cpu.clone(), &LoadOptions::default())?;
+    let n_vocab = m.model.spec().n_vocab;
+    let ids: Vec<u32> = (0..64u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % n_vocab as u32)
+        .collect();
+    let got = logits(&*m.model, &ids, 512)?;
+    let want = logits(&*mc.model, &ids, 512)?;
+    let e = rel_err(&got, &want);
+    let (mut same, mut counted) = (0, 0);
+    for (g, w) in got.chunks_exact(n_vocab).zip(want.chunks_exact(n_vocab)) {
+        let mut sorted = w.to_vec();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let scale = sorted[0].abs().max(1.0);
+        if n_vocab > 1 && sorted[0] - sorted[1] < 1e-3 * scale {
+            continue;
+        }
+        counted += 1;
+        same += usize::from(argmax(g) == argmax(w));
+    }
+    check(
+        rows,
+        format!("{name} logits vs cpu engine"),
+        format!("max rel diff {e:.2e}; top-1 {same}/{counted} off near ties"),
+        same == counted && e < 5e-2,
+    );
+    Ok(())
+}

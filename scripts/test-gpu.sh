@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The CUDA correctness checks, run ON the GPU machine (it has no Rust toolchain: the kapitsa
+# binary is built here with `--features cuda`, stripped, gzipped and carried as
+# bench/.cache/kapitsa.gz; see scripts/build-gpu-binary.sh). Logs go to $OUT (or /tmp).
+#
+#   1. `kapitsa selftest --device cuda`: every backend op against the CPU scalar reference on
+#      random shapes (odd sizes and tails), the tiny qwen2/qwen3 fixtures within 1e-4 of
+#      transformers with 32 equal greedy tokens, one chunk == pieces == token by token, a batch
+#      of 3 == each alone, and a dense synthetic file's logits against the CPU engine's.
+#   2. `kapitsa serve --device cuda` answering the same HTTP checks as on the CPU (streaming,
+#      concurrency) on the tiny qwen2 fixture.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/kapitsa-gpu}"
+mkdir -p "$OUT"
+BIN="${KAPITSA_BIN:-}"
+if [[ -z "$BIN" ]]; then
+  if [[ -f bench/.cache/kapitsa.gz ]]; then
+    BIN=/tmp/kapitsa
+    gunzip -c bench/.cache/kapitsa.gz > "$BIN"
+    chmod +x "$BIN"
+  else
+    BIN=target/release/kapitsa
+  fi
+fi
+# cudarc loads libcuda (driver) and cuBLAS dynamically; cuBLAS sits in the toolkit's lib dir.
+# (Never add .../compat: it holds an older libcuda than the running driver.)
+for d in /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-13.0/targets/x86_64-linux/lib; do
+  [[ -d "$d" ]] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+done
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+
+status=0
+echo "== selftest (ops, tiny fixtures, synthetic file) =="
+SYN=/tmp/kapitsa-syn-qwen2.gguf
+if ! "$BIN" synth --preset qwen2.5-coder-1.5b --layers 4 -o "$SYN" >"$OUT/synth.log" 2>&1; then
+  echo "note: synth of the dense preset failed (see synth.log); the synthetic check is skipped"
+  SYN=""
+fi
+"$BIN" selftest --device cuda --fixtures tests/fixtures/tiny --archs qwen2,qwen3 \
+  ${SYN:+--model "$SYN"} 2>&1 | tee "$OUT/selftest.log" || status=1
+
+echo "== serve --device cuda =="
+PORT=18931
+"$BIN" serve --device cuda --model tests/fixtures/tiny/qwen2-a --port $PORT \
+  >"$OUT/serve.log" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null || true' EXIT
+for _ in $(seq 1 60); do
+  curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
+  sleep 1
+done
+python3 - "$PORT" <<'PY' 2>&1 | tee "$OUT/serve-checks.log" || status=1
+import json, sys, threading, urllib.request
+port = sys.argv[1]
+url = f"http://127.0.0.1:{port}/v1/completions"
+def post(body, stream=False):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return r.read().decode()
+base = {"prompt": "hello world", "max_tokens": 16, "temperature": 0}
+solo = json.loads(post(base))["choices"][0]["text"]
+# streaming gives the same text
+chunks = [l[6:] for l in post({**base, "stream": True}).splitlines() if l.startswith("data: ")]
+streamed = "".join(json.loads(c)["choices"][0]["text"] for c in chunks if c != "[DONE]")
+ok = True
+if streamed != solo:
+    print("FAIL streaming text differs:", repr(streamed), repr(solo)); ok = False
+# 8 concurrent requests with different prompts each give their solo output
+prompts = [f"prompt number {i} says" for i in range(8)]
+alone = [json.loads(post({**base, "prompt": p}))["choices"][0]["text"] for p in prompts]
+got = [None] * 8
+def run(i):
+    got[i] = json.loads(post({**base, "prompt": prompts[i]}))["choices"][0]["text"]
+ts = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+[t.start() for t in ts]; [t.join() for t in ts]
+for i in range(8):
+    if got[i] != alone[i]:
+        print(f"FAIL concurrent request {i} differs from its solo run"); ok = False
+print("serve checks:", "ok" if ok else "FAILED")
+sys.exit(0 if ok else 1)
+PY
+kill $SERVER 2>/dev/null || true
+echo "test-gpu: $([[ $status == 0 ]] && echo PASSED || echo FAILED)"
+exit $status
