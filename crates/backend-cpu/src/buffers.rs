@@ -176,7 +176,30 @@ pub(crate) fn mul(op: &'static str, a: usize, b: usize) -> Result<usize> {
 /// `[n_out, n_in]` or 3-D `[n_expert, n_out, n_in]` with rows of whole blocks, the bytes
 /// exactly the rows, and the type one the CPU kernels can multiply (a dot kernel exists) or
 /// at least dequantise (embedding gathers; matrix products then fail in the op).
+/// [`upload`] of a matrix: its type needs a dot-product kernel.
 pub(crate) fn upload_weight(w: &HostWeight) -> Result<Weight> {
+    if kapitsa_kernels_cpu::quant::vec_dot_type(w.dtype).is_err() {
+        return Err(BackendError::Unsupported {
+            op: "upload_weight",
+            what: format!("matrix type {} of '{}'", w.dtype, w.name),
+        });
+    }
+    upload(w)
+}
+
+/// [`upload`] of an embedding table: its type needs dequantisation only.
+pub(crate) fn upload_embedding(w: &HostWeight) -> Result<Weight> {
+    if !kapitsa_base::quant::can_dequantize(w.dtype) {
+        return Err(BackendError::Unsupported {
+            op: "upload_embedding",
+            what: format!("type {} of '{}'", w.dtype, w.name),
+        });
+    }
+    upload(w)
+}
+
+/// Keep a weight's host bytes (no copy) after checking its shape and byte length.
+fn upload(w: &HostWeight) -> Result<Weight> {
     const OP: &str = "upload_weight";
     if !(2..=3).contains(&w.shape.len()) {
         return shape_err(

@@ -177,6 +177,10 @@ impl Backend for CpuBackend {
         buffers::upload_weight(w)
     }
 
+    fn upload_embedding(&self, w: &HostWeight) -> Result<Weight> {
+        buffers::upload_embedding(w)
+    }
+
     fn alloc(&self, dtype: DType, len: usize) -> Result<Tensor> {
         buffers::alloc(dtype, len)
     }

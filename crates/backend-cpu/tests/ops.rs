@@ -368,8 +368,8 @@ fn foreign_handles_are_refused() {
     )));
 }
 
-/// Unsupported weight types are refused at upload (no dot kernel and no dequantisation) or
-/// in the op (a gather-only type in a matrix product).
+/// Unsupported weight types are refused at upload: a matrix needs a dot kernel, an
+/// embedding dequantisation.
 #[test]
 fn unsupported_types() {
     let be = CpuBackend::new(pool());
@@ -383,21 +383,22 @@ fn unsupported_types() {
         be.upload_weight(&w),
         Err(BackendError::Unsupported { .. })
     ));
-    // Q8_K rows can be gathered but not multiplied.
-    let w = be
-        .upload_weight(&HostWeight {
-            name: "q8k".into(),
-            dtype: GgmlType::Q8_K,
-            shape: vec![2, 256],
-            bytes: HostBytes::from_vec(vec![0; 2 * 292]),
-        })
-        .unwrap();
-    let x = be.upload_f32(&[0.5; 256]).unwrap();
-    let mut y = be.alloc(DType::F32, 2).unwrap();
     assert!(matches!(
-        be.matmul(&w, &x, 1, &mut y),
+        be.upload_embedding(&w),
         Err(BackendError::Unsupported { .. })
     ));
+    // Q8_K rows can be gathered but not multiplied: an embedding, not a matrix.
+    let q8k = HostWeight {
+        name: "q8k".into(),
+        dtype: GgmlType::Q8_K,
+        shape: vec![2, 256],
+        bytes: HostBytes::from_vec(vec![0; 2 * 292]),
+    };
+    assert!(matches!(
+        be.upload_weight(&q8k),
+        Err(BackendError::Unsupported { .. })
+    ));
+    let w = be.upload_embedding(&q8k).unwrap();
     let batch = be.prepare_batch(one_seq(1, 0, vec![])).unwrap();
     let mut out = be.alloc(DType::F32, 256).unwrap();
     be.embed(&w, &batch, &mut out).unwrap();

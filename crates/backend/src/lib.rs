@@ -47,9 +47,16 @@ pub trait Backend: Send + Sync {
     /// The device this backend computes on.
     fn device(&self) -> Device;
 
-    /// Upload a model weight (a 2-D matrix or 3-D stacked experts). Errors when the backend
-    /// has no kernels for its type.
+    /// Upload a model weight for matrix products (a 2-D matrix or 3-D stacked experts).
+    /// Errors ([`BackendError::Unsupported`]) when the backend has no matrix kernel for its
+    /// type, so a bad file fails at load, not at the first step.
     fn upload_weight(&self, w: &HostWeight) -> Result<Weight>;
+
+    /// Upload an embedding table `[n_vocab, n_embd]` used only by [`Backend::embed`] (row
+    /// gathers); its type needs dequantisation only. Defaults to [`Backend::upload_weight`].
+    fn upload_embedding(&self, w: &HostWeight) -> Result<Weight> {
+        self.upload_weight(w)
+    }
 
     /// A new tensor of `len` elements, zero-filled.
     fn alloc(&self, dtype: DType, len: usize) -> Result<Tensor>;
@@ -228,8 +235,7 @@ pub trait Backend: Send + Sync {
     /// Write the new K and V rows (`[n_tokens, kv_dim]` f32) into the paged cache at each
     /// token's position (block `table[p / block_size]`, row `p % block_size`), converting
     /// to the cache type (quantise-on-write for Q8_0).
-    fn kv_write(&self, k: &Tensor, v: &Tensor, cache: KvLayer<'_>, batch: &Batch)
-        -> Result<()>;
+    fn kv_write(&self, k: &Tensor, v: &Tensor, cache: KvLayer<'_>, batch: &Batch) -> Result<()>;
 
     /// Causal attention of every sequence's new queries `q[n_tokens, n_head * head_dim]`
     /// over its cached positions `0..=pos` (paged K/V `[n_blocks, block_size, kv_dim]`

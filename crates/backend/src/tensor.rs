@@ -135,11 +135,7 @@ impl HostBytes {
     pub fn from_vec(v: Vec<u8>) -> HostBytes {
         let owner: Arc<Vec<u8>> = Arc::new(v);
         let (ptr, len) = (owner.as_ptr(), owner.len());
-        HostBytes {
-            owner,
-            ptr,
-            len,
-        }
+        HostBytes { owner, ptr, len }
     }
 
     /// The bytes.

@@ -1,6 +1,6 @@
 //! What the cache needs to know about a model to lay out its storage: per-layer kinds and
 //! the attention and recurrent dimensions. Models describe themselves with it
-//! (`ModelSpec::cache_layout` in kapitsa-models); the cache never sees a model.
+//! (`ModelSpec::cache_layout` in the models crate); the cache never sees a model.
 
 /// What kind of mixer a layer has; the cache layout is derived from this list.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -19,8 +19,8 @@ pub mod prefix;
 
 use std::sync::Arc;
 
-use kapitsa_backend::Backend;
 pub use error::{CacheError, Result};
+use kapitsa_backend::Backend;
 pub use kv::{KvCache, KvType, RecurrentSnapshot, DEFAULT_BLOCK_SIZE};
 pub use layout::{CacheLayout, LayerKind, RecurrentShape};
 use prefix::{PrefixCache, PrefixConfig, PrefixStats};

@@ -20,10 +20,12 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use kapitsa_base::pool::SerialPool;
-use kapitsa_kernels_cpu::attention::{attention_with, AttnOrder, AttnShape, KvSlice, KvView, SumOrder};
+use kapitsa_kernels_cpu::attention::{
+    attention_with, AttnOrder, AttnShape, KvSlice, KvView, SumOrder,
+};
+use kapitsa_kernels_cpu::ops::Rope;
 use kapitsa_kernels_cpu::ops::{rms_norm, silu_mul};
 use kapitsa_kernels_cpu::{matmul_with, QMatrix, SimdLevel};
-use kapitsa_kernels_cpu::ops::Rope;
 use kapitsa_models::ModelSource;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;

@@ -92,7 +92,12 @@ fn reference(dir: &Path) -> Result<(String, Vec<Prompt>)> {
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
     let ids = |v: &serde_json::Value| -> Vec<u32> {
         v.as_array()
-            .map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| x.as_u64())
+                    .map(|x| x as u32)
+                    .collect()
+            })
             .unwrap_or_default()
     };
     let mut ps = Vec::new();
@@ -112,10 +117,7 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
         return f32::INFINITY;
     }
     let scale = b.iter().fold(1f32, |m, v| m.max(v.abs()));
-    a.iter()
-        .zip(b)
-        .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
-        / scale
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
 
 fn argmax(x: &[f32]) -> u32 {
@@ -185,19 +187,17 @@ pub fn selftest(a: SelftestArgs) -> Result<()> {
     let mut rows = Vec::new();
     if !a.no_ops {
         let reference = scalar_reference()?;
-        let reports = kapitsa_backend::testing::check_ops(
-            &*be,
-            &reference,
-            &quantize,
-            a.seed,
-            a.cases,
-        )
-        .map_err(|e| anyhow::anyhow!("op suite: {e}"))?;
+        let reports =
+            kapitsa_backend::testing::check_ops(&*be, &reference, &quantize, a.seed, a.cases)
+                .map_err(|e| anyhow::anyhow!("op suite: {e}"))?;
         for r in &reports {
             check(
                 &mut rows,
                 format!("op {}", r.name),
-                format!("{} cases, worst {:.2e} (tol {:.0e})", r.cases, r.worst, r.tol),
+                format!(
+                    "{} cases, worst {:.2e} (tol {:.0e})",
+                    r.cases, r.worst, r.tol
+                ),
                 r.pass,
             );
         }
@@ -215,9 +215,9 @@ pub fn selftest(a: SelftestArgs) -> Result<()> {
         if !archs.is_empty() && !archs.contains(&arch.as_str()) {
             continue;
         }
-        let name = dir.file_name().map_or(String::new(), |n| {
-            n.to_string_lossy().into_owned()
-        });
+        let name = dir
+            .file_name()
+            .map_or(String::new(), |n| n.to_string_lossy().into_owned());
         let m = load_model(&dir, be.clone(), &LoadOptions::default())?;
         let mc = load_model(&dir, cpu.clone(), &LoadOptions::default())?;
         let model = &*m.model;
@@ -238,7 +238,11 @@ pub fn selftest(a: SelftestArgs) -> Result<()> {
                 e < 1e-4,
             );
             let g = greedy(model, &p.ids, p.hf_greedy.len())?;
-            let same = g.iter().zip(&p.hf_greedy).take_while(|(a, b)| a == b).count();
+            let same = g
+                .iter()
+                .zip(&p.hf_greedy)
+                .take_while(|(a, b)| a == b)
+                .count();
             check(
                 &mut rows,
                 format!("{name} p{i} greedy tokens"),

@@ -13,10 +13,7 @@ fn files(dir: &Path, out: &mut Vec<PathBuf>) {
         let p = e.path();
         if p.is_dir() {
             files(&p, out);
-        } else if p
-            .extension()
-            .is_some_and(|x| x == "rs" || x == "toml")
-        {
+        } else if p.extension().is_some_and(|x| x == "rs" || x == "toml") {
             out.push(p);
         }
     }

@@ -55,7 +55,14 @@ fn request(p: &[u32]) -> Request {
 
 /// Greedy tokens of `p` computed from scratch (fresh one-slot cache, no prefix cache).
 fn scratch(model: &dyn CausalLm, tok: &Tokenizer, p: &[u32]) -> Vec<u32> {
-    let mut cache = SlotCache::new(model.backend().clone(), &model.spec().cache_layout(), 1, N_CTX, KvType::F32).unwrap();
+    let mut cache = SlotCache::new(
+        model.backend().clone(),
+        &model.spec().cache_layout(),
+        1,
+        N_CTX,
+        KvType::F32,
+    )
+    .unwrap();
     let slot = cache.alloc().unwrap();
     let r = request(p);
     let g = GenerateRequest {

@@ -10,9 +10,9 @@ use std::sync::Arc;
 
 use kapitsa_backend::Backend;
 use kapitsa_backend_cpu::CpuBackend;
+use kapitsa_backend_cpu::SimdLevel;
 use kapitsa_base::pool::RayonPool;
 use kapitsa_engine::loader::{chat_template_for, tokenizer_for};
-use kapitsa_backend_cpu::SimdLevel;
 use kapitsa_models::{load_model, BatchInputs, CausalLm, KvType, LoadOptions};
 
 fn fixtures() -> PathBuf {
@@ -49,7 +49,8 @@ fn prompt_then_greedy(
     n_gen: usize,
     mut visit: impl FnMut(usize, &[f32]),
 ) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let mut cache = kapitsa_models::new_cache(model, 1, ids.len() + n_gen + 1, KvType::F32).unwrap();
+    let mut cache =
+        kapitsa_models::new_cache(model, 1, ids.len() + n_gen + 1, KvType::F32).unwrap();
     let mut pos = 0;
     let mut last = Vec::new();
     for c in ids.chunks(chunk) {

@@ -66,7 +66,14 @@ fn request(p: &[u32]) -> Request {
 }
 
 fn scratch(model: &dyn CausalLm, tok: &Tokenizer, p: &[u32]) -> Vec<u32> {
-    let mut cache = SlotCache::new(model.backend().clone(), &model.spec().cache_layout(), 1, N_CTX, KvType::F16).unwrap();
+    let mut cache = SlotCache::new(
+        model.backend().clone(),
+        &model.spec().cache_layout(),
+        1,
+        N_CTX,
+        KvType::F16,
+    )
+    .unwrap();
     let slot = cache.alloc().unwrap();
     let g = GenerateRequest {
         prompt: p.to_vec(),

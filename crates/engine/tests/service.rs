@@ -128,7 +128,14 @@ fn solo(
     n_ctx: usize,
     chunk: usize,
 ) -> kapitsa_engine::GenerateOutput {
-    let mut cache = SlotCache::new(model.backend().clone(), &model.spec().cache_layout(), 1, n_ctx, KvType::F32).unwrap();
+    let mut cache = SlotCache::new(
+        model.backend().clone(),
+        &model.spec().cache_layout(),
+        1,
+        n_ctx,
+        KvType::F32,
+    )
+    .unwrap();
     let slot = cache.alloc().unwrap();
     let g = GenerateRequest {
         prompt: req.prompt.clone(),

@@ -22,8 +22,7 @@ pub use batch::{BatchInputs, Logits, SeqChunk};
 pub use error::{ModelError, Result};
 pub use kapitsa_backend::Backend;
 pub use kapitsa_cache::{
-    CacheLayout, KvCache, KvType, LayerKind, RecurrentShape, RecurrentSnapshot,
-    DEFAULT_BLOCK_SIZE,
+    CacheLayout, KvCache, KvType, LayerKind, RecurrentShape, RecurrentSnapshot, DEFAULT_BLOCK_SIZE,
 };
 pub use kapitsa_formats::LoadMode;
 pub use registry::{load_model, LoadOptions, LoadedModel};

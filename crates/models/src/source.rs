@@ -7,9 +7,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use kapitsa_backend::{Backend, HostBytes, HostWeight};
 use kapitsa_base::GgmlType;
 use kapitsa_formats::{GgufFile, HfModelDir, LoadMode, OpenOptions, TensorView};
-use kapitsa_backend::{Backend, HostBytes, HostWeight};
 
 use crate::{ModelError, Result};
 
@@ -304,12 +304,23 @@ impl Weight {
 
     /// Upload to `be` (a 2-D matrix or 3-D stacked experts); errors name the tensor.
     pub fn upload(&self, be: &dyn Backend) -> Result<kapitsa_backend::Weight> {
-        be.upload_weight(&self.host()?).map_err(|e| match e {
+        be.upload_weight(&self.host()?)
+            .map_err(|e| self.upload_error(e))
+    }
+
+    /// Upload an embedding table (row gathers only) to `be`; errors name the tensor.
+    pub fn upload_embedding(&self, be: &dyn Backend) -> Result<kapitsa_backend::Weight> {
+        be.upload_embedding(&self.host()?)
+            .map_err(|e| self.upload_error(e))
+    }
+
+    fn upload_error(&self, e: kapitsa_backend::BackendError) -> ModelError {
+        match e {
             kapitsa_backend::BackendError::Unsupported { .. } => {
                 ModelError::UnsupportedType(self.name.clone(), self.dtype)
             }
             e => ModelError::Backend(e),
-        })
+        }
     }
 
     /// Check that this weight is 2-D (`[n_out, n_in]`).

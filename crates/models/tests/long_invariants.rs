@@ -47,9 +47,7 @@ fn logits_in_pieces(model: &dyn CausalLm, ids: &[u32], pieces: &[usize]) -> Vec<
 }
 
 fn argmaxes(l: &[f32], n_vocab: usize) -> Vec<usize> {
-    l.chunks_exact(n_vocab)
-        .map(common::argmax)
-        .collect()
+    l.chunks_exact(n_vocab).map(common::argmax).collect()
 }
 
 #[test]

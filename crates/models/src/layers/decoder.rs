@@ -186,7 +186,11 @@ impl Decoder {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let tok_embd = p.tok_embd.upload(be)?;
+        // A tied embedding is also the output head: it needs the matrix kernels too.
+        let tok_embd = match &p.output {
+            Some(_) => p.tok_embd.upload_embedding(be)?,
+            None => p.tok_embd.upload(be)?,
+        };
         let output = p.output.as_ref().map(|o| o.upload(be)).transpose()?;
         let out_norm = be.upload_f32(&p.out_norm)?;
         let spec = ModelSpec {
@@ -268,11 +272,19 @@ impl Decoder {
             positions: batch.positions.clone(),
             seqs: Vec::with_capacity(batch.seqs.len()),
             block_tables: Vec::new(),
-            block_size: if cache.has_kv() { cache.block_size() } else { 0 },
+            block_size: if cache.has_kv() {
+                cache.block_size()
+            } else {
+                0
+            },
             logit_rows: batch.logit_rows.iter().map(|&r| r as u32).collect(),
         };
         for c in &batch.seqs {
-            let table = if cache.has_kv() { cache.table(c.slot) } else { &[] };
+            let table = if cache.has_kv() {
+                cache.table(c.slot)
+            } else {
+                &[]
+            };
             desc.seqs.push(SeqDesc {
                 slot: c.slot,
                 start: c.start,

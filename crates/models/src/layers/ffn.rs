@@ -7,8 +7,8 @@
 //! References: transformers `Qwen3_5MoeSparseMoeBlock`, `Qwen3MoeSparseMoeBlock`,
 //! `NemotronHMoE` / `NemotronHTopkRouter`; llama.cpp `build_moe_ffn`.
 
-use kapitsa_backend::{Backend, MlpWeights, MoeWeights, Tensor};
 pub use kapitsa_backend::Act;
+use kapitsa_backend::{Backend, MlpWeights, MoeWeights, Tensor};
 
 use crate::layers::{check_experts, check_matrix, check_vec, upload_opt};
 use crate::{ModelError, Result, Weight};
