@@ -18,13 +18,14 @@ pub struct SynthArgs {
     #[arg(long)]
     preset: String,
     /// Layer count (default: the production count). Qwen3.6: a multiple of 4; Nemotron: a
-    /// prefix of the block pattern holding every block kind.
+    /// prefix of the block pattern holding every block kind; Qwen3 MoE and dense presets: any.
     #[arg(long)]
     layers: Option<usize>,
     /// Tensor type mix: q4_k_m (llama-quantize's choices), q8_0 or f16.
     #[arg(long, default_value = "q4_k_m")]
     quant: String,
-    /// GGUF file whose tokenizer.* metadata is copied (padded to the preset's vocabulary).
+    /// GGUF file whose tokenizer.* metadata is copied (padded to the preset's vocabulary): a
+    /// model, or a vocab-only file such as llama.cpp's models/ggml-vocab-qwen2.gguf.
     #[arg(long, value_name = "FILE.gguf")]
     tokenizer_from: Option<PathBuf>,
     /// Size the vocabulary to the tokenizer instead of the preset (needed when the tokenizer
@@ -79,11 +80,7 @@ pub fn synth(a: SynthArgs) -> Result<()> {
     eprintln!(
         "synth: {} ({}), {} layers [{}], vocab {}, {}, seed {}",
         prepared.preset.name,
-        match prepared.preset.family {
-            kapitsa_synth::Family::Qwen35Moe => "qwen35moe",
-            kapitsa_synth::Family::Qwen3Moe => "qwen3moe",
-            kapitsa_synth::Family::NemotronHMoe => "nemotron_h_moe",
-        },
+        prepared.preset.family.arch(),
         plan.pattern.len(),
         plan.pattern,
         plan.dims.n_vocab,

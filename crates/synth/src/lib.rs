@@ -1,5 +1,5 @@
 //! Synthetic GGUF models: the exact production shapes of named presets (Qwen3.6-35B-A3B,
-//! Qwen3-30B-A3B, Nemotron 3 Nano / Super), random but numerically sane weights, the tensor
+//! Qwen3-30B-A3B, Nemotron 3 Nano / Super, and the dense Qwen2.5-Coder-1.5B and Qwen3-8B), random but numerically sane weights, the tensor
 //! type mix `llama-quantize Q4_K_M` would choose (or all-Q8_0 / all-F16), and a real tokenizer
 //! copied from another GGUF, so Kapitsa and llama.cpp load and run the same file.
 //!
@@ -26,15 +26,22 @@
 //! preset's vocabulary is padded with `[PAD{id}]` tokens of type UNUSED, as llama.cpp's converter
 //! pads. A larger one is refused unless `vocab_from_tokenizer` is set, which sizes the model's
 //! vocabulary to the tokenizer instead (the only shape then not the production one).
-//! Sources that keep the production vocabulary: llama.cpp's vocab-only files (in its source
-//! package, `models/ggml-vocab-qwen35.gguf`: Qwen's 151,936 tokens with pre `qwen35`, for the
-//! Qwen presets; `models/ggml-vocab-llama-bpe.gguf`: Llama 3's 128,256 tokens, for Nemotron's
+//! Sources that keep the production vocabulary: llama.cpp's vocab-only files (GGUFs with
+//! tokenizer metadata and no tensors; in its source package, `models/ggml-vocab-qwen2.gguf`:
+//! Qwen2's 151,936 tokens with pre `qwen2`, and `models/ggml-vocab-qwen35.gguf`: the same
+//! count with pre `qwen35`, for the Qwen presets; `models/ggml-vocab-llama-bpe.gguf`: Llama 3's 128,256 tokens, for Nemotron's
 //! 131,072) or any Qwen2.5 / Qwen3 GGUF (151,936 tokens, pre `qwen2`).
 //!
 //! # Layer reduction
 //!
 //! See [`Preset::layer_pattern`]: Qwen3.6 keeps whole `[lin, lin, lin, full]` periods, Nemotron
-//! takes a prefix of its block pattern holding every block kind.
+//! takes a prefix of its block pattern holding every block kind, Qwen3 MoE and the dense
+//! presets take any count.
+//!
+//! # Tied embeddings
+//!
+//! A preset with [`Preset::tied_embeddings`] (Qwen2.5-Coder-1.5B) has no `output.weight`: its
+//! `token_embd.weight` is drawn like an output head and gets the output head's Q4_K_M type.
 
 pub mod plan;
 pub mod preset;

@@ -215,11 +215,8 @@ fn u32v(x: usize) -> GgufValue {
 /// Build the plan: metadata (general, architecture, tokenizer) and tensors with their types.
 pub fn build(inp: PlanInput<'_>) -> Result<Plan, SynthError> {
     let d = &inp.dims;
-    let arch = match inp.preset.family {
-        Family::Qwen35Moe => "qwen35moe",
-        Family::Qwen3Moe => "qwen3moe",
-        Family::NemotronHMoe => "nemotron_h_moe",
-    };
+    let arch = inp.preset.family.arch();
+    let tied = inp.preset.tied_embeddings;
     let n_layer = inp.pattern.len();
     let kinds: Vec<char> = inp.pattern.chars().collect();
     let mut md: Vec<(String, GgufValue)> = vec![
@@ -241,9 +238,16 @@ pub fn build(inp: PlanInput<'_>) -> Result<Plan, SynthError> {
     };
     let h = d.n_embd;
     b.mat("token_embd.weight", &[d.n_vocab, h]);
-    // Embedding rows: unit RMS (the first norm rescales them anyway).
     // Cannot fail: `mat` just pushed a tensor.
-    b.tensors.last_mut().expect("just added").init = Init::Matrix { std: 1.0 };
+    b.tensors.last_mut().expect("just added").init = if tied {
+        // The embedding is also the output head: drawn like one (logit std LOGIT_STD, rows of
+        // non-text tokens zero). Its small rows are no trouble as inputs: the first norm
+        // rescales them (and maps a zero row to zero).
+        output_init(&inp)
+    } else {
+        // Embedding rows: unit RMS (the first norm rescales them anyway).
+        Init::Matrix { std: 1.0 }
+    };
 
     match inp.preset.family {
         Family::Qwen35Moe => {
@@ -333,6 +337,22 @@ pub fn build(inp: PlanInput<'_>) -> Result<Plan, SynthError> {
                 b.add(l("attn_k_norm.weight"), &[hd], Init::Const(1.0));
                 b.add(l("ffn_norm.weight"), &[h], Init::Const(1.0));
                 qwen_moe(&mut b, d, i, false);
+            }
+        }
+        Family::Qwen2 | Family::Qwen3 => {
+            let qwen3 = inp.preset.family == Family::Qwen3;
+            // The keys (and order) llama.cpp's converter writes for these architectures.
+            kv("feed_forward_length", u32v(d.n_ff_dense));
+            kv("attention.head_count", u32v(d.n_head));
+            kv("attention.head_count_kv", u32v(d.n_head_kv));
+            kv("rope.freq_base", GgufValue::F32(d.rope_theta));
+            kv("attention.layer_norm_rms_epsilon", GgufValue::F32(d.eps));
+            if qwen3 {
+                kv("attention.key_length", u32v(d.head_dim));
+                kv("attention.value_length", u32v(d.head_dim));
+            }
+            for i in 0..n_layer {
+                dense_layer(&mut b, d, i, qwen3);
             }
         }
         Family::NemotronHMoe => {
@@ -441,14 +461,9 @@ pub fn build(inp: PlanInput<'_>) -> Result<Plan, SynthError> {
     md.extend(inp.tokenizer.iter().cloned());
 
     b.add("output_norm.weight", &[h], Init::Const(1.0));
-    b.add(
-        "output.weight",
-        &[d.n_vocab, h],
-        Init::Output {
-            std: LOGIT_STD / (h as f32).sqrt(),
-            zero_rows: inp.zero_rows.clone(),
-        },
-    );
+    if !tied {
+        b.add("output.weight", &[d.n_vocab, h], output_init(&inp));
+    }
 
     let mut tensors = b.tensors;
     assign_types(&mut tensors, inp.mix, n_layer);
@@ -458,6 +473,48 @@ pub fn build(inp: PlanInput<'_>) -> Result<Plan, SynthError> {
         pattern: inp.pattern,
         dims: inp.dims,
     })
+}
+
+/// The distribution of the output head (`output.weight`, or the tied `token_embd.weight`).
+fn output_init(inp: &PlanInput<'_>) -> Init {
+    Init::Output {
+        std: LOGIT_STD / (inp.dims.n_embd as f32).sqrt(),
+        zero_rows: inp.zero_rows.clone(),
+    }
+}
+
+/// Standard deviation of the q/k/v biases of Qwen2 (small next to the unit-RMS projections).
+pub const QKV_BIAS_STD: f32 = 0.1;
+
+/// Dense layer `i` of Qwen2 (`qwen3 == false`: q/k/v biases) or Qwen3 (q/k norms, no biases):
+/// attention and a SwiGLU MLP of width `n_ff_dense`, in the converter's tensor order.
+fn dense_layer(b: &mut Builder, d: &Dims, i: usize, qwen3: bool) {
+    let l = |s: &str| format!("blk.{i}.{s}");
+    let (h, hd, ff) = (d.n_embd, d.head_dim, d.n_ff_dense);
+    b.add(l("attn_norm.weight"), &[h], Init::Const(1.0));
+    b.mat(l("ffn_down.weight"), &[h, ff]);
+    b.mat(l("ffn_gate.weight"), &[ff, h]);
+    b.mat(l("ffn_up.weight"), &[ff, h]);
+    b.add(l("ffn_norm.weight"), &[h], Init::Const(1.0));
+    let (q, kv) = (d.n_head * hd, d.n_head_kv * hd);
+    let bias = |b: &mut Builder, name: &str, rows: usize| {
+        if !qwen3 {
+            b.add(l(name), &[rows], Init::Normal(QKV_BIAS_STD));
+        }
+    };
+    bias(b, "attn_k.bias", kv);
+    if qwen3 {
+        b.add(l("attn_k_norm.weight"), &[hd], Init::Const(1.0));
+    }
+    b.mat(l("attn_k.weight"), &[kv, h]);
+    b.mat(l("attn_output.weight"), &[h, q]);
+    bias(b, "attn_q.bias", q);
+    if qwen3 {
+        b.add(l("attn_q_norm.weight"), &[hd], Init::Const(1.0));
+    }
+    b.mat(l("attn_q.weight"), &[q, h]);
+    bias(b, "attn_v.bias", kv);
+    b.mat(l("attn_v.weight"), &[kv, h]);
 }
 
 /// The Qwen MoE block of layer `i`: router, stacked SwiGLU experts and (Qwen3.6) the gated
@@ -544,16 +601,22 @@ pub struct Q4kmState {
     pub i_attention_wv: usize,
     /// `n_layer_all` (block count).
     pub n_layer: usize,
+    /// No `output.weight` in the file: `token_embd.weight` is the output head too, and gets
+    /// the output head's type (llama.cpp `has_tied_embeddings`).
+    pub tied: bool,
 }
 
 /// The type `llama-quantize Q4_K_M` gives a quantisable tensor (`llama_tensor_get_type` for
 /// this ftype, without imatrix or overrides, for an arch with `n_expert != 8`):
 ///
-/// - `output.weight`: Q6_K, or Q8_0 when its rows are not a multiple of 256.
-/// - `token_embd.weight`: Q4_K.
+/// - `output.weight`, and `token_embd.weight` when the embeddings are tied (no
+///   `output.weight`): Q6_K, or Q8_0 when its rows are not a multiple of 256.
+/// - `token_embd.weight` (untied): Q4_K.
 /// - attention-V-like (`attn_v`, and `attn_qkv`, which shares the category): Q6_K when
 ///   `use_more_bits(i_attention_wv, n_attention_wv)`, else Q4_K.
-/// - `ffn_down*` (experts, shared expert): Q6_K when `use_more_bits(layer, n_layer)`, else Q4_K.
+/// - `ffn_down*` (dense MLP, experts, shared expert): Q6_K when `use_more_bits(layer, n_layer)`,
+///   else Q4_K (llama.cpp counts dense `ffn_down` tensors in visiting order, which is the
+///   layer index since there is one per layer).
 /// - everything else: Q4_K.
 ///
 /// then the shape fallback: Q4_K -> Q5_0, Q6_K -> Q8_0 when rows are not a multiple of 256,
@@ -561,7 +624,7 @@ pub struct Q4kmState {
 pub fn q4_k_m_type(name: &str, shape: &[usize], st: &mut Q4kmState) -> GgmlType {
     // Cannot fail: called for planned tensors, whose shapes are never empty.
     let ne0 = *shape.last().expect("shape");
-    let ty = if name == "output.weight" {
+    let ty = if name == "output.weight" || (st.tied && name == "token_embd.weight") {
         if ne0.is_multiple_of(256) {
             GgmlType::Q6_K
         } else {
@@ -607,6 +670,7 @@ pub fn assign_types(tensors: &mut [TensorPlan], mix: QuantMix, n_layer: usize) {
             .count(),
         i_attention_wv: 0,
         n_layer,
+        tied: !tensors.iter().any(|t| t.name == "output.weight"),
     };
     for i in order {
         let t = &mut tensors[i];

@@ -1,5 +1,8 @@
 //! The model presets: production shapes of the target models (see
 //! `shared/reference/architectures.md`), layer-count reduction and the test-only width divisor.
+//!
+//! Dense presets (`qwen2.5-coder-1.5b`, `qwen3-8b`) take their shapes from the models' Hugging
+//! Face `config.json`; MoE and hybrid presets from the architecture notes.
 
 use crate::SynthError;
 
@@ -14,6 +17,28 @@ pub enum Family {
     /// `nemotron_h_moe`: one block per layer, `M` Mamba2, `E` MoE (sigmoid router, relu^2,
     /// shared expert, optional latent projection), `*` NoPE attention.
     NemotronHMoe,
+    /// `qwen2`: dense GQA attention with q/k/v biases, SwiGLU MLP (Qwen2 / Qwen2.5).
+    Qwen2,
+    /// `qwen3`: dense GQA attention with q/k RMS norms and no biases, SwiGLU MLP.
+    Qwen3,
+}
+
+impl Family {
+    /// The GGUF architecture name (`general.architecture`, and the prefix of its keys).
+    pub fn arch(self) -> &'static str {
+        match self {
+            Family::Qwen35Moe => "qwen35moe",
+            Family::Qwen3Moe => "qwen3moe",
+            Family::NemotronHMoe => "nemotron_h_moe",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+        }
+    }
+
+    /// Whether every layer is alike (any layer count from 1 up is a valid reduction).
+    pub fn uniform_layers(self) -> bool {
+        matches!(self, Family::Qwen3Moe | Family::Qwen2 | Family::Qwen3)
+    }
 }
 
 /// A named production shape.
@@ -26,10 +51,13 @@ pub struct Preset {
     /// Tensor set / GGUF architecture.
     pub family: Family,
     /// Production layer pattern, one letter per layer: `L`/`A` (linear / full attention) for
-    /// Qwen3.6, `A` for Qwen3, `M`/`E`/`*` for Nemotron.
+    /// Qwen3.6, `A` for Qwen3 MoE and the dense presets, `M`/`E`/`*` for Nemotron.
     pub pattern: &'static str,
     /// Whether `pattern` is an approximation (the exact production string is not public).
     pub pattern_approximate: bool,
+    /// Whether the output head is the token embedding (`tie_word_embeddings`: no
+    /// `output.weight` tensor; llama.cpp then reads `token_embd.weight` for both).
+    pub tied_embeddings: bool,
     /// Production dimensions.
     pub dims: Dims,
 }
@@ -59,7 +87,8 @@ pub struct Dims {
     pub n_ff_exp: usize,
     /// Shared expert FFN width (0: none).
     pub n_ff_shexp: usize,
-    /// Dense FFN width written as `feed_forward_length` (Qwen3 MoE; unused by the graph).
+    /// Dense FFN width written as `feed_forward_length`: the MLP width of the dense presets
+    /// (Qwen2, Qwen3); written but unused by the graph for Qwen3 MoE.
     pub n_ff_dense: usize,
     /// Latent MoE width (Nemotron 3 Super).
     pub latent: Option<usize>,
@@ -93,6 +122,12 @@ const SUPER_PATTERN: &str =
 /// Qwen3.6-35B-A3B: `[linear, linear, linear, full] x 10`.
 const QWEN36_PATTERN: &str = "LLLALLLALLLALLLALLLALLLALLLALLLALLLALLLA";
 
+/// Qwen2.5-Coder-1.5B: 28 attention layers.
+const QWEN25_1_5B_PATTERN: &str = "AAAAAAAAAAAAAAAAAAAAAAAAAAAA";
+
+/// Qwen3-8B: 36 attention layers.
+const QWEN3_8B_PATTERN: &str = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA";
+
 /// All presets.
 pub fn presets() -> Vec<Preset> {
     vec![
@@ -102,6 +137,7 @@ pub fn presets() -> Vec<Preset> {
             family: Family::Qwen35Moe,
             pattern: QWEN36_PATTERN,
             pattern_approximate: false,
+            tied_embeddings: false,
             dims: Dims {
                 n_vocab: 248_320,
                 n_embd: 2048,
@@ -132,6 +168,7 @@ pub fn presets() -> Vec<Preset> {
             family: Family::Qwen3Moe,
             pattern: "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA",
             pattern_approximate: false,
+            tied_embeddings: false,
             dims: Dims {
                 n_vocab: 151_936,
                 n_embd: 2048,
@@ -162,6 +199,7 @@ pub fn presets() -> Vec<Preset> {
             family: Family::NemotronHMoe,
             pattern: NANO_PATTERN,
             pattern_approximate: false,
+            tied_embeddings: false,
             dims: Dims {
                 n_vocab: 131_072,
                 n_embd: 2688,
@@ -192,6 +230,7 @@ pub fn presets() -> Vec<Preset> {
             family: Family::NemotronHMoe,
             pattern: SUPER_PATTERN,
             pattern_approximate: true,
+            tied_embeddings: false,
             dims: Dims {
                 n_vocab: 131_072,
                 n_embd: 4096,
@@ -214,6 +253,69 @@ pub fn presets() -> Vec<Preset> {
                 eps: 1e-5,
                 rope_theta: 10_000.0,
                 routed_scale: 5.0,
+            },
+        },
+        Preset {
+            name: "qwen2.5-coder-1.5b",
+            about: "Qwen2.5-Coder-1.5B (qwen2, dense): 28 layers, GQA 12/2 heads with q/k/v biases, tied embeddings",
+            family: Family::Qwen2,
+            pattern: QWEN25_1_5B_PATTERN,
+            pattern_approximate: false,
+            // config.json: "tie_word_embeddings": true (the published GGUFs have no output.weight).
+            tied_embeddings: true,
+            dims: Dims {
+                n_vocab: 151_936,
+                n_embd: 1536,
+                n_ctx: 32_768,
+                n_head: 12,
+                n_head_kv: 2,
+                head_dim: 128,
+                n_rot: 128,
+                n_expert: 0,
+                top_k: 0,
+                n_ff_exp: 0,
+                n_ff_shexp: 0,
+                n_ff_dense: 8960,
+                latent: None,
+                ssm_conv: 0,
+                ssm_state: 0,
+                ssm_groups: 0,
+                ssm_heads: 0,
+                ssm_head_dim: 0,
+                eps: 1e-6,
+                rope_theta: 1e6,
+                routed_scale: 1.0,
+            },
+        },
+        Preset {
+            name: "qwen3-8b",
+            about: "Qwen3-8B (qwen3, dense): 36 layers, GQA 32/8 heads with q/k norms, untied output",
+            family: Family::Qwen3,
+            pattern: QWEN3_8B_PATTERN,
+            pattern_approximate: false,
+            tied_embeddings: false,
+            dims: Dims {
+                n_vocab: 151_936,
+                n_embd: 4096,
+                n_ctx: 40_960,
+                n_head: 32,
+                n_head_kv: 8,
+                head_dim: 128,
+                n_rot: 128,
+                n_expert: 0,
+                top_k: 0,
+                n_ff_exp: 0,
+                n_ff_shexp: 0,
+                n_ff_dense: 12_288,
+                latent: None,
+                ssm_conv: 0,
+                ssm_state: 0,
+                ssm_groups: 0,
+                ssm_heads: 0,
+                ssm_head_dim: 0,
+                eps: 1e-6,
+                rope_theta: 1e6,
+                routed_scale: 1.0,
             },
         },
     ]
@@ -247,7 +349,7 @@ impl Preset {
         let max = self.n_layer();
         let min = match self.family {
             Family::Qwen35Moe => 4,
-            Family::Qwen3Moe => 1,
+            Family::Qwen3Moe | Family::Qwen2 | Family::Qwen3 => 1,
             Family::NemotronHMoe => {
                 // The shortest prefix holding every block kind.
                 let kinds: Vec<char> = {
@@ -267,7 +369,7 @@ impl Preset {
     /// The layer pattern for `layers` layers (`None`: production count).
     ///
     /// - Qwen3.6: a multiple of 4, keeping the `[linear, linear, linear, full]` period.
-    /// - Qwen3: any count (all layers are alike).
+    /// - Qwen3 MoE and the dense presets: any count (all layers are alike).
     /// - Nemotron: a prefix of the production pattern long enough to hold every block kind
     ///   (`MEMEM*` for Nano; a prefix keeps the local interleaving, so per-block costs and the
     ///   M:E ratio stay close to production).
@@ -280,7 +382,7 @@ impl Preset {
             Family::Qwen35Moe => {
                 "a multiple of 4, keeping the [linear, linear, linear, full] period"
             }
-            Family::Qwen3Moe => "all layers are alike",
+            Family::Qwen3Moe | Family::Qwen2 | Family::Qwen3 => "all layers are alike",
             Family::NemotronHMoe => {
                 "a prefix of the block pattern that holds every block kind M, E, *"
             }
@@ -298,7 +400,8 @@ impl Preset {
     /// The dimensions with the width divided by `div` (1: production). Test-only: keeps the
     /// structure (head dims, state sizes, top-k, GQA) while shrinking hidden size, FFN widths,
     /// head counts, expert count and vocabulary, rounding widths up to multiples of 32 so every
-    /// 32-element block type still fits.
+    /// 32-element block type still fits (Qwen2: hidden size = heads x head dim, as its GGUF
+    /// has no head-size key).
     pub fn dims(&self, div: usize) -> Dims {
         let d = self.dims.clone();
         if div <= 1 {
@@ -318,13 +421,24 @@ impl Preset {
         } else {
             c(d.ssm_heads).div_ceil(ssm_groups) * ssm_groups
         };
+        // Qwen2 has no head-size key: llama.cpp and Kapitsa derive it as n_embd / n_head, so
+        // the hidden size must stay n_head * head_dim.
+        let n_embd = if self.family == Family::Qwen2 {
+            n_head * d.head_dim
+        } else {
+            w(d.n_embd)
+        };
         Dims {
             n_vocab: (d.n_vocab / div).max(256),
-            n_embd: w(d.n_embd),
+            n_embd,
             n_head,
             n_head_kv,
-            n_expert: c(d.n_expert).max(2 * d.top_k),
-            n_ff_exp: w(d.n_ff_exp),
+            n_expert: if d.n_expert == 0 {
+                0
+            } else {
+                c(d.n_expert).max(2 * d.top_k)
+            },
+            n_ff_exp: if d.n_ff_exp == 0 { 0 } else { w(d.n_ff_exp) },
             n_ff_shexp: if d.n_ff_shexp == 0 {
                 0
             } else {

@@ -2,7 +2,9 @@
 //! Kapitsa's GGUF reader with exactly the planned tensors, loads with `load_model` and runs a
 //! forward pass with finite logits; the random quantised blocks have the planned statistics;
 //! the Q4_K_M type mix follows llama-quantize's rules at production shapes; routers spread
-//! tokens over experts unevenly; the tokenizer is padded like llama.cpp's converter pads.
+//! tokens over experts unevenly; the tokenizer is padded like llama.cpp's converter pads; the
+//! dense presets (Qwen2.5-Coder-1.5B with tied embeddings, Qwen3-8B) have the production tensor
+//! set and type mix, and a vocab-only tokenizer source (llama.cpp's `ggml-vocab-*.gguf`) works.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -149,7 +151,7 @@ fn nemotron_super_min_layers_loads_and_runs() {
 #[test]
 fn presets_have_the_production_shapes() {
     let ps = presets();
-    assert_eq!(ps.len(), 4);
+    assert_eq!(ps.len(), 6);
     let count = |p: &str, c: char| p.chars().filter(|&x| x == c).count();
     for p in &ps {
         match p.name {
@@ -180,8 +182,32 @@ fn presets_have_the_production_shapes() {
                     (40, 40, 8)
                 );
             }
+            "qwen2.5-coder-1.5b" => {
+                assert_eq!(p.n_layer(), 28);
+                assert!(p.tied_embeddings);
+                assert_eq!(p.family.arch(), "qwen2");
+                let d = &p.dims;
+                assert_eq!(
+                    (d.n_embd, d.n_head, d.n_head_kv, d.head_dim, d.n_ff_dense),
+                    (1536, 12, 2, 128, 8960)
+                );
+                assert_eq!((d.n_vocab, d.n_ctx), (151_936, 32_768));
+                assert_eq!(d.n_head * d.head_dim, d.n_embd);
+            }
+            "qwen3-8b" => {
+                assert_eq!(p.n_layer(), 36);
+                assert!(!p.tied_embeddings);
+                assert_eq!(p.family.arch(), "qwen3");
+                let d = &p.dims;
+                assert_eq!(
+                    (d.n_embd, d.n_head, d.n_head_kv, d.head_dim, d.n_ff_dense),
+                    (4096, 32, 8, 128, 12_288)
+                );
+                assert_eq!((d.n_vocab, d.n_ctx), (151_936, 40_960));
+            }
             other => panic!("unexpected preset {other}"),
         }
+        assert!(p.pattern.chars().all(|c| "LAME*".contains(c)));
     }
 }
 
@@ -543,5 +569,200 @@ fn dot_kernels_agree_on_synthetic_blocks() {
                 );
             }
         }
+    }
+}
+
+#[test]
+fn dense_presets_reduced_width_load_and_run() {
+    write_load_run(&opts("qwen2.5-coder-1.5b", 2, QuantMix::Q4KM, 8));
+    write_load_run(&opts("qwen2.5-coder-1.5b", 1, QuantMix::Q8_0, 8));
+    write_load_run(&opts("qwen3-8b", 2, QuantMix::Q4KM, 16));
+    write_load_run(&opts("qwen3-8b", 1, QuantMix::F16, 32));
+}
+
+/// The production-width Qwen2.5-Coder-1.5B at one layer (~220 MB: the tied Q6_K embedding
+/// and one layer) writes, loads and runs: the real K-quant shapes through Kapitsa's kernels.
+#[test]
+fn qwen25_1_5b_full_width_one_layer_loads_and_runs() {
+    write_load_run(&opts("qwen2.5-coder-1.5b", 1, QuantMix::Q4KM, 1));
+}
+
+/// `use_more_bits(i, n)` layers, llama.cpp's rule.
+fn more_bits(n: usize) -> Vec<usize> {
+    (0..n)
+        .filter(|&i| i < n / 8 || i >= 7 * n / 8 || (i as i64 - (n / 8) as i64) % 3 == 2)
+        .collect()
+}
+
+/// Check the Q4_K_M mix of a dense plan: attention-V and ffn_down Q6_K in the use_more_bits
+/// layers, every other matrix Q4_K, vectors F32.
+fn check_dense_mix(p: &kapitsa_synth::Plan, n_layer: usize, qwen3: bool) {
+    let more = more_bits(n_layer);
+    for i in 0..n_layer {
+        let want = if more.contains(&i) {
+            GgmlType::Q6_K
+        } else {
+            GgmlType::Q4_K
+        };
+        let t = |s: &str| ty(p, &format!("blk.{i}.{s}"));
+        assert_eq!(t("attn_v.weight"), want, "layer {i}");
+        assert_eq!(t("ffn_down.weight"), want, "layer {i}");
+        for m in ["attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"] {
+            assert_eq!(t(&format!("{m}.weight")), GgmlType::Q4_K, "{m} {i}");
+        }
+        for v in ["attn_norm.weight", "ffn_norm.weight"] {
+            assert_eq!(t(v), GgmlType::F32);
+        }
+        if qwen3 {
+            assert_eq!(t("attn_q_norm.weight"), GgmlType::F32);
+            assert_eq!(t("attn_k_norm.weight"), GgmlType::F32);
+        } else {
+            for b in ["attn_q.bias", "attn_k.bias", "attn_v.bias"] {
+                assert_eq!(t(b), GgmlType::F32);
+            }
+        }
+    }
+}
+
+#[test]
+fn q4_k_m_mix_qwen25_1_5b_production() {
+    let p = types_of("qwen2.5-coder-1.5b", None, false);
+    // 12 tensors per layer (norms, q/k/v weights and biases, output, MLP) + embedding + norm;
+    // no output.weight: the embedding is tied and gets the output head's type.
+    assert_eq!(p.tensors.len(), 28 * 12 + 2);
+    assert!(p.tensors.iter().all(|t| t.name != "output.weight"));
+    assert_eq!(ty(&p, "token_embd.weight"), GgmlType::Q6_K);
+    assert_eq!(more_bits(28).len(), 14);
+    check_dense_mix(&p, 28, false);
+    let sh = |n: &str| {
+        p.tensors
+            .iter()
+            .find(|t| t.name == n)
+            .unwrap()
+            .shape
+            .clone()
+    };
+    assert_eq!(sh("token_embd.weight"), vec![151_936, 1536]);
+    assert_eq!(sh("blk.0.attn_q.weight"), vec![1536, 1536]);
+    assert_eq!(sh("blk.0.attn_k.weight"), vec![256, 1536]);
+    assert_eq!(sh("blk.0.attn_v.bias"), vec![256]);
+    assert_eq!(sh("blk.0.ffn_down.weight"), vec![1536, 8960]);
+    assert_eq!(sh("blk.0.ffn_up.weight"), vec![8960, 1536]);
+    // The published Qwen2.5-Coder-1.5B-Instruct Q4_K_M (Qwen's own conversion, which keeps a
+    // separate output.weight) holds 1,111,370,240 bytes of tensor data, of which its Q4_K
+    // token_embd is 131,272,704: the tied layout leaves exactly that out (the tied embedding
+    // takes output.weight's Q6_K). Its other tensors have our types and sizes, with the same 14
+    // Q6_K layers counted in another order: that file's older llama-quantize visited tensors in
+    // name order (blk.0, blk.1, blk.10, ...), today's visits them in layer order, as we do.
+    let data: u64 = p.tensors.iter().map(|t| t.n_bytes()).sum();
+    assert_eq!(data, 1_111_370_240 - 131_272_704);
+    let params = p.n_params();
+    assert!((1.54e9..1.55e9).contains(&(params as f64)), "{params}");
+    let md = |k: &str| {
+        p.metadata
+            .iter()
+            .find(|(kk, _)| kk == k)
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(
+        md("general.architecture"),
+        Some(GgufValue::String("qwen2".into()))
+    );
+    assert_eq!(md("qwen2.block_count"), Some(GgufValue::U32(28)));
+    assert_eq!(md("qwen2.feed_forward_length"), Some(GgufValue::U32(8960)));
+    assert_eq!(md("qwen2.attention.head_count_kv"), Some(GgufValue::U32(2)));
+    assert_eq!(md("qwen2.rope.freq_base"), Some(GgufValue::F32(1e6)));
+    assert_eq!(md("qwen2.context_length"), Some(GgufValue::U32(32_768)));
+}
+
+#[test]
+fn q4_k_m_mix_qwen3_8b_production() {
+    let p = types_of("qwen3-8b", None, false);
+    assert_eq!(p.tensors.len(), 36 * 11 + 3);
+    assert_eq!(ty(&p, "output.weight"), GgmlType::Q6_K);
+    assert_eq!(ty(&p, "token_embd.weight"), GgmlType::Q4_K);
+    assert_eq!(more_bits(36).len(), 18);
+    check_dense_mix(&p, 36, true);
+    let sh = |n: &str| {
+        p.tensors
+            .iter()
+            .find(|t| t.name == n)
+            .unwrap()
+            .shape
+            .clone()
+    };
+    assert_eq!(sh("blk.0.attn_q.weight"), vec![4096, 4096]);
+    assert_eq!(sh("blk.0.attn_k.weight"), vec![1024, 4096]);
+    assert_eq!(sh("blk.0.attn_q_norm.weight"), vec![128]);
+    assert_eq!(sh("blk.0.ffn_down.weight"), vec![4096, 12_288]);
+    assert!(p.tensors.iter().all(|t| !t.name.ends_with(".bias")));
+    let params = p.n_params();
+    assert!((8.18e9..8.20e9).contains(&(params as f64)), "{params}");
+    let md = |k: &str| {
+        p.metadata
+            .iter()
+            .find(|(kk, _)| kk == k)
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(md("qwen3.attention.key_length"), Some(GgufValue::U32(128)));
+    assert_eq!(md("qwen3.context_length"), Some(GgufValue::U32(40_960)));
+    assert_eq!(
+        md("qwen3.feed_forward_length"),
+        Some(GgufValue::U32(12_288))
+    );
+}
+
+/// A vocab-only GGUF (tokenizer metadata, no tensors: the layout of llama.cpp's
+/// `models/ggml-vocab-qwen2.gguf`, the tokenizer source on the GPU machine) made from the small
+/// fixture's tokenizer.
+fn vocab_only_gguf(dir: &Path) -> PathBuf {
+    let src = GgufFile::open(&tokenizer()).unwrap();
+    let mut w = kapitsa_formats::GgufWriter::new();
+    w.add_kv("general.architecture", GgufValue::String("qwen2".into()));
+    w.add_kv("general.name", GgufValue::String("qwen2".into()));
+    for (k, v) in src.metadata() {
+        if k.starts_with("tokenizer.") {
+            w.add_kv(k.clone(), v.clone());
+        }
+    }
+    let path = dir.join("ggml-vocab-test.gguf");
+    std::fs::write(&path, w.to_bytes()).unwrap();
+    assert_eq!(GgufFile::open(&path).unwrap().tensor_infos().len(), 0);
+    path
+}
+
+#[test]
+fn vocab_only_tokenizer_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let vocab = vocab_only_gguf(dir.path());
+    let src = GgufFile::open(&tokenizer()).unwrap();
+    for preset in ["qwen2.5-coder-1.5b", "qwen3-8b"] {
+        let mut o = opts(preset, 1, QuantMix::Q4KM, 16);
+        o.tokenizer_from = Some(vocab.clone());
+        let p = prepare(&o).unwrap();
+        assert_eq!(p.n_tokens, 400);
+        // Every tokenizer key is copied; the per-token arrays padded, the rest unchanged.
+        for (k, v) in src
+            .metadata()
+            .iter()
+            .filter(|(k, _)| k.starts_with("tokenizer."))
+        {
+            let got = p
+                .plan
+                .metadata
+                .iter()
+                .find(|(kk, _)| kk == k)
+                .map(|(_, v)| v);
+            match k.as_str() {
+                "tokenizer.ggml.tokens" | "tokenizer.ggml.token_type" => {
+                    assert_eq!(
+                        got.and_then(|g| g.as_array()).map(|a| a.len()),
+                        Some(p.plan.dims.n_vocab)
+                    );
+                }
+                _ => assert_eq!(got, Some(v), "{k}"),
+            }
+        }
+        write_load_run(&o);
     }
 }
