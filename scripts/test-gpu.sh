@@ -33,7 +33,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 status=0
 echo "== selftest (ops, tiny fixtures, synthetic file) =="
 SYN=/tmp/kapitsa-syn-qwen2.gguf
-if ! "$BIN" synth --preset qwen2.5-coder-1.5b --layers 4 -o "$SYN" >"$OUT/synth.log" 2>&1; then
+if ! "$BIN" synth --preset qwen2.5-coder-1.5b --layers 4 \
+    --tokenizer-from tests/fixtures/tiny/qwen2-a/model-f32.gguf -o "$SYN" >"$OUT/synth.log" 2>&1; then
   echo "note: synth of the dense preset failed (see synth.log); the synthetic check is skipped"
   SYN=""
 fi

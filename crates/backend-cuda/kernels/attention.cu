@@ -1,0 +1,437 @@
+// Paged KV cache writes and causal paged attention over a whole batch: the CUDA twins of the
+// CPU backend's src/attention.rs.
+//
+// Cache layout (kapitsa_backend::KvLayer): K and V each `[n_blocks, block_size, kv_dim]` of
+// the cache type (f32, f16, or Q8_0 blocks of 32 elements / 34 bytes: f16 scale then 32 int8);
+// position p of a sequence is row p % block_size of block table[p / block_size];
+// kv_dim = n_head_kv * head_dim. The batch arrays (common.cuh, src/buffers.rs) give each
+// token its position and sequence, and each sequence its block table.
+//
+// Attention: query token t (position p) of head h attends to positions 0..=p of its sequence
+// in KV head h / (n_head / n_head_kv); scores q.k * scale, softmax in f32 with a running max
+// (online softmax), output sum_j p_j v_j. One launch covers every sequence.
+//
+// Two kernels share the work, chosen per sequence by its number of new tokens (never by the
+// rest of the batch): sequences of at least TILE_MIN tokens (src/attention.rs; prefill chunks) go to the tiled
+// kernel `attn_tile_*` (see there), the others (decode, short speculative chunks) to the split
+// kernel, which runs over a list of their tokens.
+//
+// The split kernel (`attn_split_*`) splits each query's context into fixed chunks of ATTN_SPLIT
+// positions (flash-decoding): block (i, h, s) handles chunk s of token t's context for query
+// head h, its 4 warps take every 4th position of the chunk, each lane holds head dims
+// lane + 32 i. With one chunk in the grid the block writes the normalised output; with more,
+// it writes (max, sum, unnormalised acc) to a workspace that `attn_combine` merges in chunk
+// order. The chunking depends only on the token's own position, never on the rest of the
+// batch, so results are batch-invariant.
+#include "common.cuh"
+
+// Positions per chunk of the split attention (src/attention.rs `ATTN_SPLIT` must match).
+#define ATTN_SPLIT 256
+#define ATTN_WARPS 4
+
+// ---- element loads of the three cache types ---------------------------------------------------
+
+struct CacheF32 {
+  typedef float T;
+  __device__ static __forceinline__ float load(const float* c, uint64_t i) { return c[i]; }
+};
+struct CacheF16 {
+  typedef __half T;
+  __device__ static __forceinline__ float load(const __half* c, uint64_t i) { return __half2float(c[i]); }
+};
+struct CacheQ8 {
+  typedef uint8_t T;
+  __device__ static __forceinline__ float load(const uint8_t* c, uint64_t i) {
+    const uint8_t* blk = c + (i / Q8_BLOCK) * Q8_BYTES;
+    return q8_scale(blk) * (float)(int8_t)blk[2 + i % Q8_BLOCK];
+  }
+};
+
+// Cache row of position p of the sequence whose table starts at `table`, or -1 when its block
+// id is past n_blocks (a corrupt table must not read or write out of bounds).
+__device__ __forceinline__ int64_t cache_row(const uint32_t* table, uint32_t p, uint32_t block_size,
+                                             uint32_t n_blocks) {
+  const uint32_t b = table[p / block_size];
+  if (b >= n_blocks) return -1;
+  return (int64_t)b * block_size + p % block_size;
+}
+
+// ---- kv_write -----------------------------------------------------------------------------------
+
+// f32 and f16 caches: one thread per (token, element) writes the K and the V value.
+template <typename C>
+__device__ __forceinline__ void kv_write_plain(const float* __restrict__ k, const float* __restrict__ v,
+                                               typename C::T* __restrict__ kc, typename C::T* __restrict__ vc,
+                                               const uint32_t* __restrict__ positions,
+                                               const uint32_t* __restrict__ tok_seq,
+                                               const uint32_t* __restrict__ seqs,
+                                               const uint32_t* __restrict__ tables, uint32_t n_tokens,
+                                               uint32_t kv_dim, uint32_t block_size, uint32_t n_blocks) {
+  const uint64_t n = (uint64_t)n_tokens * kv_dim;
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x) {
+    const uint32_t t = i / kv_dim, c = i % kv_dim;
+    const uint32_t* seq = seqs + tok_seq[t] * SEQ_FIELDS;
+    const int64_t row = cache_row(tables + seq[SEQ_TSTART], positions[t], block_size, n_blocks);
+    if (row < 0) continue;
+    const uint64_t o = (uint64_t)row * kv_dim + c;
+    if constexpr (sizeof(typename C::T) == 4) {
+      kc[o] = k[i];
+      vc[o] = v[i];
+    } else {
+      kc[o] = __float2half_rn(k[i]);
+      vc[o] = __float2half_rn(v[i]);
+    }
+  }
+}
+
+extern "C" __global__ void kv_write_f32(const float* k, const float* v, float* kc, float* vc, const uint32_t* positions,
+                                        const uint32_t* tok_seq, const uint32_t* seqs, const uint32_t* tables,
+                                        uint32_t n_tokens, uint32_t kv_dim, uint32_t block_size, uint32_t n_blocks) {
+  kv_write_plain<CacheF32>(k, v, kc, vc, positions, tok_seq, seqs, tables, n_tokens, kv_dim, block_size, n_blocks);
+}
+
+extern "C" __global__ void kv_write_f16(const float* k, const float* v, __half* kc, __half* vc,
+                                        const uint32_t* positions, const uint32_t* tok_seq, const uint32_t* seqs,
+                                        const uint32_t* tables, uint32_t n_tokens, uint32_t kv_dim,
+                                        uint32_t block_size, uint32_t n_blocks) {
+  kv_write_plain<CacheF16>(k, v, kc, vc, positions, tok_seq, seqs, tables, n_tokens, kv_dim, block_size, n_blocks);
+}
+
+// Quantise 32 values (one per lane) into the Q8_0 block at `dst`, as kernels-cpu's x86 Q8_0
+// quantiser: d = amax / 127, id = 127 / amax (0 when amax is 0), q = round-half-even(x * id)
+// clamped to [-128, 127], d stored as f16.
+__device__ __forceinline__ void q8_quantize_warp(float x, uint8_t* dst, int lane) {
+  const float amax = warp_max(fabsf(x));
+  const float d = amax / 127.0f;
+  const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+  const float r = fminf(fmaxf(rintf(x * id), -128.0f), 127.0f);
+  dst[2 + lane] = (uint8_t)(int8_t)(int)r;
+  if (lane == 0) {
+    const uint16_t bits = __half_as_ushort(__float2half_rn(d));
+    dst[0] = (uint8_t)(bits & 0xff);
+    dst[1] = (uint8_t)(bits >> 8);
+  }
+}
+
+// Q8_0 caches: one warp per (token, 32-element block) quantises the K and the V block.
+// kv_dim is a multiple of 32 (checked on the host).
+extern "C" __global__ void kv_write_q8_0(const float* __restrict__ k, const float* __restrict__ v,
+                                         uint8_t* __restrict__ kc, uint8_t* __restrict__ vc,
+                                         const uint32_t* __restrict__ positions, const uint32_t* __restrict__ tok_seq,
+                                         const uint32_t* __restrict__ seqs, const uint32_t* __restrict__ tables,
+                                         uint32_t n_tokens, uint32_t kv_dim, uint32_t block_size,
+                                         uint32_t n_blocks) {
+  const int lane = threadIdx.x & 31;
+  const uint32_t bpr = kv_dim / Q8_BLOCK;  // Q8 blocks per cache row
+  const uint64_t n_warps_total = (uint64_t)n_tokens * bpr;
+  const uint64_t warps_per_grid = ((uint64_t)gridDim.x * blockDim.x) >> 5;
+  for (uint64_t wi = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; wi < n_warps_total;
+       wi += warps_per_grid) {
+    const uint32_t t = wi / bpr, qb = wi % bpr;
+    const uint32_t* seq = seqs + tok_seq[t] * SEQ_FIELDS;
+    const int64_t row = cache_row(tables + seq[SEQ_TSTART], positions[t], block_size, n_blocks);
+    if (row < 0) continue;  // uniform across the warp
+    const uint64_t src = (uint64_t)t * kv_dim + (uint64_t)qb * Q8_BLOCK + lane;
+    const uint64_t dst = ((uint64_t)row * bpr + qb) * Q8_BYTES;
+    q8_quantize_warp(k[src], kc + dst, lane);
+    q8_quantize_warp(v[src], vc + dst, lane);
+  }
+}
+
+// ---- split attention ------------------------------------------------------------------------------
+
+// Block (i, h, s): chunk s of the context of query token t = toks[i] (the tokens of the
+// sequences the split kernel serves), query head h. NI = head dims per lane
+// (head_dim <= 32 NI). out: `[n_tokens, n_head * head_dim]` when gridDim.z == 1; otherwise ws
+// `[n_listed, n_head, gridDim.z, head_dim + 2]` receives (max, sum, acc[head_dim]) per chunk.
+template <typename C, int NI>
+__device__ __forceinline__ void attn_split(const float* __restrict__ q, const typename C::T* __restrict__ kc,
+                                           const typename C::T* __restrict__ vc,
+                                           const uint32_t* __restrict__ positions,
+                                           const uint32_t* __restrict__ tok_seq, const uint32_t* __restrict__ seqs,
+                                           const uint32_t* __restrict__ tables, uint32_t n_head, uint32_t n_head_kv,
+                                           uint32_t head_dim, float scale, uint32_t block_size, uint32_t n_blocks,
+                                           const uint32_t* __restrict__ toks, float* __restrict__ out,
+                                           float* __restrict__ ws) {
+  __shared__ float sm_m[ATTN_WARPS], sm_l[ATTN_WARPS];
+  __shared__ float sm_acc[ATTN_WARPS][32 * NI];
+  const uint32_t ti = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
+  const uint32_t t = toks[ti];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t kv_dim = n_head_kv * head_dim;
+  const uint32_t kvh = h / (n_head / n_head_kv);
+  const uint32_t ctx = positions[t] + 1;
+  const uint32_t* table = tables + seqs[tok_seq[t] * SEQ_FIELDS + SEQ_TSTART];
+  const uint32_t j0 = s * ATTN_SPLIT;
+  const uint32_t j1 = min(ctx, j0 + ATTN_SPLIT);
+
+  float qr[NI], acc[NI];
+  const float* qt = q + ((uint64_t)t * n_head + h) * head_dim;
+#pragma unroll
+  for (int i = 0; i < NI; ++i) {
+    const uint32_t d = lane + 32 * i;
+    qr[i] = d < head_dim ? qt[d] : 0.0f;
+    acc[i] = 0.0f;
+  }
+  float m = -INFINITY, l = 0.0f;
+  for (uint32_t j = j0 + warp; j < j1; j += ATTN_WARPS) {
+    const int64_t row = cache_row(table, j, block_size, n_blocks);
+    if (row < 0) continue;  // uniform across the warp
+    const uint64_t base = (uint64_t)row * kv_dim + (uint64_t)kvh * head_dim;
+    float dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      const uint32_t d = lane + 32 * i;
+      if (d < head_dim) dot += qr[i] * C::load(kc, base + d);
+    }
+    const float sc = warp_sum(dot) * scale;
+    const float m_new = fmaxf(m, sc);
+    const float corr = expf(m - m_new);  // 0 on the first position (m = -inf)
+    const float p = expf(sc - m_new);
+    l = l * corr + p;
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      const uint32_t d = lane + 32 * i;
+      const float vv = d < head_dim ? C::load(vc, base + d) : 0.0f;
+      acc[i] = acc[i] * corr + p * vv;
+    }
+    m = m_new;
+  }
+  if (lane == 0) {
+    sm_m[warp] = m;
+    sm_l[warp] = l;
+  }
+#pragma unroll
+  for (int i = 0; i < NI; ++i) sm_acc[warp][lane + 32 * i] = acc[i];
+  __syncthreads();
+  if (warp != 0) return;
+  // merge the warps in order
+  float mm = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < ATTN_WARPS; ++w) mm = fmaxf(mm, sm_m[w]);
+  float ll = 0.0f, f[ATTN_WARPS];
+#pragma unroll
+  for (int w = 0; w < ATTN_WARPS; ++w) {
+    f[w] = mm == -INFINITY ? 0.0f : expf(sm_m[w] - mm);
+    ll += sm_l[w] * f[w];
+  }
+  if (gridDim.z == 1) {
+    float* o = out + ((uint64_t)t * n_head + h) * head_dim;
+    const float inv = ll > 0.0f ? 1.0f / ll : 0.0f;
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      const uint32_t d = lane + 32 * i;
+      if (d >= head_dim) continue;
+      float a = 0.0f;
+#pragma unroll
+      for (int w = 0; w < ATTN_WARPS; ++w) a += sm_acc[w][d] * f[w];
+      o[d] = a * inv;
+    }
+  } else {
+    float* o = ws + (((uint64_t)ti * n_head + h) * gridDim.z + s) * (head_dim + 2);
+    if (lane == 0) {
+      o[0] = mm;
+      o[1] = ll;
+    }
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      const uint32_t d = lane + 32 * i;
+      if (d >= head_dim) continue;
+      float a = 0.0f;
+#pragma unroll
+      for (int w = 0; w < ATTN_WARPS; ++w) a += sm_acc[w][d] * f[w];
+      o[2 + d] = a;
+    }
+  }
+}
+
+#define ATTN_SPLIT_KERNEL(NAME, C, NI)                                                                           \
+  extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS)                                                  \
+      NAME(const float* q, const C::T* kc, const C::T* vc, const uint32_t* positions, const uint32_t* tok_seq,    \
+           const uint32_t* seqs, const uint32_t* tables, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim, \
+           float scale, uint32_t block_size, uint32_t n_blocks, const uint32_t* toks, float* out, float* ws) {  \
+    attn_split<C, NI>(q, kc, vc, positions, tok_seq, seqs, tables, n_head, n_head_kv, head_dim, scale,          \
+                      block_size, n_blocks, toks, out, ws);                                                      \
+  }
+
+ATTN_SPLIT_KERNEL(attn_split_f32_2, CacheF32, 2)
+ATTN_SPLIT_KERNEL(attn_split_f32_4, CacheF32, 4)
+ATTN_SPLIT_KERNEL(attn_split_f32_8, CacheF32, 8)
+ATTN_SPLIT_KERNEL(attn_split_f16_2, CacheF16, 2)
+ATTN_SPLIT_KERNEL(attn_split_f16_4, CacheF16, 4)
+ATTN_SPLIT_KERNEL(attn_split_f16_8, CacheF16, 8)
+ATTN_SPLIT_KERNEL(attn_split_q8_0_2, CacheQ8, 2)
+ATTN_SPLIT_KERNEL(attn_split_q8_0_4, CacheQ8, 4)
+ATTN_SPLIT_KERNEL(attn_split_q8_0_8, CacheQ8, 8)
+
+// ---- tiled attention (prefill) -------------------------------------------------------------------
+
+// Query rows and cache positions per tile (src/attention.rs `TILE_Q`, `TILE_K` must match).
+#define TILE_Q 16
+#define TILE_K 32
+#define TILE_THREADS 128  // 8 threads per query row
+
+// Block (i, h): tile i of the batch's tile list (tiles[2 i] = sequence, tiles[2 i + 1] = first
+// query row within it), query head h. Up to TILE_Q consecutive query tokens of one sequence
+// attend over its cache in tiles of TILE_K positions staged in shared memory as f32 (so each
+// K/V row is read once per TILE_Q queries); each query row is owned by 8 threads (lane groups
+// of 8), which keep its running max and sum and its output dims c + 8 j (c = thread in group).
+// A query's arithmetic depends only on its position (cache tiles start at position 0; tiles
+// past its position are fully masked and leave its state unchanged), so its result is the
+// same whichever query tile or piece of the sequence it is computed in.
+// DPT: output dims per thread (head_dim <= 8 DPT). Dynamic shared memory (floats):
+// TILE_Q (hd + 1) + TILE_K (hd + 1) + TILE_K hd + TILE_Q (TILE_K + 1), then TILE_K int64 rows.
+template <typename C, int DPT>
+__device__ __forceinline__ void attn_tile(const float* __restrict__ q, const typename C::T* __restrict__ kc,
+                                          const typename C::T* __restrict__ vc, const uint32_t* __restrict__ tiles,
+                                          const uint32_t* __restrict__ seqs, const uint32_t* __restrict__ tables,
+                                          uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim, float scale,
+                                          uint32_t block_size, uint32_t n_blocks, float* __restrict__ out) {
+  extern __shared__ float smem[];
+  const uint32_t hd = head_dim, hp = head_dim + 1;
+  float* sQ = smem;                   // [TILE_Q][hd + 1]
+  float* sK = sQ + TILE_Q * hp;       // [TILE_K][hd + 1]
+  float* sV = sK + TILE_K * hp;       // [TILE_K][hd]
+  float* sS = sV + TILE_K * hd;       // [TILE_Q][TILE_K + 1]
+  int64_t* sRow = (int64_t*)(sS + TILE_Q * (TILE_K + 1));  // [TILE_K], 8-byte aligned (host pads)
+
+  const uint32_t tid = threadIdx.x, r = tid >> 3, c = tid & 7;
+  const uint32_t h = blockIdx.y;
+  const uint32_t* seq = seqs + tiles[2 * blockIdx.x] * SEQ_FIELDS;
+  const uint32_t qoff = tiles[2 * blockIdx.x + 1];
+  const uint32_t len = seq[SEQ_LEN], pos0 = seq[SEQ_POS0];
+  const uint32_t nq = min((uint32_t)TILE_Q, len - qoff);
+  const uint64_t t0 = (uint64_t)seq[SEQ_START] + qoff;
+  const uint32_t* table = tables + seq[SEQ_TSTART];
+  const uint32_t kv_dim = n_head_kv * hd;
+  const uint32_t kvh = h / (n_head / n_head_kv);
+  const uint32_t my_pos = pos0 + qoff + r;              // this thread's query position
+  const uint32_t ctx_end = pos0 + qoff + nq;             // positions 0..ctx_end are needed
+
+  for (uint32_t i = tid; i < TILE_Q * hd; i += TILE_THREADS) {
+    const uint32_t qr = i / hd, d = i % hd;
+    sQ[qr * hp + d] = qr < nq ? q[((t0 + qr) * n_head + h) * hd + d] : 0.0f;
+  }
+  float acc[DPT];
+#pragma unroll
+  for (int j = 0; j < DPT; ++j) acc[j] = 0.0f;
+  float m = -INFINITY, l = 0.0f;
+
+  for (uint32_t j0 = 0; j0 < ctx_end; j0 += TILE_K) {
+    __syncthreads();  // the previous tile's K/V/S reads are done (and sQ is written)
+    if (tid < TILE_K) {
+      const uint32_t p = j0 + tid;
+      sRow[tid] = p < ctx_end ? cache_row(table, p, block_size, n_blocks) : -1;
+    }
+    __syncthreads();
+    for (uint32_t i = tid; i < TILE_K * hd; i += TILE_THREADS) {
+      const uint32_t kj = i / hd, d = i % hd;
+      const int64_t row = sRow[kj];
+      float kv = 0.0f, vv = 0.0f;
+      if (row >= 0) {
+        const uint64_t o = (uint64_t)row * kv_dim + (uint64_t)kvh * hd + d;
+        kv = C::load(kc, o);
+        vv = C::load(vc, o);
+      }
+      sK[kj * hp + d] = kv;
+      sV[kj * hd + d] = vv;
+    }
+    __syncthreads();
+    // scores of row r against positions j0 + c + 8 u
+    float sc[TILE_K / 8];
+#pragma unroll
+    for (int u = 0; u < TILE_K / 8; ++u) sc[u] = 0.0f;
+    for (uint32_t d = 0; d < hd; ++d) {
+      const float qv = sQ[r * hp + d];
+#pragma unroll
+      for (int u = 0; u < TILE_K / 8; ++u) sc[u] += qv * sK[(c + 8 * u) * hp + d];
+    }
+    float mx = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < TILE_K / 8; ++u) {
+      const uint32_t kj = c + 8 * u;
+      const bool ok = sRow[kj] >= 0 && j0 + kj <= my_pos;
+      sc[u] = ok ? sc[u] * scale : -INFINITY;
+      mx = fmaxf(mx, sc[u]);
+    }
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const float m_new = fmaxf(m, mx);
+    const float corr = m_new == -INFINITY ? 1.0f : expf(m - m_new);
+    float rs = 0.0f;
+#pragma unroll
+    for (int u = 0; u < TILE_K / 8; ++u) {
+      const float p = m_new == -INFINITY ? 0.0f : expf(sc[u] - m_new);
+      sS[r * (TILE_K + 1) + c + 8 * u] = p;
+      rs += p;
+    }
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) rs += __shfl_xor_sync(0xffffffffu, rs, o);
+    l = l * corr + rs;
+    m = m_new;
+    __syncwarp();  // row r's probabilities come from its own lane group
+#pragma unroll
+    for (int j = 0; j < DPT; ++j) {
+      const uint32_t d = c + 8 * j;
+      if (d >= hd) continue;
+      float a = acc[j] * corr;
+      for (uint32_t kj = 0; kj < TILE_K; ++kj) a += sS[r * (TILE_K + 1) + kj] * sV[kj * hd + d];
+      acc[j] = a;
+    }
+  }
+  if (r < nq) {
+    float* o = out + ((t0 + r) * n_head + h) * hd;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+    for (int j = 0; j < DPT; ++j) {
+      const uint32_t d = c + 8 * j;
+      if (d < hd) o[d] = acc[j] * inv;
+    }
+  }
+}
+
+#define ATTN_TILE_KERNEL(NAME, C, DPT)                                                                        \
+  extern "C" __global__ void __launch_bounds__(TILE_THREADS)                                                  \
+      NAME(const float* q, const C::T* kc, const C::T* vc, const uint32_t* tiles, const uint32_t* seqs,        \
+           const uint32_t* tables, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim, float scale,        \
+           uint32_t block_size, uint32_t n_blocks, float* out) {                                               \
+    attn_tile<C, DPT>(q, kc, vc, tiles, seqs, tables, n_head, n_head_kv, head_dim, scale, block_size, n_blocks, \
+                      out);                                                                                    \
+  }
+
+ATTN_TILE_KERNEL(attn_tile_f32_8, CacheF32, 8)
+ATTN_TILE_KERNEL(attn_tile_f32_16, CacheF32, 16)
+ATTN_TILE_KERNEL(attn_tile_f32_32, CacheF32, 32)
+ATTN_TILE_KERNEL(attn_tile_f16_8, CacheF16, 8)
+ATTN_TILE_KERNEL(attn_tile_f16_16, CacheF16, 16)
+ATTN_TILE_KERNEL(attn_tile_f16_32, CacheF16, 32)
+ATTN_TILE_KERNEL(attn_tile_q8_0_8, CacheQ8, 8)
+ATTN_TILE_KERNEL(attn_tile_q8_0_16, CacheQ8, 16)
+ATTN_TILE_KERNEL(attn_tile_q8_0_32, CacheQ8, 32)
+
+// Merge the chunks of block (i, h), token t = toks[i]: ws `[n_listed, n_head, n_splits,
+// head_dim + 2]` -> out `[n_tokens, n_head * head_dim]`, chunks in ascending order; chunks past
+// the token's context hold max = -inf and contribute nothing. Any block size.
+extern "C" __global__ void attn_combine(const float* __restrict__ ws, const uint32_t* __restrict__ toks,
+                                        uint32_t n_splits, uint32_t n_head, uint32_t head_dim,
+                                        float* __restrict__ out) {
+  const uint32_t ti = blockIdx.x, h = blockIdx.y, t = toks[ti];
+  const float* w = ws + ((uint64_t)ti * n_head + h) * n_splits * (head_dim + 2);
+  float mm = -INFINITY;
+  for (uint32_t s = 0; s < n_splits; ++s) mm = fmaxf(mm, w[s * (head_dim + 2)]);
+  float ll = 0.0f;
+  for (uint32_t s = 0; s < n_splits; ++s) {
+    const float ms = w[s * (head_dim + 2)];
+    if (ms != -INFINITY) ll += w[s * (head_dim + 2) + 1] * expf(ms - mm);
+  }
+  const float inv = ll > 0.0f ? 1.0f / ll : 0.0f;
+  float* o = out + ((uint64_t)t * n_head + h) * head_dim;
+  for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float a = 0.0f;
+    for (uint32_t s = 0; s < n_splits; ++s) {
+      const float ms = w[s * (head_dim + 2)];
+      if (ms != -INFINITY) a += w[s * (head_dim + 2) + 2 + d] * expf(ms - mm);
+    }
+    o[d] = a * inv;
+  }
+}

@@ -1,0 +1,143 @@
+// Mixture-of-experts helpers: the routing (scores, top-k, weights) and the weighted
+// combination of the expert outputs. CUDA twins of the routing and combination steps of the
+// CPU backend's src/ffn.rs; the expert MLPs themselves are matmuls (src/matmul.rs) plus the
+// activations of ops.cu.
+//
+// Semantics (kapitsa_backend::MoeWeights): scores = softmax(logits) or sigmoid(logits);
+// selection by score (+ bias for sigmoid gating), top_k experts, ties to the lower index;
+// weight = score * norm * scale, norm = 1/sum(picked scores) (sigmoid: 1/(sum + 1e-20)) when
+// norm_topk, else 1. The routed output is the weighted sum of the picked experts' outputs in
+// top-k order.
+#include "common.cuh"
+
+// Routing of token blockIdx.x: logits `[n, n_exp]` -> ids `[n, k]` (u32), weights `[n, k]`.
+// gating: 0 softmax, 1 sigmoid. bias: `[n_exp]` selection bias (sigmoid gating), or null.
+// Dynamic shared memory: n_exp * 9 bytes (score, selection key, picked flag).
+extern "C" __global__ void moe_topk_f32(const float* __restrict__ logits, uint32_t n_exp, uint32_t k,
+                                        uint32_t gating, const float* __restrict__ bias, uint32_t norm_topk,
+                                        float scale, uint32_t* __restrict__ ids, float* __restrict__ weights) {
+  extern __shared__ float smem[];
+  float* score = smem;
+  float* sel = smem + n_exp;
+  uint8_t* picked = (uint8_t*)(smem + 2 * n_exp);
+  __shared__ float scratch[32];
+  __shared__ double scratch_d[32];
+  __shared__ uint32_t pick_s[32];
+  __shared__ float pickv_s[32];
+  const float* l = logits + (uint64_t)blockIdx.x * n_exp;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  if (gating == 0) {
+    float m = -INFINITY;
+    for (uint32_t e = threadIdx.x; e < n_exp; e += blockDim.x) m = fmaxf(m, l[e]);
+    m = block_max(m, scratch);
+    double s = 0.0;
+    for (uint32_t e = threadIdx.x; e < n_exp; e += blockDim.x) {
+      const float v = expf(l[e] - m);
+      score[e] = v;
+      s += (double)v;
+    }
+    s = block_sum_d(s, scratch_d);
+    const float inv = (float)(1.0 / s);
+    for (uint32_t e = threadIdx.x; e < n_exp; e += blockDim.x) {
+      score[e] *= inv;
+      sel[e] = score[e];
+      picked[e] = 0;
+    }
+  } else {
+    for (uint32_t e = threadIdx.x; e < n_exp; e += blockDim.x) {
+      const float v = sigmoid_f(l[e]);
+      score[e] = v;
+      sel[e] = bias ? v + bias[e] : v;
+      picked[e] = 0;
+    }
+  }
+  __syncthreads();
+
+  const int n_warps = (blockDim.x + 31) >> 5;
+  float sum = 0.0f;  // meaningful in thread 0
+  for (uint32_t j = 0; j < k; ++j) {
+    // argmax over the unpicked experts; NaN counts as -inf; ties to the lower index
+    float bv = -INFINITY;
+    uint32_t bi = 0xffffffffu;
+    for (uint32_t e = threadIdx.x; e < n_exp; e += blockDim.x) {
+      if (picked[e]) continue;
+      float v = sel[e];
+      if (v != v) v = -INFINITY;
+      if (bi == 0xffffffffu || v > bv) {
+        bv = v;
+        bi = e;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const uint32_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (oi != 0xffffffffu && (bi == 0xffffffffu || ov > bv || (ov == bv && oi < bi))) {
+        bv = ov;
+        bi = oi;
+      }
+    }
+    if (lane == 0) {
+      pickv_s[warp] = bv;
+      pick_s[warp] = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float v = pickv_s[0];
+      uint32_t id = pick_s[0];
+      for (int w = 1; w < n_warps; ++w) {
+        const float ov = pickv_s[w];
+        const uint32_t oi = pick_s[w];
+        if (oi != 0xffffffffu && (id == 0xffffffffu || ov > v || (ov == v && oi < id))) {
+          v = ov;
+          id = oi;
+        }
+      }
+      if (id == 0xffffffffu) id = 0;  // k > n_exp is rejected on the host
+      picked[id] = 1;
+      ids[(uint64_t)blockIdx.x * k + j] = id;
+      weights[(uint64_t)blockIdx.x * k + j] = score[id];
+      sum += score[id];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    float norm = 1.0f;
+    if (norm_topk) norm = gating == 0 ? 1.0f / sum : 1.0f / (sum + 1e-20f);
+    for (uint32_t j = 0; j < k; ++j) {
+      const uint64_t o = (uint64_t)blockIdx.x * k + j;
+      weights[o] = weights[o] * norm * scale;
+    }
+  }
+}
+
+// out[t, c] = sum_j w[t, j] * ye[t * k + j, c] (j ascending) for t < n, c < d.
+extern "C" __global__ void moe_combine_f32(const float* __restrict__ ye, const float* __restrict__ w, uint32_t n,
+                                           uint32_t k, uint32_t d, float* __restrict__ out) {
+  const uint64_t total = (uint64_t)n * d;
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+       i += (uint64_t)gridDim.x * blockDim.x) {
+    const uint64_t t = i / d, c = i % d;
+    float acc = 0.0f;
+    for (uint32_t j = 0; j < k; ++j) acc += w[t * k + j] * ye[(t * k + j) * d + c];
+    out[i] = acc;
+  }
+}
+
+// Shared expert of token blockIdx.x: out[t, :] += g * sh[t, :], g = sigmoid(x[t, :] . gate)
+// when gate is given (x rows of dx values), else 1.
+extern "C" __global__ void moe_shared_add_f32(float* __restrict__ out, const float* __restrict__ sh,
+                                              const float* __restrict__ x, const float* __restrict__ gate,
+                                              uint32_t d, uint32_t dx) {
+  __shared__ float scratch[32];
+  const uint64_t t = blockIdx.x;
+  float g = 1.0f;
+  if (gate) {
+    float acc = 0.0f;
+    for (uint32_t i = threadIdx.x; i < dx; i += blockDim.x) acc += x[t * dx + i] * gate[i];
+    acc = block_sum(acc, scratch);
+    g = sigmoid_f(acc);
+  }
+  for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) out[t * d + c] += g * sh[t * d + c];
+}

@@ -1,0 +1,336 @@
+// Quantised matrix products and the embedding gather (host side: src/matmul.rs; device layouts
+// and decoders: quant.cuh).
+//
+// Kernels
+// - `gemv_<ty>_<nt>` (nt = 1..8, every type): decode GEMV
+//   `y[t * ldy + r] = sum_k x[t * n_in + k] * W[row0 + r, k]` for t < nt, r < n_rows, with W in
+//   the device layout of quant.cuh dequantised in registers and f32 accumulation. x is f32,
+//   16-byte aligned, n_in a multiple of the type's chunk (CE); y f32.
+//   Launch: blockDim 128 (4 warps); `ksplit` G in {1, 2, 4} warps share a row group and split
+//   its chunks; a block holds 4/G row groups of R = 4 rows (`GemvTune::R`, mirrored in
+//   src/matmul.rs `GEMV_ROWS`); grid.x = ceil(ceil(n_rows / R) / (4 / G)).
+//   Per lane: chunks j = 32 ks + lane + k 32G of R rows at once, so every activation value read
+//   from L1 serves R rows; the loads of U chunks are issued before any is used. Lane sums are
+//   reduced with warp shuffles, then across the G warps in shared memory.
+// - `dequant_<ty>_f32`, `dequant_<ty>_f16` (quantised types): `out[r * n_in + k] =
+//   dequant(W[src(r), k])` for r < n_rows, src(r) = row0 + ids[r] when `ids` is non-null
+//   (embedding gather; ids[r] >= n_src_rows gives a zero row), else row0 + r (tiles for the
+//   tensor-core GEMM). Bit-identical to kernels-cpu `dequantize_row` (f16: that value rounded
+//   to nearest even). n_in a multiple of CE. Launch: any 1-D grid of 256-thread blocks.
+// - `gather_f32`, `gather_f16`, `gather_bf16`: the same gather for the float types, element by
+//   element (any n_in): `out[r * n_in + k] = float(W[row0 + ids[r], k])`. Any 1-D grid.
+// - `cvt_f32_f16`, `cvt_f32_bf16`: `out[i] = round_to_nearest_even(x[i])` for i < n. Any 1-D
+//   grid.
+#include "quant.cuh"
+
+// ---- GEMV -------------------------------------------------------------------------------------
+
+#define GEMV_WARPS 4
+
+// Rows per row group (R) and chunks in flight per lane (U) for type T at NT tokens. R rows share
+// every activation load (L1 traffic is 4 * NT / R bytes per weight element); the accumulators
+// (NT * R, <= 32) and the raw chunk registers (U * R raws) bound it. Mirrored in src/matmul.rs
+// (`GEMV_ROWS`): change both together.
+template <int T, int NT>
+struct GemvTune {
+  static constexpr int R = 4;
+  // two chunks in flight where their raw registers (<= 8 per row) leave room
+  static constexpr int U = (NT <= 2 && T != KQ_Q6_K && T != KQ_Q5_K && T != KQ_Q4_K) ? 2 : 1;
+  // blocks per SM the register budget must allow (4: <= 128 registers, 3: <= 168, 2: <= 255)
+  static constexpr int MIN_BLOCKS = T == KQ_Q4_K ? (NT <= 5 ? 4 : 3)
+                                    : T == KQ_Q5_K ? (NT == 1 ? 4 : NT <= 5 ? 3 : 2)
+                                    : T == KQ_Q6_K ? (NT == 1 || NT == 3 ? 4 : NT <= 7 ? 3 : 2)
+                                                   : 4;
+  // a run-time loop over a segment's groups of 4 elements (else fully unrolled)
+  static constexpr bool LOOP_G = NT >= 3 || (NT == 2 && T == KQ_Q5_K);
+};
+
+// One chunk of R rows against NT tokens: acc[t][i] += dot(chunk j of row i, x[t] there).
+// Three accumulation schemes, all f32:
+// - unit-scale formats (F32/F16/BF16): FMA straight into acc;
+// - few tokens (NT <= 2): per segment, sf = sum(f * x) and sx = sum(x), then
+//   acc += A * sf - B * sx (affine) or acc += scale * sf: no extra work per element;
+// - more tokens (PRE): f is multiplied by the segment's A (or scale) once per element and row,
+//   then FMA'd into acc for every token, and B * sx subtracted per segment: saves the NT * R
+//   partial sums' registers at the cost of one multiply per element and row.
+template <int T, int NT, int R>
+__device__ __forceinline__ void gemv_chunk(const typename KqFmt<T>::Raw (&raw)[R], int j, const float* __restrict__ x,
+                                           int n_in, float (&acc)[NT][R]) {
+  using F = KqFmt<T>;
+  constexpr bool UNIT = (T == KQ_F32 || T == KQ_F16 || T == KQ_BF16);
+  constexpr bool PRE = !UNIT && NT >= 3;
+  constexpr bool SF = !UNIT && !PRE;
+#pragma unroll
+  for (int s = 0; s < F::NSEG; s++) {
+    const int e0 = F::seg_elem(j, s);
+    float A[R], B[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+      if constexpr (F::AFFINE) {
+        F::affine(raw[i], j, s, A[i], B[i]);
+      } else {
+        A[i] = F::scale(raw[i], j, s);
+        B[i] = 0.0f;
+      }
+    }
+    float sf[SF ? NT : 1][R];
+    float sx[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+      sx[t] = 0.0f;
+      if constexpr (SF) {
+#pragma unroll
+        for (int i = 0; i < R; i++) sf[t][i] = 0.0f;
+      }
+    }
+    // LOOP_G: a run-time loop over the groups (word selects cost ~1 op per element and row,
+    // small next to NT FMAs), so the compiler cannot hoist every group's NT activation loads
+    // at once and run out of registers
+#pragma unroll(GemvTune<T, NT>::LOOP_G ? 1 : F::SEGLEN / 4)
+    for (int g = 0; g < F::SEGLEN / 4; g++) {
+      float f[R][4];
+#pragma unroll
+      for (int i = 0; i < R; i++) {
+        F::dec4(raw[i], j, s, g, f[i]);
+        if constexpr (PRE) {
+#pragma unroll
+          for (int k = 0; k < 4; k++) f[i][k] *= A[i];
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < NT; t++) {
+        const float4 xv = __ldg(reinterpret_cast<const float4*>(x + (size_t)t * n_in + e0 + 4 * g));
+        if constexpr (F::AFFINE) sx[t] += (xv.x + xv.y) + (xv.z + xv.w);
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+          float a = SF ? sf[SF ? t : 0][i] : acc[t][i];
+          a = fmaf(f[i][0], xv.x, a);
+          a = fmaf(f[i][1], xv.y, a);
+          a = fmaf(f[i][2], xv.z, a);
+          a = fmaf(f[i][3], xv.w, a);
+          if constexpr (SF) {
+            sf[t][i] = a;
+          } else {
+            acc[t][i] = a;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+#pragma unroll
+      for (int t = 0; t < NT; t++) {
+        if constexpr (SF) {
+          acc[t][i] = F::AFFINE ? fmaf(A[i], sf[t][i], fmaf(-B[i], sx[t], acc[t][i])) : fmaf(A[i], sf[t][i], acc[t][i]);
+        } else if constexpr (F::AFFINE) {
+          acc[t][i] = fmaf(-B[i], sx[t], acc[t][i]);
+        }
+      }
+    }
+  }
+}
+
+template <int T, int NT>
+__device__ __forceinline__ void gemv_impl(const uint8_t* __restrict__ w, uint64_t off1, uint64_t off2, uint64_t off3,
+                                          uint64_t stride, uint64_t row0, int n_rows, int n_in, int ksplit,
+                                          const float* __restrict__ x, float* __restrict__ y, int ldy) {
+  using F = KqFmt<T>;
+  constexpr int R = GemvTune<T, NT>::R;
+  constexpr int U = GemvTune<T, NT>::U;
+  static_assert(NT * R <= 32, "one reduced value per lane");
+  __shared__ float red[GEMV_WARPS][NT * R];
+
+  const KqMat m{w, off1, off2, off3, stride};
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int G = ksplit;
+  const int rg = warp / G, ks = warp - rg * G;
+  const int r_first = (blockIdx.x * (GEMV_WARPS / G) + rg) * R;
+  uint64_t rows[R];
+#pragma unroll
+  for (int i = 0; i < R; i++) rows[i] = row0 + (uint64_t)min(r_first + i, n_rows - 1);
+
+  float acc[NT][R];
+#pragma unroll
+  for (int t = 0; t < NT; t++)
+#pragma unroll
+    for (int i = 0; i < R; i++) acc[t][i] = 0.0f;
+
+  const int n_chunks = n_in / F::CE;
+  const int step = 32 * G;
+  for (int j0 = ks * 32 + lane; j0 < n_chunks; j0 += step * U) {
+    typename F::Raw raw[U][R];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int j = j0 + u * step;
+      if (u == 0 || j < n_chunks) {
+#pragma unroll
+        for (int i = 0; i < R; i++) raw[u][i] = F::load(m, rows[i], j);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int j = j0 + u * step;
+      if (u == 0 || j < n_chunks) gemv_chunk<T, NT, R>(raw[u], j, x, n_in, acc);
+    }
+  }
+
+#pragma unroll
+  for (int t = 0; t < NT; t++)
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+      float v = acc[t][i];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) red[warp][t * R + i] = v;
+    }
+  __syncthreads();
+  if (ks == 0 && lane < NT * R) {
+    float v = red[warp][lane];
+    for (int k = 1; k < G; k++) v += red[warp + k][lane];
+    const int t = lane / R, i = lane - t * R;
+    const int r = r_first + i;
+    if (r < n_rows) y[(size_t)t * ldy + r] = v;
+  }
+}
+
+#define GEMV_ARGS                                                                                         \
+  const uint8_t *__restrict__ w, uint64_t off1, uint64_t off2, uint64_t off3, uint64_t stride, uint64_t row0, \
+      int n_rows, int n_in, int ksplit, const float *__restrict__ x, float *__restrict__ y, int ldy
+
+#define GEMV_KERNEL(NAME, T, NT)                                                                  \
+  extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GemvTune<T, NT>::MIN_BLOCKS)        \
+      gemv_##NAME##_##NT(GEMV_ARGS) {                                                              \
+    gemv_impl<T, NT>(w, off1, off2, off3, stride, row0, n_rows, n_in, ksplit, x, y, ldy);          \
+  }
+
+#define GEMV_ALL_NT(NAME, T) \
+  GEMV_KERNEL(NAME, T, 1)    \
+  GEMV_KERNEL(NAME, T, 2)    \
+  GEMV_KERNEL(NAME, T, 3)    \
+  GEMV_KERNEL(NAME, T, 4)    \
+  GEMV_KERNEL(NAME, T, 5)    \
+  GEMV_KERNEL(NAME, T, 6)    \
+  GEMV_KERNEL(NAME, T, 7)    \
+  GEMV_KERNEL(NAME, T, 8)
+
+GEMV_ALL_NT(f32, KQ_F32)
+GEMV_ALL_NT(f16, KQ_F16)
+GEMV_ALL_NT(bf16, KQ_BF16)
+GEMV_ALL_NT(q8_0, KQ_Q8_0)
+GEMV_ALL_NT(q5_0, KQ_Q5_0)
+GEMV_ALL_NT(q4_0, KQ_Q4_0)
+GEMV_ALL_NT(q4_k, KQ_Q4_K)
+GEMV_ALL_NT(q5_k, KQ_Q5_K)
+GEMV_ALL_NT(q6_k, KQ_Q6_K)
+
+// ---- exact dequantisation (embedding gather, GEMM tiles) ---------------------------------------
+
+__device__ __forceinline__ void store4(float* p, const float v[4]) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+
+__device__ __forceinline__ void store4(__half* p, const float v[4]) {
+  const __half2 a = __floats2half2_rn(v[0], v[1]);
+  const __half2 b = __floats2half2_rn(v[2], v[3]);
+  uint2 u;
+  u.x = *reinterpret_cast<const uint32_t*>(&a);
+  u.y = *reinterpret_cast<const uint32_t*>(&b);
+  *reinterpret_cast<uint2*>(p) = u;
+}
+
+template <int T, typename O>
+__device__ __forceinline__ void dequant_impl(const uint8_t* __restrict__ w, uint64_t off1, uint64_t off2,
+                                             uint64_t off3, uint64_t stride, const uint32_t* __restrict__ ids,
+                                             uint64_t row0, uint64_t n_src_rows, int n_rows, int n_in,
+                                             O* __restrict__ out) {
+  using F = KqFmt<T>;
+  const KqMat m{w, off1, off2, off3, stride};
+  const int n_chunks = n_in / F::CE;
+  const uint64_t total = (uint64_t)n_rows * n_chunks;
+  for (uint64_t idx = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+       idx += (uint64_t)gridDim.x * blockDim.x) {
+    const uint64_t r = idx / n_chunks;
+    const int j = (int)(idx - r * n_chunks);
+    O* o = out + r * (uint64_t)n_in;
+    uint64_t src = row0 + r;
+    bool ok = true;
+    if (ids != nullptr) {
+      const uint32_t id = ids[r];
+      src = row0 + id;
+      ok = id < n_src_rows;
+    }
+    if (ok) {
+      const typename F::Raw raw = F::load(m, src, j);
+#pragma unroll
+      for (int s = 0; s < F::NSEG; s++)
+#pragma unroll
+        for (int g = 0; g < F::SEGLEN / 4; g++) {
+          float v[4];
+          F::exact4(raw, j, s, g, v);
+          store4(o + F::seg_elem(j, s) + 4 * g, v);
+        }
+    } else {
+      const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int s = 0; s < F::NSEG; s++)
+#pragma unroll
+        for (int g = 0; g < F::SEGLEN / 4; g++) store4(o + F::seg_elem(j, s) + 4 * g, z);
+    }
+  }
+}
+
+#define DEQUANT_ARGS                                                                                       \
+  const uint8_t *__restrict__ w, uint64_t off1, uint64_t off2, uint64_t off3, uint64_t stride,              \
+      const uint32_t *__restrict__ ids, uint64_t row0, uint64_t n_src_rows, int n_rows, int n_in
+
+#define DEQUANT_KERNELS(NAME, T)                                                                          \
+  extern "C" __global__ void __launch_bounds__(256) dequant_##NAME##_f32(DEQUANT_ARGS, float* __restrict__ out) { \
+    dequant_impl<T, float>(w, off1, off2, off3, stride, ids, row0, n_src_rows, n_rows, n_in, out);         \
+  }                                                                                                       \
+  extern "C" __global__ void __launch_bounds__(256) dequant_##NAME##_f16(DEQUANT_ARGS, __half* __restrict__ out) { \
+    dequant_impl<T, __half>(w, off1, off2, off3, stride, ids, row0, n_src_rows, n_rows, n_in, out);        \
+  }
+
+DEQUANT_KERNELS(q8_0, KQ_Q8_0)
+DEQUANT_KERNELS(q5_0, KQ_Q5_0)
+DEQUANT_KERNELS(q4_0, KQ_Q4_0)
+DEQUANT_KERNELS(q4_k, KQ_Q4_K)
+DEQUANT_KERNELS(q5_k, KQ_Q5_K)
+DEQUANT_KERNELS(q6_k, KQ_Q6_K)
+
+// ---- embedding gather of the float types ----------------------------------------------------------
+
+#define GATHER_KERNEL(NAME, ELEM, CONVERT)                                                                \
+  extern "C" __global__ void __launch_bounds__(256)                                                      \
+      gather_##NAME(const ELEM* __restrict__ w, const uint32_t* __restrict__ ids, uint64_t row0,         \
+                    uint64_t n_src_rows, int n_rows, int n_in, float* __restrict__ out) {                \
+    const uint64_t total = (uint64_t)n_rows * n_in;                                                      \
+    for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;                        \
+         i += (uint64_t)gridDim.x * blockDim.x) {                                                        \
+      const uint64_t r = i / n_in, k = i - r * n_in;                                                     \
+      const uint32_t id = ids[r];                                                                        \
+      out[i] = id < n_src_rows ? CONVERT(w[(row0 + id) * n_in + k]) : 0.0f;                              \
+    }                                                                                                    \
+  }
+
+__device__ __forceinline__ float kq_cvt_f32(float v) { return v; }
+__device__ __forceinline__ float kq_cvt_f16(uint16_t v) { return kq_h2f(v); }
+__device__ __forceinline__ float kq_cvt_bf16(uint16_t v) { return kq_bf2f(v); }
+
+GATHER_KERNEL(f32, float, kq_cvt_f32)
+GATHER_KERNEL(f16, uint16_t, kq_cvt_f16)
+GATHER_KERNEL(bf16, uint16_t, kq_cvt_bf16)
+
+// ---- activation conversions for the tensor-core GEMM --------------------------------------------
+
+extern "C" __global__ void __launch_bounds__(256) cvt_f32_f16(const float* __restrict__ x, __half* __restrict__ out,
+                                                              uint64_t n) {
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x)
+    out[i] = __float2half_rn(x[i]);
+}
+
+extern "C" __global__ void __launch_bounds__(256) cvt_f32_bf16(const float* __restrict__ x,
+                                                               __nv_bfloat16* __restrict__ out, uint64_t n) {
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x)
+    out[i] = __float2bfloat16_rn(x[i]);
+}

@@ -1,0 +1,202 @@
+// Recurrent mixers with per-sequence state slots: causal depthwise conv1d, the Gated DeltaNet
+// recurrence and the Mamba2 selective scan. CUDA twins of the CPU backend's src/recurrent.rs
+// (math: kernels-cpu conv.rs, gdn.rs, mamba2.rs).
+//
+// Every kernel covers the whole batch: grid.z (or grid.y) is the sequence, whose slot, first
+// token and length come from the batch arrays in device memory (common.cuh SEQ_*); tokens of a
+// sequence are processed in order, the state stays on chip between them. These are the simple
+// token-sequential forms (decode and short prompts); chunked prefill forms are a later step.
+#include "common.cuh"
+
+// ---- conv1d_causal ------------------------------------------------------------------------------
+
+#define CONV_MAXK 8
+
+// Depthwise causal conv of channel blockIdx.x * blockDim.x + threadIdx.x of sequence
+// blockIdx.y: x, out `[n_tokens, C]`, w `[C, K]` (tap K-1 multiplies the current token), bias
+// `[C]` or null, state `[n_slots, K-1, C]` (oldest row first), read and updated to the last
+// K-1 rows of state ++ x. out = act(bias + sum_j w[j] xin[r + j]) summed in ascending j.
+extern "C" __global__ void conv1d_causal_f32(const float* __restrict__ x, const float* __restrict__ w,
+                                             const float* __restrict__ bias, float* __restrict__ state,
+                                             float* __restrict__ out, const uint32_t* __restrict__ seqs,
+                                             uint32_t C, uint32_t K, uint32_t silu, uint32_t n_slots) {
+  const uint32_t ch = blockIdx.x * blockDim.x + threadIdx.x;
+  if (ch >= C) return;
+  const uint32_t* seq = seqs + blockIdx.y * SEQ_FIELDS;
+  const uint32_t slot = seq[SEQ_SLOT], start = seq[SEQ_START], len = seq[SEQ_LEN];
+  if (slot >= n_slots) return;
+  const uint32_t h = K - 1;
+  float* st = state + (uint64_t)slot * h * C;
+  float win[CONV_MAXK - 1], wt[CONV_MAXK];
+#pragma unroll
+  for (int j = 0; j < CONV_MAXK - 1; ++j) win[j] = j < (int)h ? st[(uint64_t)j * C + ch] : 0.0f;
+#pragma unroll
+  for (int j = 0; j < CONV_MAXK; ++j) wt[j] = j < (int)K ? w[(uint64_t)ch * K + j] : 0.0f;
+  const float b = bias ? bias[ch] : 0.0f;
+  for (uint32_t r = 0; r < len; ++r) {
+    const uint64_t io = (uint64_t)(start + r) * C + ch;
+    const float xc = x[io];
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < CONV_MAXK - 1; ++j)
+      if (j < (int)h) acc += wt[j] * win[j];
+    // the current token's tap is K - 1
+#pragma unroll
+    for (int j = 0; j < CONV_MAXK; ++j)
+      if (j == (int)h) acc += wt[j] * xc;
+    if (bias) acc += b;
+    out[io] = silu ? silu_f(acc) : acc;
+#pragma unroll
+    for (int j = 0; j < CONV_MAXK - 1; ++j)
+      if (j < (int)h) win[j] = (j + 1 < (int)h) ? win[j + 1] : xc;
+  }
+#pragma unroll
+  for (int j = 0; j < CONV_MAXK - 1; ++j)
+    if (j < (int)h) st[(uint64_t)j * C + ch] = win[j];
+}
+
+// ---- Gated DeltaNet ---------------------------------------------------------------------------------
+
+#define GDN_MAX_WARPS 8  // dk <= 256
+
+// Gated DeltaNet recurrence of sequence blockIdx.z, value head blockIdx.y, state columns
+// 32 blockIdx.x .. +32 (lane = column). Warp w holds rows 32 w .. 32 w + 31 of those columns
+// (blockDim = 32 * ceil(dk / 32)). Per token: S = S exp(g); kv = S^T k; d = beta (v - kv);
+// S += k d^T; o = S^T q. q, k `[n_tokens, n_k_heads * dk]`, v `[n_tokens, n_v_heads * dv]`,
+// g, beta `[n_tokens, n_v_heads]`, state `[n_slots, n_v_heads, dk, dv]`, out
+// `[n_tokens, n_v_heads * dv]`. order: 0 grouped (kh = h / (n_v / n_k)), 1 tiled (h % n_k).
+extern "C" __global__ void __launch_bounds__(32 * GDN_MAX_WARPS)
+    gdn_recurrent_f32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                      const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
+                      float* __restrict__ out, const uint32_t* __restrict__ seqs, uint32_t n_k_heads,
+                      uint32_t n_v_heads, uint32_t dk, uint32_t dv, uint32_t order, uint32_t n_slots) {
+  __shared__ float qs[32 * GDN_MAX_WARPS], ks[32 * GDN_MAX_WARPS];
+  __shared__ float red[GDN_MAX_WARPS][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n_warps = blockDim.x >> 5;
+  const uint32_t h = blockIdx.y;
+  const uint32_t j = blockIdx.x * 32 + lane;
+  const bool col_ok = j < dv;
+  const uint32_t* seq = seqs + blockIdx.z * SEQ_FIELDS;
+  const uint32_t slot = seq[SEQ_SLOT], start = seq[SEQ_START], len = seq[SEQ_LEN];
+  if (slot >= n_slots) return;  // uniform across the block
+  const uint32_t kh = order == 0 ? h / (n_v_heads / n_k_heads) : h % n_k_heads;
+  float* sh = state + ((uint64_t)slot * n_v_heads + h) * dk * dv;
+
+  float s[32];
+#pragma unroll
+  for (int r = 0; r < 32; ++r) {
+    const uint32_t i = warp * 32 + r;
+    s[r] = (col_ok && i < dk) ? sh[(uint64_t)i * dv + j] : 0.0f;
+  }
+  for (uint32_t tt = 0; tt < len; ++tt) {
+    const uint64_t tok = start + tt;
+    for (uint32_t i = threadIdx.x; i < 32u * n_warps; i += blockDim.x) {
+      const bool ok = i < dk;
+      qs[i] = ok ? q[(tok * n_k_heads + kh) * dk + i] : 0.0f;
+      ks[i] = ok ? k[(tok * n_k_heads + kh) * dk + i] : 0.0f;
+    }
+    __syncthreads();
+    const float decay = expf(g[tok * n_v_heads + h]);
+    const float b = beta[tok * n_v_heads + h];
+    const float vj = col_ok ? v[(tok * n_v_heads + h) * dv + j] : 0.0f;
+    float part = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 32; ++r) {
+      s[r] *= decay;
+      part += s[r] * ks[warp * 32 + r];
+    }
+    red[warp][lane] = part;
+    __syncthreads();
+    float kv = 0.0f;
+    for (int w = 0; w < n_warps; ++w) kv += red[w][lane];
+    const float d = b * (vj - kv);
+    float po = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 32; ++r) {
+      s[r] += ks[warp * 32 + r] * d;
+      po += s[r] * qs[warp * 32 + r];
+    }
+    __syncthreads();  // every thread has read red (kv)
+    red[warp][lane] = po;
+    __syncthreads();
+    if (warp == 0 && col_ok) {
+      float o = 0.0f;
+      for (int w = 0; w < n_warps; ++w) o += red[w][lane];
+      out[(tok * n_v_heads + h) * dv + j] = o;
+    }
+    // the next token's qs/ks writes come after every thread passed the syncs above, and warp
+    // 0's reads of red finish before the next write of red (behind the next first sync)
+  }
+#pragma unroll
+  for (int r = 0; r < 32; ++r) {
+    const uint32_t i = warp * 32 + r;
+    if (col_ok && i < dk) sh[(uint64_t)i * dv + j] = s[r];
+  }
+}
+
+// ---- Mamba2 --------------------------------------------------------------------------------------------
+
+#define M2_WARPS 4
+#define M2_MAX_NI 8  // d_state <= 256
+
+// Mamba2 scan of sequence blockIdx.z, head blockIdx.y, head dims p = M2_WARPS blockIdx.x + warp
+// (one warp per p, lanes over the state index n = lane + 32 i). Per token:
+// dA = exp(dt a[h]); S[p][n] = S[p][n] dA + (x[p] dt) B[n]; y[p] = sum_n S[p][n] C[n] + D[h] x[p].
+// x, y `[n_tokens, H * P]`, dt `[n_tokens, H]`, a, d `[H]`, b, c `[n_tokens, G * N]`,
+// state `[n_slots, H, P, N]`. Head h reads group h / (H / G).
+extern "C" __global__ void __launch_bounds__(32 * M2_WARPS)
+    mamba2_recurrent_f32(const float* __restrict__ x, const float* __restrict__ dt, const float* __restrict__ a,
+                         const float* __restrict__ bm, const float* __restrict__ cm, const float* __restrict__ dm,
+                         float* __restrict__ state, float* __restrict__ y, const uint32_t* __restrict__ seqs,
+                         uint32_t n_heads, uint32_t head_dim, uint32_t d_state, uint32_t n_groups,
+                         uint32_t n_slots) {
+  __shared__ float bs[32 * M2_MAX_NI], cs[32 * M2_MAX_NI];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t h = blockIdx.y;
+  const uint32_t p = blockIdx.x * M2_WARPS + warp;
+  const bool p_ok = p < head_dim;
+  const uint32_t* seq = seqs + blockIdx.z * SEQ_FIELDS;
+  const uint32_t slot = seq[SEQ_SLOT], start = seq[SEQ_START], len = seq[SEQ_LEN];
+  if (slot >= n_slots) return;  // uniform across the block
+  const uint32_t grp = h / (n_heads / n_groups);
+  const uint32_t hp = n_heads * head_dim;
+  float* sp = state + (((uint64_t)slot * n_heads + h) * head_dim + p) * d_state;
+  const float ah = a[h], dh = dm[h];
+
+  float s[M2_MAX_NI];
+#pragma unroll
+  for (int i = 0; i < M2_MAX_NI; ++i) {
+    const uint32_t n = lane + 32 * i;
+    s[i] = (p_ok && n < d_state) ? sp[n] : 0.0f;
+  }
+  for (uint32_t tt = 0; tt < len; ++tt) {
+    const uint64_t tok = start + tt;
+    for (uint32_t n = threadIdx.x; n < d_state; n += blockDim.x) {
+      bs[n] = bm[(tok * n_groups + grp) * d_state + n];
+      cs[n] = cm[(tok * n_groups + grp) * d_state + n];
+    }
+    __syncthreads();
+    const float dth = dt[tok * n_heads + h];
+    const float da = expf(dth * ah);
+    const float xv = p_ok ? x[tok * hp + (uint64_t)h * head_dim + p] : 0.0f;
+    const float xdt = xv * dth;
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < M2_MAX_NI; ++i) {
+      const uint32_t n = lane + 32 * i;
+      if (n < d_state) {
+        s[i] = s[i] * da + xdt * bs[n];
+        acc += s[i] * cs[n];
+      }
+    }
+    acc = warp_sum(acc);
+    if (p_ok && lane == 0) y[tok * hp + (uint64_t)h * head_dim + p] = acc + dh * xv;
+    __syncthreads();  // bs/cs are rewritten for the next token
+  }
+#pragma unroll
+  for (int i = 0; i < M2_MAX_NI; ++i) {
+    const uint32_t n = lane + 32 * i;
+    if (p_ok && n < d_state) sp[n] = s[i];
+  }
+}

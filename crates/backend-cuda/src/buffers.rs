@@ -1,0 +1,639 @@
+//! Device memory of the CUDA backend: tensors, uploaded weights and the per-step batch
+//! arrays, and the host<->device copies. The CUDA twin of the CPU backend's src/buffers.rs.
+//!
+//! # Layouts (all in device memory, HBM)
+//! - A [`Tensor`] holds a `CudaSlice` whose element type follows its [`DType`]: `f32` (F32),
+//!   `u16` (F16 bits), `u8` (Q8_0 bytes: 34-byte blocks, f16 scale then 32 `i8`, as on the
+//!   CPU) and `u32` (U32). Element counts are the tensor's; a zero-length tensor still owns a
+//!   one-element allocation (the driver rejects empty ones). Fresh tensors are zero-filled.
+//! - Allocations come from the device's stream-ordered memory pool, whose release threshold
+//!   is raised at start (`device::keep_pool_memory`), so freed activations are reused without
+//!   driver calls: the pool is the caching allocator.
+//! - A [`Batch`] holds a [`DevBatch`]: one `u32` array uploaded once per step,
+//!   `[tokens | positions | token->sequence | sequence records (6 u32 each: slot, start, len,
+//!   pos0, table_start, table_len) | block tables | logit rows | attention query tiles
+//!   ((sequence, first row) pairs) | the split attention's tokens]` (kernels/common.cuh
+//!   `SEQ_*`; empty parts hold one padding entry).
+//!   Kernels read every per-step value from it, never from launch arguments, except the
+//!   counts that set the grid.
+//! - A [`Weight`] holds a [`DevWeight`]: the matmul module's [`CudaWeight`], a 2-D matrix or a
+//!   3-D stack of expert matrices.
+//!
+//! Every handle is checked to belong to this backend (its stream, or its owner id) before
+//! use; another backend's handle is [`BackendError::ForeignHandle`].
+
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
+use kapitsa_backend::{
+    shape_err, BackendError, Batch, BatchDesc, DType, HostWeight, Result, Tensor, Weight,
+    Q8_0_BLOCK, Q8_0_BYTES,
+};
+
+use crate::attention::{TILE_MIN, TILE_Q};
+use crate::device::dev_err;
+use crate::matmul::CudaWeight;
+use crate::CudaBackend;
+
+/// A device element type and the tensor dtype it stores.
+pub(crate) trait Elem: DeviceRepr + ValidAsZeroBits + Copy + Default + 'static {
+    /// The tensor dtype whose buffers use this element type.
+    const DTYPE: DType;
+}
+impl Elem for f32 {
+    const DTYPE: DType = DType::F32;
+}
+impl Elem for u16 {
+    const DTYPE: DType = DType::F16;
+}
+impl Elem for u8 {
+    const DTYPE: DType = DType::Q8_0;
+}
+impl Elem for u32 {
+    const DTYPE: DType = DType::U32;
+}
+
+/// Device storage elements of `n` tensor elements of `dtype` (bytes for Q8_0).
+fn storage_len(dtype: DType, n: usize) -> usize {
+    match dtype {
+        DType::Q8_0 => dtype.bytes(n),
+        _ => n,
+    }
+}
+
+/// An uploaded weight, in device memory.
+pub(crate) struct DevWeight {
+    /// Id of the backend that uploaded it.
+    pub(crate) owner: u64,
+    /// The device copy: a matrix or a stack of expert matrices.
+    pub(crate) w: CudaWeight,
+}
+
+/// A step's batch arrays in device memory (see the module docs for the layout).
+pub(crate) struct DevBatch {
+    /// Id of the backend that uploaded it.
+    pub(crate) owner: u64,
+    /// The concatenated `u32` arrays (token ids first: `buf[..n_tokens]`).
+    pub(crate) buf: CudaSlice<u32>,
+    pub(crate) n_tokens: usize,
+    pub(crate) n_seqs: usize,
+    pub(crate) off_pos: usize,
+    pub(crate) off_tok_seq: usize,
+    pub(crate) off_seqs: usize,
+    pub(crate) off_tables: usize,
+    pub(crate) n_tables: usize,
+    pub(crate) off_logits: usize,
+    pub(crate) n_logits: usize,
+    pub(crate) off_tiles: usize,
+    /// Query tiles of the tiled attention kernel: `(sequence, first row)` pairs.
+    pub(crate) n_tiles: usize,
+    pub(crate) off_short: usize,
+    /// Tokens of the sequences shorter than `attention::TILE_MIN` (the split kernel's), listed
+    /// at `off_short`.
+    pub(crate) n_short: usize,
+    /// Largest `position + 1` of those tokens (the split kernel's longest context).
+    pub(crate) max_ctx_short: usize,
+    /// Largest block id any sequence's table uses for its positions (`None`: no table).
+    pub(crate) max_block: Option<u32>,
+    /// Largest slot of the batch.
+    pub(crate) max_slot: usize,
+    /// Largest token id.
+    pub(crate) max_token: u32,
+    /// Positions per KV block.
+    pub(crate) block_size: usize,
+}
+
+impl DevBatch {
+    /// Positions `[n_tokens]`.
+    pub(crate) fn positions(&self) -> CudaView<'_, u32> {
+        self.buf.slice(self.off_pos..self.off_pos + self.n_tokens)
+    }
+    /// Sequence index of each token `[n_tokens]`.
+    pub(crate) fn tok_seq(&self) -> CudaView<'_, u32> {
+        self.buf
+            .slice(self.off_tok_seq..self.off_tok_seq + self.n_tokens)
+    }
+    /// Sequence records `[n_seqs, 6]`.
+    pub(crate) fn seqs(&self) -> CudaView<'_, u32> {
+        self.buf
+            .slice(self.off_seqs..self.off_seqs + 6 * self.n_seqs)
+    }
+    /// Block tables, concatenated (at least one element, so the view is never empty).
+    pub(crate) fn tables(&self) -> CudaView<'_, u32> {
+        self.buf
+            .slice(self.off_tables..self.off_tables + self.n_tables.max(1))
+    }
+    /// Logit rows `[n_logits]`.
+    pub(crate) fn logit_rows(&self) -> CudaView<'_, u32> {
+        self.buf
+            .slice(self.off_logits..self.off_logits + self.n_logits)
+    }
+    /// Tokens of the split attention kernel `[n_short]` (at least one element).
+    pub(crate) fn short_tokens(&self) -> CudaView<'_, u32> {
+        self.buf
+            .slice(self.off_short..self.off_short + self.n_short.max(1))
+    }
+    /// Tiles of the tiled attention `[n_tiles, 2]` (at least one element).
+    pub(crate) fn tiles(&self) -> CudaView<'_, u32> {
+        self.buf
+            .slice(self.off_tiles..self.off_tiles + (2 * self.n_tiles).max(1))
+    }
+}
+
+/// `v` as a `u32` batch entry, or a shape error.
+fn u32_of(what: &str, v: usize) -> Result<u32> {
+    u32::try_from(v).map_err(|_| BackendError::Shape {
+        op: "prepare_batch",
+        msg: format!("{what} = {v} does not fit in 32 bits"),
+    })
+}
+
+impl CudaBackend {
+    // ---- handles ---------------------------------------------------------------------------
+
+    /// Whether `s` was allocated on this backend's stream.
+    fn owns<T>(&self, s: &CudaSlice<T>) -> bool {
+        s.stream().cu_stream() == self.stream.cu_stream()
+    }
+
+    /// The device buffer of `t`, which must be of `T`'s dtype and belong to this backend.
+    pub(crate) fn buf<'a, T: Elem>(
+        &self,
+        t: &'a Tensor,
+        op: &'static str,
+        what: &'static str,
+    ) -> Result<&'a CudaSlice<T>> {
+        if t.dtype() != T::DTYPE {
+            return shape_err(
+                op,
+                format!("{what} is {:?}, expected {:?}", t.dtype(), T::DTYPE),
+            );
+        }
+        match t.buf::<CudaSlice<T>>() {
+            Some(s) if self.owns(s) => Ok(s),
+            _ => Err(BackendError::ForeignHandle { op, what }),
+        }
+    }
+
+    /// Mutable twin of [`CudaBackend::buf`].
+    pub(crate) fn buf_mut<'a, T: Elem>(
+        &self,
+        t: &'a mut Tensor,
+        op: &'static str,
+        what: &'static str,
+    ) -> Result<&'a mut CudaSlice<T>> {
+        if t.dtype() != T::DTYPE {
+            return shape_err(
+                op,
+                format!("{what} is {:?}, expected {:?}", t.dtype(), T::DTYPE),
+            );
+        }
+        let stream = self.stream.cu_stream();
+        match t.buf_mut::<CudaSlice<T>>() {
+            Some(s) if s.stream().cu_stream() == stream => Ok(s),
+            _ => Err(BackendError::ForeignHandle { op, what }),
+        }
+    }
+
+    /// An f32 tensor's buffer after checking its length.
+    pub(crate) fn f32_len<'a>(
+        &self,
+        t: &'a Tensor,
+        want: usize,
+        op: &'static str,
+        what: &'static str,
+    ) -> Result<&'a CudaSlice<f32>> {
+        kapitsa_backend::check_len(op, what, t.len(), want)?;
+        self.buf(t, op, what)
+    }
+
+    /// Mutable twin of [`CudaBackend::f32_len`].
+    pub(crate) fn f32_len_mut<'a>(
+        &self,
+        t: &'a mut Tensor,
+        want: usize,
+        op: &'static str,
+        what: &'static str,
+    ) -> Result<&'a mut CudaSlice<f32>> {
+        kapitsa_backend::check_len(op, what, t.len(), want)?;
+        self.buf_mut(t, op, what)
+    }
+
+    /// The batch's device arrays.
+    pub(crate) fn dev_batch<'a>(&self, b: &'a Batch, op: &'static str) -> Result<&'a DevBatch> {
+        match b.dev::<DevBatch>() {
+            Some(d) if d.owner == self.id => Ok(d),
+            _ => Err(BackendError::ForeignHandle { op, what: "batch" }),
+        }
+    }
+
+    /// The device copy of a weight (a matrix or an expert stack).
+    pub(crate) fn dev_weight<'a>(&self, w: &'a Weight, op: &'static str) -> Result<&'a CudaWeight> {
+        match w.buf::<DevWeight>() {
+            Some(d) if d.owner == self.id => Ok(&d.w),
+            _ => Err(BackendError::ForeignHandle { op, what: "weight" }),
+        }
+    }
+
+    /// The matrix of a 2-D weight.
+    pub(crate) fn matrix<'a>(&self, w: &'a Weight, op: &'static str) -> Result<&'a CudaWeight> {
+        let m = self.dev_weight(w, op)?;
+        if w.shape.len() != 2 || m.n_experts() != 1 {
+            return shape_err(op, format!("'{}' is not 2-D: {:?}", w.name, w.shape));
+        }
+        Ok(m)
+    }
+
+    // ---- allocation --------------------------------------------------------------------------
+
+    /// A zero-filled device buffer of `n` elements (one element when `n == 0`).
+    pub(crate) fn zeros<T: Elem>(&self, n: usize) -> Result<CudaSlice<T>> {
+        self.stream.alloc_zeros::<T>(n.max(1)).map_err(dev_err)
+    }
+
+    /// A device buffer of `n` elements whose contents are unspecified: only for scratch that
+    /// the next kernel overwrites completely.
+    pub(crate) fn scratch<T: Elem>(&self, n: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: the memory is unset, not invalid: every caller writes all `n` elements on
+        // the stream before any read (device memory has no Rust validity invariant).
+        unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(dev_err)
+    }
+
+    /// A new tensor of `len` elements of `dtype`, zero-filled.
+    pub(crate) fn alloc_tensor(&self, dtype: DType, len: usize) -> Result<Tensor> {
+        if dtype == DType::Q8_0 && !len.is_multiple_of(Q8_0_BLOCK) {
+            return shape_err(
+                "alloc",
+                format!("a Q8_0 tensor of {len} elements (not whole blocks)"),
+            );
+        }
+        let n = storage_len(dtype, len);
+        let buf: Box<dyn std::any::Any + Send + Sync> = match dtype {
+            DType::F32 => Box::new(self.zeros::<f32>(n)?),
+            DType::F16 => Box::new(self.zeros::<u16>(n)?),
+            DType::Q8_0 => Box::new(self.zeros::<u8>(n)?),
+            DType::U32 => Box::new(self.zeros::<u32>(n)?),
+        };
+        Ok(Tensor::from_parts(dtype, len, buf))
+    }
+
+    // ---- byte views (any dtype) ----------------------------------------------------------------
+
+    /// Byte range of elements `off..off + n` of `t`, checked against its length and (Q8_0)
+    /// block boundaries.
+    fn byte_range(t: &Tensor, off: usize, n: usize, op: &'static str) -> Result<(usize, usize)> {
+        let end = off.checked_add(n).filter(|&e| e <= t.len());
+        let Some(end) = end else {
+            return shape_err(
+                op,
+                format!("elements {off}..{off}+{n} of a tensor of {}", t.len()),
+            );
+        };
+        let d = t.dtype();
+        if !d.is_boundary(off) || !d.is_boundary(end) {
+            return shape_err(
+                op,
+                format!("Q8_0 range {off}..{end} is not on 32-element blocks"),
+            );
+        }
+        Ok((d.bytes(off), d.bytes(end)))
+    }
+
+    /// The whole buffer of `t` as bytes.
+    fn bytes_of<'a>(
+        &self,
+        t: &'a Tensor,
+        op: &'static str,
+        what: &'static str,
+    ) -> Result<CudaView<'a, u8>> {
+        fn view<'a, T: Elem>(s: &'a CudaSlice<T>) -> Option<CudaView<'a, u8>> {
+            // SAFETY: any device bytes are valid `u8`s; the length is the slice's byte size.
+            unsafe { s.transmute::<u8>(s.num_bytes()) }
+        }
+        let v = match t.dtype() {
+            DType::F32 => view(self.buf::<f32>(t, op, what)?),
+            DType::F16 => view(self.buf::<u16>(t, op, what)?),
+            DType::Q8_0 => view(self.buf::<u8>(t, op, what)?),
+            DType::U32 => view(self.buf::<u32>(t, op, what)?),
+        };
+        v.ok_or_else(|| BackendError::Device(format!("{op}: byte view of {what}")))
+    }
+
+    /// Mutable twin of `bytes_of`.
+    fn bytes_of_mut<'a>(
+        &self,
+        t: &'a mut Tensor,
+        op: &'static str,
+        what: &'static str,
+    ) -> Result<CudaViewMut<'a, u8>> {
+        fn view<'a, T: Elem>(s: &'a mut CudaSlice<T>) -> Option<CudaViewMut<'a, u8>> {
+            let n = s.num_bytes();
+            // SAFETY: any bytes written through the view are valid values of `T` (f32, u16,
+            // u8 and u32 have no invalid bit patterns); the length is the slice's byte size.
+            unsafe { s.transmute_mut::<u8>(n) }
+        }
+        let v = match t.dtype() {
+            DType::F32 => view(self.buf_mut::<f32>(t, op, what)?),
+            DType::F16 => view(self.buf_mut::<u16>(t, op, what)?),
+            DType::Q8_0 => view(self.buf_mut::<u8>(t, op, what)?),
+            DType::U32 => view(self.buf_mut::<u32>(t, op, what)?),
+        };
+        v.ok_or_else(|| BackendError::Device(format!("{op}: byte view of {what}")))
+    }
+
+    // ---- copies ----------------------------------------------------------------------------------
+
+    pub(crate) fn write_f32_impl(
+        &self,
+        dst: &mut Tensor,
+        offset: usize,
+        src: &[f32],
+    ) -> Result<()> {
+        const OP: &str = "write_f32";
+        let (a, b) = Self::byte_range(dst, offset, src.len(), OP)?;
+        let s = self.buf_mut::<f32>(dst, OP, "dst")?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let mut v = s.slice_mut(a / 4..b / 4);
+        self.stream.memcpy_htod(src, &mut v).map_err(dev_err)
+    }
+
+    pub(crate) fn read_f32_impl(&self, src: &Tensor, offset: usize, dst: &mut [f32]) -> Result<()> {
+        const OP: &str = "read_f32";
+        let (a, b) = Self::byte_range(src, offset, dst.len(), OP)?;
+        let s = self.buf::<f32>(src, OP, "src")?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.stream
+            .memcpy_dtoh(&s.slice(a / 4..b / 4), dst)
+            .map_err(dev_err)?;
+        self.stream.synchronize().map_err(dev_err)
+    }
+
+    pub(crate) fn read_bytes_impl(&self, src: &Tensor, offset: usize, n: usize) -> Result<Vec<u8>> {
+        const OP: &str = "read_bytes";
+        let (a, b) = Self::byte_range(src, offset, n, OP)?;
+        let v = self.bytes_of(src, OP, "src")?;
+        let mut out = vec![0u8; b - a];
+        if a < b {
+            self.stream
+                .memcpy_dtoh(&v.slice(a..b), &mut out[..])
+                .map_err(dev_err)?;
+            self.stream.synchronize().map_err(dev_err)?;
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn write_bytes_impl(
+        &self,
+        dst: &mut Tensor,
+        offset: usize,
+        bytes: &[u8],
+    ) -> Result<()> {
+        const OP: &str = "write_bytes";
+        let n = match dst.dtype() {
+            DType::F32 | DType::U32 if bytes.len().is_multiple_of(4) => bytes.len() / 4,
+            DType::F16 if bytes.len().is_multiple_of(2) => bytes.len() / 2,
+            DType::Q8_0 if bytes.len().is_multiple_of(Q8_0_BYTES) => {
+                bytes.len() / Q8_0_BYTES * Q8_0_BLOCK
+            }
+            d => {
+                return shape_err(
+                    OP,
+                    format!("{} bytes are not whole {d:?} elements", bytes.len()),
+                )
+            }
+        };
+        let (a, b) = Self::byte_range(dst, offset, n, OP)?;
+        let mut v = self.bytes_of_mut(dst, OP, "dst")?;
+        if a == b {
+            return Ok(());
+        }
+        let mut part = v.slice_mut(a..b);
+        self.stream.memcpy_htod(bytes, &mut part).map_err(dev_err)
+    }
+
+    pub(crate) fn copy_impl(
+        &self,
+        src: &Tensor,
+        src_off: usize,
+        dst: &mut Tensor,
+        dst_off: usize,
+        n: usize,
+    ) -> Result<()> {
+        const OP: &str = "copy";
+        if src.dtype() != dst.dtype() {
+            return shape_err(OP, format!("{:?} into {:?}", src.dtype(), dst.dtype()));
+        }
+        let (sa, sb) = Self::byte_range(src, src_off, n, OP)?;
+        let (da, db) = Self::byte_range(dst, dst_off, n, OP)?;
+        let s = self.bytes_of(src, OP, "src")?;
+        let mut d = self.bytes_of_mut(dst, OP, "dst")?;
+        if sa == sb {
+            return Ok(());
+        }
+        let mut dpart = d.slice_mut(da..db);
+        self.stream
+            .memcpy_dtod(&s.slice(sa..sb), &mut dpart)
+            .map_err(dev_err)
+    }
+
+    pub(crate) fn copy_within_impl(
+        &self,
+        t: &mut Tensor,
+        src: usize,
+        dst: usize,
+        n: usize,
+    ) -> Result<()> {
+        const OP: &str = "copy_within";
+        let (sa, sb) = Self::byte_range(t, src, n, OP)?;
+        let (da, db) = Self::byte_range(t, dst, n, OP)?;
+        if sa == sb {
+            return Ok(());
+        }
+        if sa < db && da < sb {
+            return shape_err(OP, format!("ranges {src}..+{n} and {dst}..+{n} overlap"));
+        }
+        let mut v = self.bytes_of_mut(t, OP, "tensor")?;
+        let len = sb - sa;
+        if sa < da {
+            let (lo, mut hi) = v.split_at_mut(da);
+            let mut d = hi.slice_mut(0..len);
+            self.stream
+                .memcpy_dtod(&lo.slice(sa..sb), &mut d)
+                .map_err(dev_err)
+        } else {
+            let (mut lo, hi) = v.split_at_mut(sa);
+            let mut d = lo.slice_mut(da..db);
+            self.stream
+                .memcpy_dtod(&hi.slice(0..len), &mut d)
+                .map_err(dev_err)
+        }
+    }
+
+    // ---- weights and batches --------------------------------------------------------------------
+
+    pub(crate) fn upload_weight_impl(&self, w: &HostWeight) -> Result<Weight> {
+        // 2-D matrices and 3-D expert stacks alike (the matmul module checks the shape)
+        let dw = self.mm.upload(&self.stream, w)?;
+        Ok(Weight::from_parts(
+            w.name.clone(),
+            w.dtype,
+            w.shape.clone(),
+            Box::new(DevWeight {
+                owner: self.id,
+                w: dw,
+            }),
+        ))
+    }
+
+    pub(crate) fn prepare_batch_impl(&self, desc: BatchDesc) -> Result<Batch> {
+        const OP: &str = "prepare_batch";
+        let n = desc.n_tokens();
+        if desc.positions.len() != n {
+            return shape_err(
+                OP,
+                format!("{} positions for {n} tokens", desc.positions.len()),
+            );
+        }
+        let mut tok_seq = vec![0u32; n];
+        let mut seq_rec = Vec::with_capacity(6 * desc.seqs.len());
+        let mut next = 0usize;
+        let mut max_block: Option<u32> = None;
+        let mut max_slot = 0usize;
+        for (i, s) in desc.seqs.iter().enumerate() {
+            if s.start != next || s.len == 0 || s.len > n - next {
+                return shape_err(
+                    OP,
+                    format!(
+                        "sequence {i} ({}..+{}) does not tile the tokens",
+                        s.start, s.len
+                    ),
+                );
+            }
+            next = s.start + s.len;
+            for (j, &p) in desc.positions[s.start..next].iter().enumerate() {
+                if p as usize != s.pos0 + j {
+                    return shape_err(
+                        OP,
+                        format!(
+                            "sequence {i}: token {j} at position {p}, expected {}",
+                            s.pos0 + j
+                        ),
+                    );
+                }
+            }
+            let t_end = s
+                .table_start
+                .checked_add(s.table_len)
+                .filter(|&e| e <= desc.block_tables.len());
+            let Some(t_end) = t_end else {
+                return shape_err(
+                    OP,
+                    format!(
+                        "sequence {i}: table {}..+{} past the tables",
+                        s.table_start, s.table_len
+                    ),
+                );
+            };
+            let Some(end_pos) = s.pos0.checked_add(s.len) else {
+                return shape_err(OP, format!("sequence {i}: position {} + {}", s.pos0, s.len));
+            };
+            if desc.block_size > 0 {
+                let used = end_pos.div_ceil(desc.block_size);
+                if used > s.table_len {
+                    return shape_err(
+                        OP,
+                        format!("sequence {i}: {end_pos} positions need {used} blocks, its table has {}", s.table_len),
+                    );
+                }
+                let m = desc.block_tables[s.table_start..t_end][..used]
+                    .iter()
+                    .copied()
+                    .max();
+                max_block = max_block.max(m);
+            }
+            // two sequences on one slot would race on its recurrent state
+            if desc.seqs[..i].iter().any(|o| o.slot == s.slot) {
+                return shape_err(OP, format!("slot {} appears twice", s.slot));
+            }
+            tok_seq[s.start..next].fill(u32_of("sequence index", i)?);
+            max_slot = max_slot.max(s.slot);
+            for v in [s.slot, s.start, s.len, s.pos0, s.table_start, s.table_len] {
+                seq_rec.push(u32_of("sequence field", v)?);
+            }
+        }
+        if next != n {
+            return shape_err(OP, format!("the sequences cover {next} of {n} tokens"));
+        }
+        if let Some(&r) = desc.logit_rows.iter().find(|&&r| r as usize >= n) {
+            return shape_err(OP, format!("logit row {r} of {n} tokens"));
+        }
+        // the attention kernels' split of the work, per sequence by its length
+        let mut tiles = Vec::new();
+        let mut short = Vec::new();
+        let mut max_ctx_short = 0usize;
+        for (i, s) in desc.seqs.iter().enumerate() {
+            if s.len >= TILE_MIN {
+                for q in (0..s.len).step_by(TILE_Q) {
+                    tiles.extend([i as u32, q as u32]);
+                }
+            } else {
+                short.extend(s.start as u32..(s.start + s.len) as u32);
+                max_ctx_short = max_ctx_short.max(s.pos0 + s.len);
+            }
+        }
+        let off_pos = n;
+        let off_tok_seq = 2 * n;
+        let off_seqs = 3 * n;
+        let off_tables = off_seqs + seq_rec.len();
+        let n_tables = desc.block_tables.len();
+        let off_logits = off_tables + n_tables.max(1);
+        let n_logits = desc.logit_rows.len();
+        let off_tiles = off_logits + n_logits;
+        let off_short = off_tiles + tiles.len().max(1);
+        let mut host = Vec::with_capacity(off_short + short.len().max(1));
+        host.extend_from_slice(&desc.tokens);
+        host.extend_from_slice(&desc.positions);
+        host.extend_from_slice(&tok_seq);
+        host.extend_from_slice(&seq_rec);
+        host.extend_from_slice(&desc.block_tables);
+        if n_tables == 0 {
+            host.push(0);
+        }
+        host.extend_from_slice(&desc.logit_rows);
+        for part in [&tiles, &short] {
+            host.extend_from_slice(part);
+            if part.is_empty() {
+                host.push(0);
+            }
+        }
+        let mut buf = self.scratch::<u32>(host.len())?;
+        self.stream
+            .memcpy_htod(&host[..], &mut buf)
+            .map_err(dev_err)?;
+        let dev = DevBatch {
+            owner: self.id,
+            buf,
+            n_tokens: n,
+            n_seqs: desc.seqs.len(),
+            off_pos,
+            off_tok_seq,
+            off_seqs,
+            off_tables,
+            n_tables,
+            off_logits,
+            n_logits,
+            off_tiles,
+            n_tiles: tiles.len() / 2,
+            off_short,
+            n_short: short.len(),
+            max_ctx_short,
+            max_block,
+            max_slot,
+            max_token: desc.tokens.iter().copied().max().unwrap_or(0),
+            block_size: desc.block_size,
+        };
+        Ok(Batch::from_parts(desc, Box::new(dev)))
+    }
+}

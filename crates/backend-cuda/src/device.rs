@@ -1,0 +1,310 @@
+//! The driver side of the backend: finding a usable GPU without panicking, making the context
+//! and stream, loading the embedded cubins into [`Kernels`], mapping driver errors to
+//! [`BackendError`], and launch-shape helpers.
+//!
+//! Contract: nothing here panics on a machine without a driver or a GPU. cudarc resolves
+//! every driver symbol lazily and *panics* when `libcuda` is missing, so every entry point
+//! checks [`cudarc::driver::sys::is_culib_present`] first and wraps the first driver calls in
+//! `catch_unwind` as a second guard.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use cudarc::driver::{
+    result, sys, CudaContext, CudaFunction, CudaModule, DriverError, LaunchConfig,
+};
+use cudarc::nvrtc::Ptx;
+use kapitsa_backend::BackendError;
+
+/// The kernels compiled by build.rs: (file stem of `kernels/<stem>.cu`, sm_90a cubin bytes).
+/// A blob is empty when the crate was built with `KAPITSA_SKIP_KERNELS=1` and no nvcc.
+mod embedded {
+    include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
+}
+pub(crate) use embedded::KERNELS;
+
+/// The answer when the binary carries no kernels.
+pub(crate) const NO_KERNELS: &str = "this binary was built without CUDA kernels \
+    (KAPITSA_SKIP_KERNELS=1 and no nvcc at build time); run scripts/install-nvcc.sh and rebuild \
+    with `--features cuda`";
+
+/// A driver error as a backend error (`OutOfMemory` for allocation failures).
+pub(crate) fn dev_err(e: DriverError) -> BackendError {
+    if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        BackendError::OutOfMemory(format!("{e}"))
+    } else {
+        BackendError::Device(format!("{e}"))
+    }
+}
+
+/// `Unavailable` unless the driver library can be loaded.
+fn check_driver() -> Result<(), BackendError> {
+    // SAFETY: `is_culib_present` only tries to dlopen the driver library by its usual names
+    // and drops the handle; it has no preconditions.
+    let present = catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false);
+    if present {
+        Ok(())
+    } else {
+        Err(BackendError::Unavailable(
+            "no CUDA driver found (libcuda.so could not be loaded)".into(),
+        ))
+    }
+}
+
+/// `Unavailable` unless every kernel blob is present.
+pub(crate) fn check_kernels() -> Result<(), BackendError> {
+    if KERNELS.is_empty() || KERNELS.iter().any(|(_, b)| b.is_empty()) {
+        return Err(BackendError::Unavailable(NO_KERNELS.into()));
+    }
+    Ok(())
+}
+
+/// Runs `f` (the first driver calls), turning a cudarc panic (missing library or symbol)
+/// into `Unavailable`.
+fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, DriverError>) -> Result<T, BackendError> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(BackendError::Unavailable(format!("{what}: {e}"))),
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| p.downcast_ref::<&str>().copied())
+                .unwrap_or("driver library panicked");
+            let first = msg.lines().next().unwrap_or(msg);
+            Err(BackendError::Unavailable(format!("{what}: {first}")))
+        }
+    }
+}
+
+/// Facts about one device, read without creating a context.
+pub(crate) struct DeviceInfo {
+    pub(crate) ordinal: usize,
+    pub(crate) name: String,
+    pub(crate) total_mem: usize,
+    pub(crate) cc: (i32, i32),
+    pub(crate) count: usize,
+}
+
+impl DeviceInfo {
+    /// `"cuda:0 NVIDIA H200 (141 GB, sm_90)"`.
+    pub(crate) fn describe(&self) -> String {
+        format!(
+            "cuda:{} {} ({} GB, sm_{}{})",
+            self.ordinal,
+            self.name,
+            (self.total_mem as f64 / 1e9).round() as u64,
+            self.cc.0,
+            self.cc.1
+        )
+    }
+}
+
+/// Driver present, device `ordinal` exists, and its name, memory and compute capability.
+pub(crate) fn device_info(ordinal: usize) -> Result<DeviceInfo, BackendError> {
+    check_driver()?;
+    let count = guarded("CUDA driver", || {
+        result::init()?;
+        result::device::get_count()
+    })?
+    .max(0) as usize;
+    if count == 0 {
+        return Err(BackendError::Unavailable("no CUDA device found".into()));
+    }
+    if ordinal >= count {
+        return Err(BackendError::Unavailable(format!(
+            "cuda:{ordinal}: there are only {count} CUDA device(s)"
+        )));
+    }
+    guarded("CUDA device query", || {
+        let dev = result::device::get(ordinal as i32)?;
+        let name = result::device::get_name(dev)?;
+        // SAFETY: `dev` is a valid device handle from `device::get` after `init`.
+        let total_mem = unsafe { result::device::total_mem(dev) }?;
+        // SAFETY: as above; the attributes are plain integer queries.
+        let major = unsafe {
+            result::device::get_attribute(
+                dev,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+            )
+        }?;
+        // SAFETY: as above.
+        let minor = unsafe {
+            result::device::get_attribute(
+                dev,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+            )
+        }?;
+        Ok(DeviceInfo {
+            ordinal,
+            name,
+            total_mem,
+            cc: (major, minor),
+            count,
+        })
+    })
+}
+
+/// `Unavailable` unless the device can run the sm_90a cubins.
+pub(crate) fn check_arch(info: &DeviceInfo) -> Result<(), BackendError> {
+    if info.cc != (9, 0) {
+        return Err(BackendError::Unavailable(format!(
+            "{}: the kernels are built for sm_90a (H100/H200), this GPU is sm_{}{}",
+            info.describe(),
+            info.cc.0,
+            info.cc.1
+        )));
+    }
+    Ok(())
+}
+
+/// The primary context of `ordinal` (guarded against cudarc panics).
+pub(crate) fn make_context(ordinal: usize) -> Result<Arc<CudaContext>, BackendError> {
+    guarded("CUDA context", || CudaContext::new(ordinal))
+}
+
+/// Keep freed device memory in the default memory pool instead of returning it to the driver
+/// at every synchronisation: the stream-ordered allocator then serves the per-step activation
+/// allocations from its cache (this is the backend's caching allocator).
+pub(crate) fn keep_pool_memory(ctx: &Arc<CudaContext>) -> Result<(), BackendError> {
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is a valid out-pointer; the device handle comes from a live context.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
+        .result()
+        .map_err(dev_err)?;
+    let mut threshold = u64::MAX;
+    // SAFETY: `pool` is the device's default pool; the release threshold attribute takes a
+    // pointer to a u64, which `threshold` is.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    }
+    .result()
+    .map_err(dev_err)
+}
+
+/// Load cubin `stem` of the embedded table.
+fn load_module(ctx: &Arc<CudaContext>, stem: &str) -> Result<Arc<CudaModule>, BackendError> {
+    let bytes = KERNELS
+        .iter()
+        .find(|(s, _)| *s == stem)
+        .map(|(_, b)| *b)
+        .filter(|b| !b.is_empty())
+        .ok_or_else(|| BackendError::Unavailable(NO_KERNELS.into()))?;
+    ctx.load_module(Ptx::from_binary(bytes.to_vec()))
+        .map_err(|e| BackendError::Unavailable(format!("loading the {stem} kernels: {e}")))
+}
+
+/// Declares [`Kernels`]: one `CudaFunction` field per `extern "C"` kernel, grouped by the
+/// cubin (kernels/<module>.cu) that holds it.
+macro_rules! kernel_table {
+    ($($module:literal => [$($name:ident),* $(,)?]),* $(,)?) => {
+        /// The backend's own kernels (all but the matmul ones), loaded from the embedded
+        /// cubins. Field names are the kernels' `extern "C"` names.
+        pub(crate) struct Kernels {
+            $($(pub(crate) $name: CudaFunction,)*)*
+        }
+
+        impl Kernels {
+            /// Load every kernel (an `Unavailable` error names the first one missing).
+            pub(crate) fn load(ctx: &Arc<CudaContext>) -> Result<Kernels, BackendError> {
+                $(
+                    let m = load_module(ctx, $module)?;
+                    $(
+                        let $name = m.load_function(stringify!($name)).map_err(|e| {
+                            BackendError::Unavailable(format!(
+                                "kernel {} in {}.cu: {e}", stringify!($name), $module
+                            ))
+                        })?;
+                    )*
+                )*
+                let k = Kernels { $($($name,)*)* };
+                k.configure()?;
+                Ok(k)
+            }
+        }
+    };
+}
+
+kernel_table! {
+    "ops" => [
+        add_f32, add_bias_f32, mul_sigmoid_f32, silu_mul_f32, relu2_f32, split_cols_f32,
+        gather_rows_f32, scatter_rows_f32, rms_norm_f32, l2_norm_f32, gated_rms_norm_f32,
+        gated_group_rms_norm_f32, rope_neox_f32, gdn_gates_f32, softplus_bias_f32,
+        argmax_rows_f32,
+    ],
+    "attention" => [
+        kv_write_f32, kv_write_f16, kv_write_q8_0,
+        attn_split_f32_2, attn_split_f32_4, attn_split_f32_8,
+        attn_split_f16_2, attn_split_f16_4, attn_split_f16_8,
+        attn_split_q8_0_2, attn_split_q8_0_4, attn_split_q8_0_8,
+        attn_combine,
+        attn_tile_f32_8, attn_tile_f32_16, attn_tile_f32_32,
+        attn_tile_f16_8, attn_tile_f16_16, attn_tile_f16_32,
+        attn_tile_q8_0_8, attn_tile_q8_0_16, attn_tile_q8_0_32,
+    ],
+    "recurrent" => [conv1d_causal_f32, gdn_recurrent_f32, mamba2_recurrent_f32],
+    "ffn" => [moe_topk_f32, moe_combine_f32, moe_shared_add_f32],
+}
+
+/// Dynamic shared memory the tiled attention kernels may use (head_dim 256 needs ~84 KB).
+pub(crate) const TILE_SMEM_MAX: u32 = 96 * 1024;
+
+impl Kernels {
+    /// Per-kernel attributes: the tiled attention kernels may use more than the default
+    /// 48 KB of dynamic shared memory.
+    fn configure(&self) -> Result<(), BackendError> {
+        for f in [
+            &self.attn_tile_f32_8,
+            &self.attn_tile_f32_16,
+            &self.attn_tile_f32_32,
+            &self.attn_tile_f16_8,
+            &self.attn_tile_f16_16,
+            &self.attn_tile_f16_32,
+            &self.attn_tile_q8_0_8,
+            &self.attn_tile_q8_0_16,
+            &self.attn_tile_q8_0_32,
+        ] {
+            f.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                TILE_SMEM_MAX as i32,
+            )
+            .map_err(|e| {
+                BackendError::Unavailable(format!("configuring the attention kernels: {e}"))
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// Threads per block of the element-wise kernels.
+pub(crate) const ELEM_THREADS: u32 = 256;
+
+/// A 1-D grid-stride launch over `n` elements (the grid is capped; kernels loop).
+pub(crate) fn elem_cfg(n: u64) -> LaunchConfig {
+    let blocks = n.div_ceil(ELEM_THREADS as u64).clamp(1, 1 << 16) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (ELEM_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Threads for a one-block-per-row kernel over rows of `width`: a multiple of 32, at most 256.
+pub(crate) fn row_threads(width: usize) -> u32 {
+    (width.div_ceil(32) * 32).clamp(32, 256) as u32
+}
+
+/// `v` as a kernel's `uint32_t` argument, or a shape error naming `op` and `what`.
+pub(crate) fn u32_arg(op: &'static str, what: &str, v: usize) -> Result<u32, BackendError> {
+    u32::try_from(v).map_err(|_| BackendError::Shape {
+        op,
+        msg: format!("{what} = {v} does not fit the kernels' 32-bit indices"),
+    })
+}

@@ -1,0 +1,492 @@
+//! Feed-forward blocks on the GPU: matmul/embed entry points (through the matmul module), the
+//! dense MLP, and the routed mixture of experts; the CUDA twin of the CPU backend's
+//! src/ffn.rs.
+//!
+//! MoE, first version: the router logits are a matmul, the scores and top-k run on the device
+//! (kernels/ffn.cu `moe_topk_f32`), then the `[n, top_k]` expert ids come back to the host
+//! (one synchronisation per MoE layer), which groups the (token, slot) pairs by expert. For
+//! each used expert the pairs' input rows are gathered into a dense buffer, run through that
+//! expert's MLP (the matmul module's products on one expert of the 3-D stacks; fused gate/up
+//! stacks as two row ranges) and scattered into `ye [n * top_k, d]`; `moe_combine_f32` then
+//! sums each token's rows in top-k order with their weights, and `moe_shared_add_f32` adds the
+//! (gated) shared expert. A grouped device-side path without the host round trip
+//! (graph-capturable) is future work.
+
+use std::ops::Range;
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use kapitsa_backend::{
+    shape_err, Act, BackendError, Batch, Experts, Gating, MlpWeights, MoeWeights, Result, Tensor,
+    Weight,
+};
+
+use crate::device::{dev_err, elem_cfg, row_threads, u32_arg};
+use crate::matmul::CudaWeight;
+use crate::CudaBackend;
+
+/// One operand of an expert MLP: rows `rows` of expert `e` of a device weight (`e = 0` and
+/// all rows for a 2-D matrix).
+struct Mat<'a> {
+    w: &'a CudaWeight,
+    e: usize,
+    rows: Range<usize>,
+}
+
+impl<'a> Mat<'a> {
+    /// All rows of a 2-D matrix.
+    fn whole(w: &'a CudaWeight) -> Mat<'a> {
+        Mat {
+            w,
+            e: 0,
+            rows: 0..w.n_out(),
+        }
+    }
+}
+
+/// The matrices of one expert (or of a dense MLP): gate (SwiGLU only) and up `[n_ff, d_in]`,
+/// down `[d_out, n_ff]`.
+struct ExpertMats<'a> {
+    gate: Option<Mat<'a>>,
+    up: Mat<'a>,
+    down: Mat<'a>,
+}
+
+impl CudaBackend {
+    /// `y[n, n_out] = x[n, n_in] @ w^T` on device buffers (lengths checked by the caller).
+    pub(crate) fn matmul_dev(
+        &self,
+        w: &CudaWeight,
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.mm.matmul(&self.stream, &self.blas, w, x, n, y)
+    }
+
+    pub(crate) fn matmul_impl(
+        &self,
+        w: &Weight,
+        x: &Tensor,
+        n_tok: usize,
+        y: &mut Tensor,
+    ) -> Result<()> {
+        const OP: &str = "matmul";
+        let (n_out, n_in) = w.dims2(OP)?;
+        let m = self.matrix(w, OP)?;
+        let xb = self.f32_len(x, n_tok * n_in, OP, "x")?;
+        let yb = self.f32_len_mut(y, n_tok * n_out, OP, "y")?;
+        self.matmul_dev(m, xb, n_tok, yb)
+    }
+
+    pub(crate) fn embed_impl(&self, w: &Weight, batch: &Batch, out: &mut Tensor) -> Result<()> {
+        const OP: &str = "embed";
+        let db = self.dev_batch(batch, OP)?;
+        let (n_vocab, n_in) = w.dims2(OP)?;
+        let m = self.matrix(w, OP)?;
+        let n = db.n_tokens;
+        if n > 0 && db.max_token as usize >= n_vocab {
+            return shape_err(
+                OP,
+                format!("token id {} of a vocabulary of {n_vocab}", db.max_token),
+            );
+        }
+        let ob = self.f32_len_mut(out, n * n_in, OP, "out")?;
+        if n == 0 {
+            return Ok(());
+        }
+        // the token ids are the first n entries of the batch buffer
+        self.mm.embed(&self.stream, m, &db.buf, n, ob)
+    }
+
+    /// `y[n, rows] = x[n, d_in] @ m^T` on device buffers (lengths checked by the caller).
+    fn mat_dev(
+        &self,
+        m: &Mat<'_>,
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.mm.matmul_rows(
+            &self.stream,
+            &self.blas,
+            m.w,
+            m.e,
+            m.rows.clone(),
+            &x.as_view(),
+            n,
+            &mut y.as_view_mut(),
+        )
+    }
+
+    /// `out[n, d_out] = mlp(x[n, d_in])` for one expert's matrices (hidden width `n_ff`).
+    #[allow(clippy::too_many_arguments)]
+    fn mlp_dev(
+        &self,
+        mats: &ExpertMats<'_>,
+        act: Act,
+        n_ff: usize,
+        n: usize,
+        x: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        const OP: &str = "mlp";
+        if n == 0 {
+            return Ok(());
+        }
+        let m = n * n_ff;
+        let mut u = self.scratch::<f32>(m)?;
+        self.mat_dev(&mats.up, x, n, &mut u)?;
+        match (act, &mats.gate) {
+            (Act::SwiGlu, Some(gate)) => {
+                let mut g = self.scratch::<f32>(m)?;
+                self.mat_dev(gate, x, n, &mut g)?;
+                self.silu_mul_dev(&mut g, &u, m)?;
+                self.mat_dev(&mats.down, &g, n, out)
+            }
+            (Act::Relu2, None) => {
+                self.relu2_dev(&mut u, m)?;
+                self.mat_dev(&mats.down, &u, n, out)
+            }
+            (Act::SwiGlu, None) => shape_err(OP, "a SwiGLU MLP without a gate"),
+            (Act::Relu2, Some(_)) => shape_err(OP, "a squared-ReLU MLP with a gate"),
+        }
+    }
+
+    /// The device matrices of a dense MLP, with its shape checked: `(n_in, n_ff, n_out)`.
+    fn mlp_mats<'a>(
+        &self,
+        w: &'a MlpWeights,
+        op: &'static str,
+    ) -> Result<(ExpertMats<'a>, usize, usize, usize)> {
+        let (n_ff, n_in) = w.up.dims2(op)?;
+        let (n_out, n_ff2) = w.down.dims2(op)?;
+        if n_ff2 != n_ff {
+            return shape_err(
+                op,
+                format!("down is [{n_out}, {n_ff2}], up has {n_ff} rows"),
+            );
+        }
+        let gate = match &w.gate {
+            Some(g) => {
+                if g.dims2(op)? != (n_ff, n_in) {
+                    return shape_err(
+                        op,
+                        format!("gate {:?} differs from up {:?}", g.shape, w.up.shape),
+                    );
+                }
+                Some(Mat::whole(self.matrix(g, op)?))
+            }
+            None => None,
+        };
+        let mats = ExpertMats {
+            gate,
+            up: Mat::whole(self.matrix(&w.up, op)?),
+            down: Mat::whole(self.matrix(&w.down, op)?),
+        };
+        Ok((mats, n_in, n_ff, n_out))
+    }
+
+    pub(crate) fn mlp_impl(
+        &self,
+        w: &MlpWeights,
+        x: &Tensor,
+        n: usize,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        const OP: &str = "mlp";
+        let (mats, n_in, n_ff, n_out) = self.mlp_mats(w, OP)?;
+        let xb = self.f32_len(x, n * n_in, OP, "x")?;
+        let ob = self.f32_len_mut(out, n * n_out, OP, "out")?;
+        self.mlp_dev(&mats, w.act, n_ff, n, xb, ob)
+    }
+
+    /// The per-expert matrices of `w.experts` for expert inputs/outputs of width `de`.
+    fn expert_mats<'a>(
+        &self,
+        w: &'a MoeWeights,
+        de: usize,
+        op: &'static str,
+    ) -> Result<Vec<ExpertMats<'a>>> {
+        let n_exp = w.n_expert();
+        let i = w.n_ff;
+        let stack = |wt: &'a Weight, rows: usize, cols: usize| -> Result<&'a CudaWeight> {
+            let (e, r, c) = wt.dims3(op)?;
+            if (e, r, c) != (n_exp, rows, cols) {
+                return shape_err(
+                    op,
+                    format!(
+                        "'{}' is {:?}, expected [{n_exp}, {rows}, {cols}]",
+                        wt.name, wt.shape
+                    ),
+                );
+            }
+            let m = self.dev_weight(wt, op)?;
+            if m.n_experts() != n_exp {
+                return shape_err(
+                    op,
+                    format!(
+                        "'{}' was not uploaded as a stack of {n_exp} experts",
+                        wt.name
+                    ),
+                );
+            }
+            Ok(m)
+        };
+        let mat = |w: &'a CudaWeight, e: usize, rows: Range<usize>| Mat { w, e, rows };
+        match &w.experts {
+            Experts::Stacked { gate, up, down } => {
+                let up = stack(up, i, de)?;
+                let down = stack(down, de, i)?;
+                let gate = match gate {
+                    Some(g) => Some(stack(g, i, de)?),
+                    None => None,
+                };
+                Ok((0..n_exp)
+                    .map(|e| ExpertMats {
+                        gate: gate.map(|g| mat(g, e, 0..i)),
+                        up: mat(up, e, 0..i),
+                        down: mat(down, e, 0..de),
+                    })
+                    .collect())
+            }
+            Experts::FusedGateUp { gate_up, down } => {
+                let gu = stack(gate_up, 2 * i, de)?;
+                let down = stack(down, de, i)?;
+                Ok((0..n_exp)
+                    .map(|e| ExpertMats {
+                        gate: Some(mat(gu, e, 0..i)),
+                        up: mat(gu, e, i..2 * i),
+                        down: mat(down, e, 0..de),
+                    })
+                    .collect())
+            }
+            Experts::PerExpert(v) => {
+                if v.len() != n_exp {
+                    return shape_err(op, format!("{} experts for a router of {n_exp}", v.len()));
+                }
+                v.iter()
+                    .map(|m| {
+                        let (mats, n_in, n_ff, n_out) = self.mlp_mats(m, op)?;
+                        if (n_in, n_ff, n_out) != (de, i, de) {
+                            return shape_err(op, format!("expert MLP {n_in} -> {n_ff} -> {n_out}, expected {de} -> {i} -> {de}"));
+                        }
+                        Ok(mats)
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    pub(crate) fn moe_impl(
+        &self,
+        w: &MoeWeights,
+        x: &Tensor,
+        n: usize,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        const OP: &str = "moe";
+        let (n_exp, d) = w.router.dims2(OP)?;
+        let k = w.top_k;
+        if k == 0 || k > n_exp {
+            return shape_err(OP, format!("top_k {k} of {n_exp} experts"));
+        }
+        let router = self.matrix(&w.router, OP)?;
+        let xb = self.f32_len(x, n * d, OP, "x")?;
+        let latent = match &w.latent {
+            Some(l) => {
+                let (ld, ldin) = l.down.dims2(OP)?;
+                let (lu, luin) = l.up.dims2(OP)?;
+                if ldin != d || lu != d || luin != ld {
+                    return shape_err(
+                        OP,
+                        format!(
+                            "latent down {:?} / up {:?} for width {d}",
+                            l.down.shape, l.up.shape
+                        ),
+                    );
+                }
+                Some((self.matrix(&l.down, OP)?, self.matrix(&l.up, OP)?, ld))
+            }
+            None => None,
+        };
+        let de = latent.as_ref().map_or(d, |l| l.2);
+        let mats = self.expert_mats(w, de, OP)?;
+        let shared = match &w.shared {
+            Some(s) => {
+                let (m, n_in, n_ff, n_out) = self.mlp_mats(s, OP)?;
+                if (n_in, n_out) != (d, d) {
+                    return shape_err(
+                        OP,
+                        format!("shared expert {n_in} -> {n_out}, expected {d} -> {d}"),
+                    );
+                }
+                Some((m, n_ff, s.act))
+            }
+            None => None,
+        };
+        let sgate = match &w.shared_gate {
+            Some(g) => Some(self.f32_len(g, d, OP, "shared_gate")?),
+            None => None,
+        };
+        let (gating, bias) = match &w.gating {
+            Gating::Softmax => (0u32, None),
+            Gating::Sigmoid { bias } => (
+                1u32,
+                match bias {
+                    Some(b) => Some(self.f32_len(b, n_exp, OP, "router bias")?),
+                    None => None,
+                },
+            ),
+        };
+        let ob = self.f32_len_mut(out, n * d, OP, "out")?;
+        if n == 0 {
+            return Ok(());
+        }
+
+        // router and top-k on the device
+        let mut logits = self.scratch::<f32>(n * n_exp)?;
+        self.matmul_dev(router, xb, n, &mut logits)?;
+        let mut ids = self.scratch::<u32>(n * k)?;
+        let mut wts = self.scratch::<f32>(n * k)?;
+        let (ne, ka, nt) = (
+            u32_arg(OP, "experts", n_exp)?,
+            u32_arg(OP, "top_k", k)?,
+            u32_arg(OP, "tokens", n)?,
+        );
+        let (norm, scale) = (u32::from(w.norm_topk), w.scale);
+        let null = 0u64;
+        let smem = u32_arg(OP, "experts", (n_exp * 9).div_ceil(4) * 4)?;
+        if smem > 48 * 1024 {
+            return Err(BackendError::Unsupported {
+                op: OP,
+                what: format!("{n_exp} experts (routing table over 48 KiB of shared memory)"),
+            });
+        }
+        {
+            let mut b = self.stream.launch_builder(&self.k.moe_topk_f32);
+            b.arg(&logits).arg(&ne).arg(&ka).arg(&gating);
+            match bias {
+                Some(bb) => b.arg(bb),
+                None => b.arg(&null),
+            };
+            b.arg(&norm).arg(&scale).arg(&mut ids).arg(&mut wts);
+            let cfg = LaunchConfig {
+                grid_dim: (nt, 1, 1),
+                block_dim: (row_threads(n_exp), 1, 1),
+                shared_mem_bytes: smem,
+            };
+            // SAFETY: moe_topk_f32(const float* logits, uint32_t n_exp, uint32_t k,
+            // uint32_t gating, const float* bias (or null), uint32_t norm_topk, float scale,
+            // uint32_t* ids, float* weights), one block per token with n_exp * 9 bytes of
+            // dynamic shared memory: logits hold n * n_exp floats, bias n_exp, ids and weights
+            // n * k entries, k <= n_exp.
+            unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        }
+        let mut ids_h = vec![0u32; n * k];
+        self.stream
+            .memcpy_dtoh(&ids.slice(0..n * k), &mut ids_h[..])
+            .map_err(dev_err)?;
+        self.stream.synchronize().map_err(dev_err)?;
+
+        // group the (token, slot) pairs r = t * k + j by expert, ascending r within an expert
+        let mut counts = vec![0usize; n_exp + 1];
+        for &e in &ids_h {
+            if e as usize >= n_exp {
+                return Err(BackendError::Device(format!(
+                    "moe: routed to expert {e} of {n_exp}"
+                )));
+            }
+            counts[e as usize + 1] += 1;
+        }
+        for e in 0..n_exp {
+            counts[e + 1] += counts[e];
+        }
+        let mut fill = counts.clone();
+        let mut order = vec![0u32; n * k];
+        for (r, &e) in ids_h.iter().enumerate() {
+            order[fill[e as usize]] = r as u32;
+            fill[e as usize] += 1;
+        }
+        let mut order_d = self.scratch::<u32>(n * k)?;
+        self.stream
+            .memcpy_htod(&order[..], &mut order_d)
+            .map_err(dev_err)?;
+
+        // expert inputs (projected into the latent space when there is one)
+        let x_lat = match &latent {
+            Some((down, _, ld)) => {
+                let mut xl = self.scratch::<f32>(n * ld)?;
+                self.matmul_dev(down, xb, n, &mut xl)?;
+                Some(xl)
+            }
+            None => None,
+        };
+        let xe = x_lat.as_ref().unwrap_or(xb);
+        let mut ye = self.scratch::<f32>(n * k * de)?;
+        for (e, mats) in mats.iter().enumerate() {
+            let (a, b) = (counts[e], counts[e + 1]);
+            if a == b {
+                continue;
+            }
+            let cnt = b - a;
+            let idx = order_d.slice(a..b);
+            let mut xg = self.scratch::<f32>(cnt * de)?;
+            self.gather_rows_dev(xe, n, &idx, k, cnt, de, &mut xg)?;
+            let mut yg = self.scratch::<f32>(cnt * de)?;
+            self.mlp_dev(mats, w.act, w.n_ff, cnt, &xg, &mut yg)?;
+            self.scatter_rows_dev(&yg, &idx, cnt, de, &mut ye, n * k)?;
+        }
+
+        // weighted sum in top-k order, projected back from the latent space
+        let mut routed_lat = match latent {
+            Some(_) => Some(self.scratch::<f32>(n * de)?),
+            None => None,
+        };
+        {
+            let dst: &mut CudaSlice<f32> = match routed_lat.as_mut() {
+                Some(r) => r,
+                None => &mut *ob,
+            };
+            let dea = u32_arg(OP, "width", de)?;
+            let mut b = self.stream.launch_builder(&self.k.moe_combine_f32);
+            b.arg(&ye).arg(&wts).arg(&nt).arg(&ka).arg(&dea).arg(dst);
+            // SAFETY: moe_combine_f32(const float* ye, const float* w, uint32_t n, uint32_t k,
+            // uint32_t d, float* out): ye holds n * k * d floats (every row written by the
+            // scatters: each pair belongs to exactly one expert), w n * k, out n * d.
+            unsafe { b.launch(elem_cfg(n as u64 * de as u64)) }.map_err(dev_err)?;
+        }
+        if let (Some((_, up, _)), Some(rl)) = (&latent, routed_lat.as_ref()) {
+            self.matmul_dev(up, rl, n, ob)?;
+        }
+
+        // the shared expert, gated per token
+        if let Some((m, n_ff, act)) = shared {
+            let mut sh = self.scratch::<f32>(n * d)?;
+            self.mlp_dev(&m, act, n_ff, n, xb, &mut sh)?;
+            let da = u32_arg(OP, "width", d)?;
+            let mut b = self.stream.launch_builder(&self.k.moe_shared_add_f32);
+            b.arg(&mut *ob).arg(&sh).arg(xb);
+            match sgate {
+                Some(g) => b.arg(g),
+                None => b.arg(&null),
+            };
+            b.arg(&da).arg(&da);
+            let cfg = LaunchConfig {
+                grid_dim: (nt, 1, 1),
+                block_dim: (row_threads(d), 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: moe_shared_add_f32(float* out, const float* sh, const float* x,
+            // const float* gate (or null), uint32_t d, uint32_t dx), one block per token: out,
+            // sh and x hold n * d floats, gate d.
+            unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,1516 @@
+//! Quantised matrix products and the embedding gather on the GPU: the host side of
+//! kernels/matmul.cu (kernels) and kernels/quant.cuh (device layouts and decoders).
+//!
+//! # Contract
+//! - **Weights** ([`CudaWeight`]) are `[n_out, n_in]` matrices or `[E, n_out, n_in]` expert
+//!   stacks of ggml rows (F32, F16, BF16, Q8_0, Q5_0, Q4_0, Q4_K, Q5_K, Q6_K) in device memory.
+//!   F32/F16/BF16/Q4_K/Q5_K keep the GGUF bytes; Q8_0/Q4_0/Q5_0/Q6_K, whose blocks are only
+//!   2-byte aligned, are split at upload into planes of their fields (same bits, no
+//!   requantisation; quant.cuh documents the planes) so every kernel load is a 16-byte load.
+//!   Quantised rows need whole blocks (`n_in % 32`, K formats `n_in % 256`), float rows any
+//!   `n_in >= 1`; other types and partial blocks are [`BackendError::Unsupported`] at upload.
+//! - **Products** `y[t, r] = sum_k x[t, k] W[r, k]`, x `[n_tok, n_in]` and y `[n_tok, rows]`
+//!   row-major f32 in device memory, accumulated in f32:
+//!   - `n_tok <= 16` ([`GEMV_SPLIT_MAX_TOKENS`]): the GEMV kernels (launches of up to 8
+//!     tokens), weights dequantised in registers, activations read as f32 (no rounding of x);
+//!   - more tokens: cuBLAS. F32 weights: `cublasSgemm` under `CUBLAS_PEDANTIC_MATH` (no TF32),
+//!     full f32. F16/BF16 weights: `cublasGemmEx` on the weights as stored, x rounded to
+//!     f16/bf16 (as the CPU reference rounds it), f32 output and compute. Quantised weights:
+//!     tiles of rows dequantised exactly and rounded to f16 into a scratch buffer, x rounded to
+//!     f16, `cublasGemmEx` f16 x f16 -> f32 on the tensor cores.
+//!
+//!   The two paths round differently (the GEMV keeps x in f32), so a token's result can
+//!   differ in the last bits between a small and a large batch.
+//! - **Embedding gather** `out[i, :] = dequant(W[ids[i], :])`: bit-identical to kernels-cpu
+//!   `dequantize_row`; an id `>= n_out` gives a zero row (callers check ids on the host).
+//! - **Streams.** Everything is queued on the given stream, which must be the stream `blas` is
+//!   bound to; the f16 scratch buffers are reused by the next call, so all calls must go to
+//!   that one stream (or be ordered with it). Calls return once queued.
+//! - **Errors.** Lengths are checked on the host ([`BackendError::Shape`]); buffers may be
+//!   longer than needed (only the leading elements are used). Driver and cuBLAS errors are
+//!   [`BackendError::Device`] (allocation failures [`BackendError::OutOfMemory`]).
+
+#![cfg(feature = "cuda")]
+
+use std::borrow::Cow;
+use std::ffi::c_void;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut,
+    DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+use kapitsa_backend::{shape_err, BackendError, HostWeight, Result};
+use kapitsa_base::GgmlType;
+
+use crate::device::dev_err;
+
+/// Largest token count of one GEMV launch (`gemv_<ty>_1` .. `gemv_<ty>_8`).
+pub(crate) const GEMV_MAX_TOKENS: usize = 8;
+
+/// Largest token count that takes the GEMV kernels, in launches of up to [`GEMV_MAX_TOKENS`]
+/// tokens (each re-reads the weights: cheaper than dequantising them for cuBLAS up to a few
+/// launches; a first guess, to be tuned on the H200).
+pub(crate) const GEMV_SPLIT_MAX_TOKENS: usize = 16;
+
+/// Rows per GEMV row group (kernels/matmul.cu `GemvTune::R`; change both together).
+const GEMV_ROWS: usize = 4;
+
+/// Warps per GEMV block (kernels/matmul.cu `GEMV_WARPS`).
+const GEMV_WARPS: usize = 4;
+
+/// Elements of one dequantised f16 weight tile for the tensor-core GEMM (64 MiB of scratch).
+const GEMM_TILE_ELEMS: usize = 1 << 25;
+
+/// Threads per block of the element-wise kernels (dequant, gather, cvt).
+const ELEM_THREADS: u32 = 256;
+
+/// The module stem of the kernels (kernels/matmul.cu).
+const MODULE: &str = "matmul";
+
+// ---- formats ------------------------------------------------------------------------------------
+
+/// A weight format the kernels support, in kernels/quant.cuh `KQ_*` id order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fmt {
+    F32,
+    F16,
+    Bf16,
+    Q8_0,
+    Q5_0,
+    Q4_0,
+    Q4K,
+    Q5K,
+    Q6K,
+}
+
+impl Fmt {
+    const ALL: [Fmt; 9] = [
+        Fmt::F32,
+        Fmt::F16,
+        Fmt::Bf16,
+        Fmt::Q8_0,
+        Fmt::Q5_0,
+        Fmt::Q4_0,
+        Fmt::Q4K,
+        Fmt::Q5K,
+        Fmt::Q6K,
+    ];
+
+    fn of(t: GgmlType) -> Option<Fmt> {
+        Some(match t {
+            GgmlType::F32 => Fmt::F32,
+            GgmlType::F16 => Fmt::F16,
+            GgmlType::BF16 => Fmt::Bf16,
+            GgmlType::Q8_0 => Fmt::Q8_0,
+            GgmlType::Q5_0 => Fmt::Q5_0,
+            GgmlType::Q4_0 => Fmt::Q4_0,
+            GgmlType::Q4_K => Fmt::Q4K,
+            GgmlType::Q5_K => Fmt::Q5K,
+            GgmlType::Q6_K => Fmt::Q6K,
+            _ => return None,
+        })
+    }
+
+    /// kernels/quant.cuh `KQ_*`.
+    fn id(self) -> usize {
+        self as usize
+    }
+
+    /// The kernel name part (`gemv_<name>_<nt>`, `dequant_<name>_f32`).
+    fn name(self) -> &'static str {
+        match self {
+            Fmt::F32 => "f32",
+            Fmt::F16 => "f16",
+            Fmt::Bf16 => "bf16",
+            Fmt::Q8_0 => "q8_0",
+            Fmt::Q5_0 => "q5_0",
+            Fmt::Q4_0 => "q4_0",
+            Fmt::Q4K => "q4_k",
+            Fmt::Q5K => "q5_k",
+            Fmt::Q6K => "q6_k",
+        }
+    }
+
+    /// Elements of one GEMV/dequant chunk (quant.cuh `KqFmt<T>::CE`).
+    fn chunk(self) -> usize {
+        match self {
+            Fmt::F32 => 4,
+            Fmt::F16 | Fmt::Bf16 => 8,
+            Fmt::Q8_0 => 16,
+            Fmt::Q5_0 | Fmt::Q4_0 => 32,
+            Fmt::Q4K | Fmt::Q5K | Fmt::Q6K => 64,
+        }
+    }
+
+    fn is_float(self) -> bool {
+        matches!(self, Fmt::F32 | Fmt::F16 | Fmt::Bf16)
+    }
+
+    /// The planes of a planar device layout: (byte offset in the GGUF block, bytes) of each
+    /// field, plane 0 first (quant.cuh "Device layouts"); `None` for the GGUF layout.
+    fn planes(self) -> Option<&'static [(usize, usize)]> {
+        match self {
+            Fmt::Q8_0 => Some(&[(2, 32), (0, 2)]),
+            Fmt::Q4_0 => Some(&[(2, 16), (0, 2)]),
+            Fmt::Q5_0 => Some(&[(6, 16), (2, 4), (0, 2)]),
+            Fmt::Q6K => Some(&[(0, 128), (128, 64), (192, 16), (208, 2)]),
+            _ => None,
+        }
+    }
+}
+
+/// The device image of `n_rows` GGUF rows of `n_in` elements (`bytes`, exactly
+/// `n_rows * row_bytes`) of a format: the bytes themselves for the GGUF layouts, else the
+/// planes (each starting at a 256-byte boundary). Returns (image, offsets of planes 1..3,
+/// kernel `stride`: bytes per row for the GGUF layouts, blocks per row for the planar ones).
+fn device_image(
+    fmt: Fmt,
+    ty: GgmlType,
+    bytes: &[u8],
+    n_rows: usize,
+    n_in: usize,
+) -> (Cow<'_, [u8]>, [u64; 3], u64) {
+    let ts = ty.type_size();
+    let nb = n_in / ty.block_size();
+    let Some(planes) = fmt.planes() else {
+        return (Cow::Borrowed(bytes), [0; 3], (nb * ts) as u64);
+    };
+    let n_blocks = n_rows * nb;
+    let mut offs = [0usize; 4];
+    let mut end = 0usize;
+    for (p, &(_, len)) in planes.iter().enumerate() {
+        offs[p] = end;
+        end = (end + n_blocks * len).next_multiple_of(256);
+    }
+    let mut img = vec![0u8; end];
+    for (b, blk) in bytes.chunks_exact(ts).take(n_blocks).enumerate() {
+        for (p, &(src, len)) in planes.iter().enumerate() {
+            let dst = offs[p] + b * len;
+            img[dst..dst + len].copy_from_slice(&blk[src..src + len]);
+        }
+    }
+    (
+        Cow::Owned(img),
+        [offs[1] as u64, offs[2] as u64, offs[3] as u64],
+        nb as u64,
+    )
+}
+
+// ---- weights ------------------------------------------------------------------------------------
+
+/// A weight matrix (or expert stack) in device memory, in the layout of kernels/quant.cuh.
+pub(crate) struct CudaWeight {
+    name: String,
+    dtype: GgmlType,
+    fmt: Fmt,
+    n_exp: usize,
+    n_out: usize,
+    n_in: usize,
+    /// The device image (GGUF bytes or planes), on the upload stream.
+    buf: CudaSlice<u8>,
+    /// Byte offsets of planes 1..3 in `buf` (planar formats).
+    off: [u64; 3],
+    /// Kernel stride: bytes per row (GGUF layouts) or blocks per row (planar).
+    stride: u64,
+}
+
+// Accessors for the rest of the crate (the MoE path will need them).
+#[allow(dead_code)]
+impl CudaWeight {
+    /// The ggml type of the rows.
+    pub(crate) fn dtype(&self) -> GgmlType {
+        self.dtype
+    }
+
+    /// Number of experts (1 for a 2-D matrix).
+    pub(crate) fn n_experts(&self) -> usize {
+        self.n_exp
+    }
+
+    /// Rows per expert (output features).
+    pub(crate) fn n_out(&self) -> usize {
+        self.n_out
+    }
+
+    /// Elements per row (input features).
+    pub(crate) fn n_in(&self) -> usize {
+        self.n_in
+    }
+}
+
+impl CudaWeight {
+    /// Bytes of one row in the GGUF layout (F32/F16/BF16 rows for cuBLAS).
+    fn row_bytes(&self) -> usize {
+        self.n_in * self.dtype.type_size() / self.dtype.block_size()
+    }
+
+    /// Whether the GEMV kernels take this matrix (rows of whole chunks; always true for the
+    /// quantised formats).
+    fn gemv_ok(&self) -> bool {
+        self.n_in.is_multiple_of(self.fmt.chunk())
+    }
+}
+
+// ---- kernels ------------------------------------------------------------------------------------
+
+/// The f16 scratch buffers of the tensor-core GEMM, grown on demand.
+#[derive(Default)]
+struct Scratch {
+    /// A dequantised weight tile `[rows, n_in]` (f16 bits).
+    w16: Option<CudaSlice<u16>>,
+    /// The activations rounded to f16/bf16 `[n_tok, n_in]`.
+    x16: Option<CudaSlice<u16>>,
+}
+
+/// `slot`, reallocated on `stream` when it holds fewer than `n` elements.
+fn grow<'a>(
+    slot: &'a mut Option<CudaSlice<u16>>,
+    stream: &Arc<CudaStream>,
+    n: usize,
+) -> Result<&'a mut CudaSlice<u16>> {
+    if slot.as_ref().is_none_or(|s| s.len() < n) {
+        *slot = None;
+        // SAFETY: the memory is unset, not invalid: every user writes the elements it reads
+        // first, on this stream (device memory has no Rust validity invariant).
+        *slot = Some(unsafe { stream.alloc::<u16>(n.max(1)) }.map_err(dev_err)?);
+    }
+    slot.as_mut()
+        .ok_or_else(|| BackendError::Device("matmul scratch allocation vanished".into()))
+}
+
+fn blas_err(e: blas_result::CublasError) -> BackendError {
+    BackendError::Device(format!("cuBLAS: {e:?}"))
+}
+
+/// `i32` kernel argument, or a shape error naming what overflowed.
+fn i32_arg(op: &'static str, what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| BackendError::Shape {
+        op,
+        msg: format!("{what} = {v} exceeds the kernels' 32-bit range"),
+    })
+}
+
+/// `a * b`, or a shape error.
+fn mul(op: &'static str, a: usize, b: usize) -> Result<usize> {
+    a.checked_mul(b).ok_or_else(|| BackendError::Shape {
+        op,
+        msg: format!("{a} * {b} overflows"),
+    })
+}
+
+/// Row-group warps the GEMV of `groups` row groups of `n_chunks` chunks spreads over K:
+/// split (2 or 4 warps per row group) while the grid is under about two waves of 16 warps
+/// per SM and every lane still gets a chunk.
+fn gemv_ksplit(groups: usize, n_chunks: usize, sms: usize) -> usize {
+    let target = 2 * sms * 16;
+    let mut g = 1;
+    while g < GEMV_WARPS && groups * g < target && n_chunks >= 32 * 2 * g {
+        g *= 2;
+    }
+    g
+}
+
+/// The kernels of kernels/matmul.cu and the scratch buffers of the GEMM path.
+pub(crate) struct MatmulKernels {
+    /// `gemv_<fmt>_<nt>` at `fmt.id() * GEMV_MAX_TOKENS + nt - 1`.
+    gemv: Vec<CudaFunction>,
+    /// `dequant_<fmt>_f32` / `_f16` by `fmt.id()` (`None` for the float formats).
+    dequant_f32: Vec<Option<CudaFunction>>,
+    dequant_f16: Vec<Option<CudaFunction>>,
+    /// `gather_f32`, `gather_f16`, `gather_bf16`.
+    gather: [CudaFunction; 3],
+    cvt_f16: CudaFunction,
+    cvt_bf16: CudaFunction,
+    /// Multiprocessors of the device (grid sizing).
+    sms: usize,
+    scratch: Mutex<Scratch>,
+    _module: Arc<CudaModule>,
+}
+
+impl MatmulKernels {
+    /// Load the kernels of `cubins`' `"matmul"` entry (the embedded `(file stem, cubin)`
+    /// table) into `ctx`. `Unavailable` when the cubin is missing or empty (a build without
+    /// kernels) or does not load.
+    pub(crate) fn load(ctx: &Arc<CudaContext>, cubins: &[(&str, &[u8])]) -> Result<Self> {
+        let bytes = cubins
+            .iter()
+            .find(|(s, _)| *s == MODULE)
+            .map(|(_, b)| *b)
+            .filter(|b| !b.is_empty())
+            .ok_or_else(|| {
+                BackendError::Unavailable(format!("no {MODULE} kernels in this binary"))
+            })?;
+        let module = ctx
+            .load_module(Ptx::from_binary(bytes.to_vec()))
+            .map_err(|e| BackendError::Unavailable(format!("loading the {MODULE} kernels: {e}")))?;
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| BackendError::Unavailable(format!("{MODULE} kernel {name}: {e}")))
+        };
+        let mut gemv = Vec::with_capacity(Fmt::ALL.len() * GEMV_MAX_TOKENS);
+        let mut dequant_f32 = Vec::with_capacity(Fmt::ALL.len());
+        let mut dequant_f16 = Vec::with_capacity(Fmt::ALL.len());
+        for fmt in Fmt::ALL {
+            for nt in 1..=GEMV_MAX_TOKENS {
+                gemv.push(f(&format!("gemv_{}_{nt}", fmt.name()))?);
+            }
+            if fmt.is_float() {
+                dequant_f32.push(None);
+                dequant_f16.push(None);
+            } else {
+                dequant_f32.push(Some(f(&format!("dequant_{}_f32", fmt.name()))?));
+                dequant_f16.push(Some(f(&format!("dequant_{}_f16", fmt.name()))?));
+            }
+        }
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(dev_err)?;
+        Ok(MatmulKernels {
+            gemv,
+            dequant_f32,
+            dequant_f16,
+            gather: [f("gather_f32")?, f("gather_f16")?, f("gather_bf16")?],
+            cvt_f16: f("cvt_f32_f16")?,
+            cvt_bf16: f("cvt_f32_bf16")?,
+            sms: usize::try_from(sms).unwrap_or(1).max(1),
+            scratch: Mutex::new(Scratch::default()),
+            _module: module,
+        })
+    }
+
+    /// Copy a 2-D `[n_out, n_in]` or 3-D `[E, n_out, n_in]` weight to the device (queued on
+    /// `stream`; the host bytes may be dropped on return). `Unsupported` for other types and
+    /// for rows of partial blocks, `Shape` for a byte count that does not match the shape.
+    pub(crate) fn upload(&self, stream: &Arc<CudaStream>, w: &HostWeight) -> Result<CudaWeight> {
+        const OP: &str = "upload_weight";
+        let fmt = Fmt::of(w.dtype).ok_or_else(|| BackendError::Unsupported {
+            op: OP,
+            what: format!("weight type {} ('{}') on CUDA", w.dtype, w.name),
+        })?;
+        let (n_exp, n_out, n_in) = match w.shape[..] {
+            [n_out, n_in] => (1, n_out, n_in),
+            [e, n_out, n_in] => (e, n_out, n_in),
+            _ => {
+                return shape_err(
+                    OP,
+                    format!("'{}' is neither 2-D nor 3-D: {:?}", w.name, w.shape),
+                )
+            }
+        };
+        if n_exp == 0 || n_out == 0 || n_in == 0 {
+            return shape_err(OP, format!("'{}' is empty: {:?}", w.name, w.shape));
+        }
+        let Some(row_bytes) = w.dtype.row_bytes(n_in) else {
+            return Err(BackendError::Unsupported {
+                op: OP,
+                what: format!(
+                    "'{}': rows of {n_in} elements are not whole {}-element {} blocks",
+                    w.name,
+                    w.dtype.block_size(),
+                    w.dtype
+                ),
+            });
+        };
+        let n_rows = mul(OP, n_exp, n_out)?;
+        let want = mul(OP, n_rows, row_bytes)?;
+        if w.bytes.len() != want {
+            return shape_err(
+                OP,
+                format!(
+                    "'{}' has {} bytes, shape {:?} needs {want}",
+                    w.name,
+                    w.bytes.len(),
+                    w.shape
+                ),
+            );
+        }
+        i32_arg(OP, "n_in", n_in)?;
+        i32_arg(OP, "rows", n_rows)?;
+        let (img, off, stride) = device_image(fmt, w.dtype, w.bytes.as_slice(), n_rows, n_in);
+        let buf = stream.clone_htod(img.as_ref()).map_err(dev_err)?;
+        Ok(CudaWeight {
+            name: w.name.clone(),
+            dtype: w.dtype,
+            fmt,
+            n_exp,
+            n_out,
+            n_in,
+            buf,
+            off,
+            stride,
+        })
+    }
+
+    /// `y[n_tok, n_out] = x[n_tok, n_in] @ w^T` for a 2-D weight (device buffers of at least
+    /// those lengths; only the leading elements are used or written). `n_tok == 0` does
+    /// nothing.
+    pub(crate) fn matmul(
+        &self,
+        stream: &Arc<CudaStream>,
+        blas: &CudaBlas,
+        w: &CudaWeight,
+        x: &CudaSlice<f32>,
+        n_tok: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        if w.n_exp != 1 {
+            return shape_err(
+                "matmul",
+                format!(
+                    "'{}' is a stack of {} experts (use matmul_rows)",
+                    w.name, w.n_exp
+                ),
+            );
+        }
+        let rows = 0..w.n_out;
+        self.matmul_rows(
+            stream,
+            blas,
+            w,
+            0,
+            rows,
+            &x.as_view(),
+            n_tok,
+            &mut y.as_view_mut(),
+        )
+    }
+
+    /// Rows `rows` of expert `expert` (0 for a 2-D weight): `y[t, i] = x[t, :] .
+    /// W[expert, rows.start + i, :]`, x `[n_tok, n_in]`, y `[n_tok, rows.len()]` (row stride
+    /// `rows.len()`), views of at least those lengths. x must start 16-byte aligned (any
+    /// whole-buffer view and any offset that is a multiple of 4 elements). Empty rows or
+    /// `n_tok == 0` do nothing.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn matmul_rows(
+        &self,
+        stream: &Arc<CudaStream>,
+        blas: &CudaBlas,
+        w: &CudaWeight,
+        expert: usize,
+        rows: Range<usize>,
+        x: &CudaView<'_, f32>,
+        n_tok: usize,
+        y: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const OP: &str = "matmul";
+        if expert >= w.n_exp {
+            return shape_err(
+                OP,
+                format!("expert {expert} of '{}' with {} experts", w.name, w.n_exp),
+            );
+        }
+        if rows.start > rows.end || rows.end > w.n_out {
+            return shape_err(
+                OP,
+                format!("rows {rows:?} of '{}' with {} rows", w.name, w.n_out),
+            );
+        }
+        let n_rows = rows.len();
+        if n_rows == 0 || n_tok == 0 {
+            return Ok(());
+        }
+        let nx = mul(OP, n_tok, w.n_in)?;
+        let ny = mul(OP, n_tok, n_rows)?;
+        if x.len() < nx {
+            return shape_err(
+                OP,
+                format!(
+                    "x has {} elements, [{n_tok}, {}] needs {nx}",
+                    x.len(),
+                    w.n_in
+                ),
+            );
+        }
+        if y.len() < ny {
+            return shape_err(
+                OP,
+                format!("y has {} elements, [{n_tok}, {n_rows}] needs {ny}", y.len()),
+            );
+        }
+        i32_arg(OP, "n_tok * n_in", nx)?;
+        i32_arg(OP, "n_tok * rows", ny)?;
+        let row0 = expert * w.n_out + rows.start;
+        if n_tok > GEMV_SPLIT_MAX_TOKENS || !w.gemv_ok() {
+            return self.gemm(stream, blas, w, row0, n_rows, x, n_tok, y);
+        }
+        let mut t0 = 0;
+        while t0 < n_tok {
+            let nt = (n_tok - t0).min(GEMV_MAX_TOKENS);
+            let bad = || BackendError::Shape {
+                op: OP,
+                msg: format!("tokens {t0}..{} out of the x/y views", t0 + nt),
+            };
+            let xs = x.try_slice(t0 * w.n_in..).ok_or_else(bad)?;
+            let mut ys = y.try_slice_mut(t0 * n_rows..).ok_or_else(bad)?;
+            self.gemv(stream, w, row0, n_rows, &xs, nt, &mut ys)?;
+            t0 += nt;
+        }
+        Ok(())
+    }
+
+    /// `out[i, :] = dequant(w[ids[i], :])` for `i < n` (2-D weight; `ids` and `out` device
+    /// buffers of at least `n` and `n * n_in` elements). Ids `>= n_out` give zero rows.
+    pub(crate) fn embed(
+        &self,
+        stream: &Arc<CudaStream>,
+        w: &CudaWeight,
+        ids: &CudaSlice<u32>,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        const OP: &str = "embed";
+        if w.n_exp != 1 {
+            return shape_err(
+                OP,
+                format!("'{}' is a stack of {} experts", w.name, w.n_exp),
+            );
+        }
+        if ids.len() < n {
+            return shape_err(OP, format!("{} ids for {n} rows", ids.len()));
+        }
+        let total = mul(OP, n, w.n_in)?;
+        if out.len() < total {
+            return shape_err(
+                OP,
+                format!(
+                    "out has {} elements, [{n}, {}] needs {total}",
+                    out.len(),
+                    w.n_in
+                ),
+            );
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let n_rows = i32_arg(OP, "rows", n)?;
+        let n_in = i32_arg(OP, "n_in", w.n_in)?;
+        let row0 = 0u64;
+        let n_src = w.n_out as u64;
+        if w.fmt.is_float() {
+            let f = &self.gather[w.fmt.id()];
+            let cfg = self.elem_cfg(total);
+            let mut b = stream.launch_builder(f);
+            b.arg(&w.buf)
+                .arg(ids)
+                .arg(&row0)
+                .arg(&n_src)
+                .arg(&n_rows)
+                .arg(&n_in)
+                .arg(out);
+            // SAFETY: gather_<ty>(w, ids, row0, n_src_rows, n_rows, n_in, out): `w` holds n_out
+            // rows of n_in elements, every id is bounds-checked against n_src_rows = n_out in
+            // the kernel, `ids` holds >= n entries and `out` >= n * n_in floats (checked above).
+            unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        } else {
+            let f = self.dequant_fn(&self.dequant_f32, w)?;
+            let cfg = self.elem_cfg(total / w.fmt.chunk());
+            let mut b = stream.launch_builder(f);
+            b.arg(&w.buf)
+                .arg(&w.off[0])
+                .arg(&w.off[1])
+                .arg(&w.off[2])
+                .arg(&w.stride)
+                .arg(ids)
+                .arg(&row0)
+                .arg(&n_src)
+                .arg(&n_rows)
+                .arg(&n_in)
+                .arg(out);
+            // SAFETY: dequant_<ty>_f32(w, off1..3, stride, ids, row0, n_src_rows, n_rows, n_in,
+            // out): the image and its plane offsets/stride come from `upload`; ids are checked
+            // against n_src_rows = n_out in the kernel; `ids` holds >= n entries and `out`
+            // >= n * n_in floats (checked above); n_in is a multiple of the chunk.
+            unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        }
+        Ok(())
+    }
+
+    // ---- internals --------------------------------------------------------------------------
+
+    /// A grid-stride launch of `n` work items (one thread each).
+    fn elem_cfg(&self, n: usize) -> LaunchConfig {
+        let blocks = n.div_ceil(ELEM_THREADS as usize).clamp(1, self.sms * 32);
+        LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (ELEM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    fn dequant_fn<'a>(
+        &self,
+        table: &'a [Option<CudaFunction>],
+        w: &CudaWeight,
+    ) -> Result<&'a CudaFunction> {
+        table[w.fmt.id()]
+            .as_ref()
+            .ok_or_else(|| BackendError::Unsupported {
+                op: "matmul",
+                what: format!("dequantising {} rows", w.dtype),
+            })
+    }
+
+    /// One GEMV launch (`n_tok <= 8`, rows of whole chunks).
+    #[allow(clippy::too_many_arguments)]
+    fn gemv(
+        &self,
+        stream: &Arc<CudaStream>,
+        w: &CudaWeight,
+        row0: usize,
+        n_rows: usize,
+        x: &CudaView<'_, f32>,
+        n_tok: usize,
+        y: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const OP: &str = "matmul";
+        {
+            let (xp, _sync) = x.device_ptr(stream);
+            if xp % 16 != 0 {
+                return shape_err(OP, "x must start 16-byte aligned for the GEMV kernels");
+            }
+        }
+        let f = &self.gemv[w.fmt.id() * GEMV_MAX_TOKENS + n_tok - 1];
+        let groups = n_rows.div_ceil(GEMV_ROWS);
+        let n_chunks = w.n_in / w.fmt.chunk();
+        let g = gemv_ksplit(groups, n_chunks, self.sms);
+        let blocks = groups.div_ceil(GEMV_WARPS / g);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(blocks).map_err(|_| BackendError::Shape {
+                    op: OP,
+                    msg: format!("{n_rows} rows exceed the grid"),
+                })?,
+                1,
+                1,
+            ),
+            block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let row0 = row0 as u64;
+        let n_rows_i = i32_arg(OP, "rows", n_rows)?;
+        let n_in = i32_arg(OP, "n_in", w.n_in)?;
+        let ksplit = g as i32;
+        let ldy = n_rows_i;
+        let mut b = stream.launch_builder(f);
+        b.arg(&w.buf)
+            .arg(&w.off[0])
+            .arg(&w.off[1])
+            .arg(&w.off[2])
+            .arg(&w.stride)
+            .arg(&row0)
+            .arg(&n_rows_i)
+            .arg(&n_in)
+            .arg(&ksplit)
+            .arg(x)
+            .arg(y)
+            .arg(&ldy);
+        // SAFETY: gemv_<ty>_<nt>(w, off1..3, stride, row0, n_rows, n_in, ksplit, x, y, ldy):
+        // the image, offsets and stride come from `upload`; rows row0..row0 + n_rows exist
+        // (checked by the caller; the kernel clamps its row groups to n_rows); x holds
+        // n_tok * n_in floats, 16-byte aligned, n_in a multiple of the chunk (gemv_ok); y
+        // holds n_tok * n_rows floats (row stride ldy = n_rows); the block shape, ksplit and
+        // grid follow the kernel's launch contract (kernels/matmul.cu).
+        unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        Ok(())
+    }
+
+    /// Round `x[..n]` to f16 (`bf16 == false`) or bf16 into the x16 scratch buffer.
+    fn convert_x<'s>(
+        &self,
+        stream: &Arc<CudaStream>,
+        slot: &'s mut Option<CudaSlice<u16>>,
+        x: &CudaView<'_, f32>,
+        n: usize,
+        bf16: bool,
+    ) -> Result<&'s mut CudaSlice<u16>> {
+        let x16 = grow(slot, stream, n)?;
+        let f = if bf16 { &self.cvt_bf16 } else { &self.cvt_f16 };
+        let n64 = n as u64;
+        let mut b = stream.launch_builder(f);
+        b.arg(x).arg(&mut *x16).arg(&n64);
+        // SAFETY: cvt_f32_<ty>(x, out, n): x holds >= n floats (checked by the caller), out
+        // >= n 16-bit values (grown above).
+        unsafe { b.launch(self.elem_cfg(n)) }.map_err(dev_err)?;
+        Ok(x16)
+    }
+
+    /// The cuBLAS path (more than [`GEMV_SPLIT_MAX_TOKENS`] tokens, or float rows of partial
+    /// chunks).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        stream: &Arc<CudaStream>,
+        blas: &CudaBlas,
+        w: &CudaWeight,
+        row0: usize,
+        n_rows: usize,
+        x: &CudaView<'_, f32>,
+        n_tok: usize,
+        y: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const OP: &str = "matmul";
+        let n_in = w.n_in;
+        let k = i32_arg(OP, "n_in", n_in)?;
+        let n = i32_arg(OP, "n_tok", n_tok)?;
+        let ldy = i32_arg(OP, "rows", n_rows)?;
+        let handle = *blas.handle();
+        let alpha = 1.0f32;
+        let beta = 0.0f32;
+        let (wp, _w_sync) = w.buf.device_ptr(stream);
+        let (yp, _y_sync) = y.device_ptr_mut(stream);
+        let w_rows = wp + (row0 * w.row_bytes()) as u64;
+        if w.fmt == Fmt::F32 {
+            let (xp, _x_sync) = x.device_ptr(stream);
+            set_math(handle, blas_sys::cublasMath_t::CUBLAS_PEDANTIC_MATH)?;
+            // SAFETY: column-major y^T [n_rows, n_tok] (ld n_rows) = W_rows [n_rows, n_in]
+            // (row-major, i.e. column-major [n_in, n_rows] transposed, ld n_in) x x^T
+            // [n_in, n_tok] (row-major x, ld n_in): every pointer is a live device buffer of
+            // at least those sizes (weights from `upload`, x and y checked by the caller).
+            let r = unsafe {
+                blas_result::sgemm(
+                    handle,
+                    blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                    blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                    ldy,
+                    n,
+                    k,
+                    &alpha,
+                    w_rows as *const f32,
+                    k,
+                    xp as *const f32,
+                    k,
+                    &beta,
+                    yp as *mut f32,
+                    ldy,
+                )
+            };
+            let restore = set_math(handle, blas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH);
+            r.map_err(blas_err)?;
+            return restore;
+        }
+
+        let mut guard = self
+            .scratch
+            .lock()
+            .map_err(|_| BackendError::Device("matmul scratch lock poisoned".into()))?;
+        let scratch = &mut *guard;
+        let nx = n_tok * n_in;
+        set_math(handle, blas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH)?;
+        if matches!(w.fmt, Fmt::F16 | Fmt::Bf16) {
+            let bf16 = w.fmt == Fmt::Bf16;
+            let x16 = self.convert_x(stream, &mut scratch.x16, x, nx, bf16)?;
+            let (xp, _x_sync) = x16.device_ptr(stream);
+            let ty = if bf16 {
+                blas_sys::cudaDataType::CUDA_R_16BF
+            } else {
+                blas_sys::cudaDataType::CUDA_R_16F
+            };
+            // SAFETY: as the sgemm above, with W_rows and x^T in `ty` (x rounded into the
+            // scratch buffer of >= n_tok * n_in elements) and y in f32.
+            return unsafe { gemm_ex(handle, ldy, n, k, w_rows, xp, ty, yp, ldy) };
+        }
+
+        // quantised: dequantise tiles of rows into f16, then f16 x f16 -> f32
+        let dequant = self.dequant_fn(&self.dequant_f16, w)?;
+        let tile = (GEMM_TILE_ELEMS / n_in).clamp(1, n_rows);
+        let x16 = self.convert_x(stream, &mut scratch.x16, x, nx, false)?;
+        let (xp, _x_sync) = x16.device_ptr(stream);
+        let w16 = grow(&mut scratch.w16, stream, tile * n_in)?;
+        let null_ids = 0u64;
+        let n_src = (w.n_exp * w.n_out) as u64;
+        let mut r0 = 0;
+        while r0 < n_rows {
+            let tr = tile.min(n_rows - r0);
+            let tr_i = tr as i32;
+            let tile_row0 = (row0 + r0) as u64;
+            {
+                let mut b = stream.launch_builder(dequant);
+                b.arg(&w.buf)
+                    .arg(&w.off[0])
+                    .arg(&w.off[1])
+                    .arg(&w.off[2])
+                    .arg(&w.stride)
+                    .arg(&null_ids)
+                    .arg(&tile_row0)
+                    .arg(&n_src)
+                    .arg(&tr_i)
+                    .arg(&k)
+                    .arg(&mut *w16);
+                // SAFETY: dequant_<ty>_f16 with no ids: rows tile_row0 .. + tr exist (the
+                // caller checked row0 + n_rows against the weight), the scratch holds
+                // tile * n_in >= tr * n_in halves, n_in is a multiple of the chunk.
+                unsafe { b.launch(self.elem_cfg(tr * n_in / w.fmt.chunk())) }.map_err(dev_err)?;
+            }
+            let (w16p, _w16_sync) = w16.device_ptr(stream);
+            // SAFETY: as the sgemm above, for the tile: W16 [tr, n_in] f16 (scratch), x^T f16
+            // (scratch), y^T rows r0 .. r0 + tr (pointer offset r0 floats, ld n_rows).
+            unsafe {
+                gemm_ex(
+                    handle,
+                    tr_i,
+                    n,
+                    k,
+                    w16p,
+                    xp,
+                    blas_sys::cudaDataType::CUDA_R_16F,
+                    yp + (r0 * 4) as u64,
+                    ldy,
+                )
+            }?;
+            r0 += tr;
+        }
+        Ok(())
+    }
+}
+
+/// Set the cuBLAS math mode of `handle`.
+fn set_math(handle: blas_sys::cublasHandle_t, mode: blas_sys::cublasMath_t) -> Result<()> {
+    // SAFETY: `handle` is the live handle of the backend's `CudaBlas` (borrowed by the caller
+    // for the duration of the call); setting the math mode is a host-side setting.
+    unsafe { blas_sys::cublasSetMathMode(handle, mode) }
+        .result()
+        .map_err(blas_err)
+}
+
+/// `cublasGemmEx`: column-major `c [m, n]` (ld `ldc`, f32) = `a^T` (`a`: `[m, k]`
+/// row-major of `ty`, i.e. column-major `[k, m]`, ld k) x `b` (column-major `[k, n]` of `ty`,
+/// ld k), f32 compute.
+///
+/// # Safety
+/// `a`, `b`, `c` must be live device buffers of at least `m * k`, `k * n` elements of `ty`
+/// and `(n - 1) * ldc + m` floats, on the stream the handle is bound to.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_ex(
+    handle: blas_sys::cublasHandle_t,
+    m: i32,
+    n: i32,
+    k: i32,
+    a: u64,
+    b: u64,
+    ty: blas_sys::cudaDataType,
+    c: u64,
+    ldc: i32,
+) -> Result<()> {
+    let alpha = 1.0f32;
+    let beta = 0.0f32;
+    // SAFETY: the caller's contract; alpha and beta are host f32 scalars, as
+    // CUBLAS_COMPUTE_32F with the default (host) pointer mode reads them.
+    unsafe {
+        blas_result::gemm_ex(
+            handle,
+            blas_sys::cublasOperation_t::CUBLAS_OP_T,
+            blas_sys::cublasOperation_t::CUBLAS_OP_N,
+            m,
+            n,
+            k,
+            (&alpha) as *const f32 as *const c_void,
+            a as *const c_void,
+            ty,
+            k,
+            b as *const c_void,
+            ty,
+            k,
+            (&beta) as *const f32 as *const c_void,
+            c as *mut c_void,
+            blas_sys::cudaDataType::CUDA_R_32F,
+            ldc,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(blas_err)
+}
+
+/// Test and benchmark hooks for tests/gpu_matmul.rs (not part of the backend API; hidden from
+/// the docs). They upload their own copies of the weight and synchronise the stream.
+impl crate::CudaBackend {
+    /// [`MatmulKernels::matmul_rows`] of `w` (uploaded as one device matrix, so a 3-D weight
+    /// stays a stack) for host activations `x [n_tok, n_in]`; returns `y [n_tok, rows.len()]`.
+    #[doc(hidden)]
+    pub fn debug_matmul_rows(
+        &self,
+        w: &HostWeight,
+        expert: usize,
+        rows: Range<usize>,
+        x: &[f32],
+        n_tok: usize,
+    ) -> Result<Vec<f32>> {
+        let cw = self.mm.upload(&self.stream, w)?;
+        let xd = self.stream.clone_htod(x).map_err(dev_err)?;
+        let ny = mul("debug_matmul_rows", n_tok, rows.len())?;
+        let mut yd = self.stream.alloc_zeros::<f32>(ny.max(1)).map_err(dev_err)?;
+        self.mm.matmul_rows(
+            &self.stream,
+            &self.blas,
+            &cw,
+            expert,
+            rows,
+            &xd.as_view(),
+            n_tok,
+            &mut yd.as_view_mut(),
+        )?;
+        let mut y = self.stream.clone_dtoh(&yd).map_err(dev_err)?;
+        self.stream.synchronize().map_err(dev_err)?;
+        y.truncate(ny);
+        Ok(y)
+    }
+
+    /// Microseconds of each of `reps` calls of [`MatmulKernels::matmul`] of `w` at `n_tok`
+    /// tokens (zero activations), each bracketed by CUDA events, after `warmup` calls.
+    #[doc(hidden)]
+    pub fn debug_time_matmul(
+        &self,
+        w: &HostWeight,
+        n_tok: usize,
+        warmup: usize,
+        reps: usize,
+    ) -> Result<Vec<f32>> {
+        const OP: &str = "debug_time_matmul";
+        let cw = self.mm.upload(&self.stream, w)?;
+        let xd = self
+            .stream
+            .alloc_zeros::<f32>(mul(OP, n_tok, cw.n_in)?.max(1))
+            .map_err(dev_err)?;
+        let mut yd = self
+            .stream
+            .alloc_zeros::<f32>(mul(OP, n_tok, cw.n_out)?.max(1))
+            .map_err(dev_err)?;
+        for _ in 0..warmup {
+            self.mm
+                .matmul(&self.stream, &self.blas, &cw, &xd, n_tok, &mut yd)?;
+        }
+        let ev = || {
+            self.ctx
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(dev_err)
+        };
+        let (start, end) = (ev()?, ev()?);
+        let mut us = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            start.record(&self.stream).map_err(dev_err)?;
+            self.mm
+                .matmul(&self.stream, &self.blas, &cw, &xd, n_tok, &mut yd)?;
+            end.record(&self.stream).map_err(dev_err)?;
+            us.push(start.elapsed_ms(&end).map_err(dev_err)? * 1000.0);
+        }
+        self.stream.synchronize().map_err(dev_err)?;
+        Ok(us)
+    }
+}
+
+/// CPU checks of the device layouts and the kernels' index arithmetic: a line-by-line Rust
+/// mirror of kernels/quant.cuh's loaders and decoders (`emu_*`) is run over the planar /
+/// GGUF images `device_image` builds and compared with the scalar CPU backend: `exact4`
+/// bit-exactly with its embedding gather (`dequantize_row`), the GEMV's biased-float sums
+/// with an f64 dot product of the dequantised rows. No GPU needed.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kapitsa_backend::{Backend, BatchDesc, DType, HostBytes, SeqDesc};
+    use kapitsa_base::pool::SerialPool;
+
+    /// xorshift64*: deterministic test values.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        }
+        /// Uniform in [-1, 1).
+        fn sym(&mut self) -> f32 {
+            (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        }
+    }
+
+    const TYPES: [GgmlType; 9] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q8_0,
+        GgmlType::Q5_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+    ];
+
+    /// Random rows quantised with the CPU backend's test quantiser, and their exact
+    /// dequantisation by the scalar CPU backend (its embedding gather).
+    fn rows(ty: GgmlType, n_rows: usize, n_in: usize, seed: u64) -> (Vec<u8>, Vec<f32>) {
+        let mut rng = Rng(seed | 1);
+        let vals: Vec<f32> = (0..n_rows * n_in).map(|_| rng.sym()).collect();
+        let bytes = kapitsa_backend_cpu::testing::quantize_weight(ty, &vals).expect("quantise");
+        let cpu = kapitsa_backend_cpu::testing::reference(Box::new(SerialPool)).expect("cpu");
+        let hw = HostWeight {
+            name: "w".into(),
+            dtype: ty,
+            shape: vec![n_rows, n_in],
+            bytes: HostBytes::from_vec(bytes.clone()),
+        };
+        let w = cpu.upload_weight(&hw).expect("upload");
+        let n = n_rows;
+        let batch = cpu
+            .prepare_batch(BatchDesc {
+                tokens: (0..n as u32).collect(),
+                positions: (0..n as u32).collect(),
+                seqs: vec![SeqDesc {
+                    slot: 0,
+                    start: 0,
+                    len: n,
+                    pos0: 0,
+                    table_start: 0,
+                    table_len: 0,
+                }],
+                ..Default::default()
+            })
+            .expect("batch");
+        let mut out = cpu.alloc(DType::F32, n * n_in).expect("alloc");
+        cpu.embed(&w, &batch, &mut out).expect("embed");
+        let mut deq = vec![0.0f32; n * n_in];
+        cpu.read_f32(&out, 0, &mut deq).expect("read");
+        (bytes, deq)
+    }
+
+    // ---- the mirror of kernels/quant.cuh --------------------------------------------------
+
+    struct Img<'a> {
+        img: &'a [u8],
+        off: [u64; 3],
+        stride: u64,
+    }
+
+    fn ld4(m: &Img<'_>, p: u64) -> u32 {
+        let p = p as usize;
+        u32::from_le_bytes([m.img[p], m.img[p + 1], m.img[p + 2], m.img[p + 3]])
+    }
+    fn ld16(m: &Img<'_>, p: u64) -> [u32; 4] {
+        assert_eq!(p % 16, 0, "16-byte load at {p}");
+        [ld4(m, p), ld4(m, p + 4), ld4(m, p + 8), ld4(m, p + 12)]
+    }
+    fn ld8(m: &Img<'_>, p: u64) -> [u32; 2] {
+        assert_eq!(p % 8, 0, "8-byte load at {p}");
+        [ld4(m, p), ld4(m, p + 4)]
+    }
+    fn ld2(m: &Img<'_>, p: u64) -> u32 {
+        assert_eq!(p % 2, 0);
+        u32::from(u16::from_le_bytes([
+            m.img[p as usize],
+            m.img[p as usize + 1],
+        ]))
+    }
+    fn h2f(b: u32) -> f32 {
+        half::f16::from_bits((b & 0xFFFF) as u16).to_f32()
+    }
+    fn ubyte(w: u32, k: usize) -> u32 {
+        (w >> (8 * k)) & 0xFF
+    }
+    fn sbyte(w: u32, k: usize) -> i32 {
+        ((w << (24 - 8 * k)) as i32) >> 24
+    }
+    /// __byte_perm(w, 0x3F000000, 0x7044 | k << 8)
+    fn bias_f(w: u32, k: usize) -> f32 {
+        f32::from_bits(0x3F00_0000 | (ubyte(w, k) << 16))
+    }
+    /// __byte_perm(w, 0x4B000000, 0x7440 | k)
+    fn magic_f(w: u32, k: usize) -> f32 {
+        f32::from_bits(0x4B00_0000 | ubyte(w, k))
+    }
+    fn spread4(nib: u32) -> u32 {
+        nib.wrapping_mul(0x0020_4081) & 0x0101_0101
+    }
+    fn word8(lo: [u32; 4], hi: [u32; 4], g: usize) -> u32 {
+        if g >= 4 {
+            hi[g & 3]
+        } else {
+            lo[g & 3]
+        }
+    }
+    fn scale_min_k4(s0: u32, s1: u32, s2: u32, js: usize) -> (u32, u32) {
+        let k = js & 3;
+        let (b0, b1, b2) = (ubyte(s0, k), ubyte(s1, k), ubyte(s2, k));
+        if js < 4 {
+            (b0 & 63, b1 & 63)
+        } else {
+            ((b2 & 15) | ((b0 >> 6) << 4), (b2 >> 4) | ((b1 >> 6) << 4))
+        }
+    }
+
+    #[derive(Default, Clone, Copy)]
+    struct Raw {
+        q0: [u32; 4],
+        q1: [u32; 4],
+        h: [u32; 4],
+        qh0: [u32; 4],
+        qh1: [u32; 4],
+        sc: [u32; 2],
+        qh: u32,
+        d: u32,
+    }
+
+    fn nseg(f: Fmt) -> usize {
+        match f {
+            Fmt::Q4_0 | Fmt::Q5_0 | Fmt::Q4K | Fmt::Q5K => 2,
+            Fmt::Q6K => 4,
+            _ => 1,
+        }
+    }
+
+    fn emu_load(f: Fmt, m: &Img<'_>, row: u64, j: usize) -> Raw {
+        let j64 = j as u64;
+        let mut r = Raw::default();
+        match f {
+            Fmt::F32 | Fmt::F16 | Fmt::Bf16 => r.q0 = ld16(m, row * m.stride + j64 * 16),
+            Fmt::Q8_0 => {
+                let blk = row * m.stride + (j64 >> 1);
+                r.q0 = ld16(m, blk * 32 + (j64 & 1) * 16);
+                r.d = ld2(m, m.off[0] + blk * 2);
+            }
+            Fmt::Q4_0 => {
+                let blk = row * m.stride + j64;
+                r.q0 = ld16(m, blk * 16);
+                r.d = ld2(m, m.off[0] + blk * 2);
+            }
+            Fmt::Q5_0 => {
+                let blk = row * m.stride + j64;
+                r.q0 = ld16(m, blk * 16);
+                r.qh = ld4(m, m.off[0] + blk * 4);
+                r.d = ld2(m, m.off[1] + blk * 2);
+            }
+            Fmt::Q4K => {
+                let blk = row * m.stride + (j64 >> 2) * 144;
+                r.h = ld16(m, blk);
+                r.q0 = ld16(m, blk + 16 + (j64 & 3) * 32);
+                r.q1 = ld16(m, blk + 32 + (j64 & 3) * 32);
+            }
+            Fmt::Q5K => {
+                let blk = row * m.stride + (j64 >> 2) * 176;
+                r.h = ld16(m, blk);
+                r.qh0 = ld16(m, blk + 16);
+                r.qh1 = ld16(m, blk + 32);
+                r.q0 = ld16(m, blk + 48 + (j64 & 3) * 32);
+                r.q1 = ld16(m, blk + 64 + (j64 & 3) * 32);
+            }
+            Fmt::Q6K => {
+                let blk = row * m.stride + (j64 >> 2);
+                let (half, lh) = ((j64 >> 1) & 1, j64 & 1);
+                let ql = blk * 128 + half * 64 + lh * 16;
+                r.q0 = ld16(m, ql);
+                r.q1 = ld16(m, ql + 32);
+                r.qh0 = ld16(m, m.off[0] + blk * 64 + half * 32 + lh * 16);
+                r.sc = ld8(m, m.off[1] + blk * 16 + half * 8);
+                r.d = ld2(m, m.off[2] + blk * 2);
+            }
+        }
+        r
+    }
+
+    fn emu_seg_elem(f: Fmt, j: usize, s: usize) -> usize {
+        match f {
+            Fmt::F32 => 4 * j,
+            Fmt::F16 | Fmt::Bf16 => 8 * j,
+            Fmt::Q8_0 => 16 * j,
+            Fmt::Q4_0 | Fmt::Q5_0 => 32 * j + 16 * s,
+            Fmt::Q4K | Fmt::Q5K => (j >> 2) * 256 + (j & 3) * 64 + s * 32,
+            Fmt::Q6K => (j >> 2) * 256 + ((j >> 1) & 1) * 128 + 32 * s + (j & 1) * 16,
+        }
+    }
+
+    /// Left shift of the values in the bytes of `emu_val4` (quant.cuh's biased-float trick).
+    fn val_shift(f: Fmt) -> u32 {
+        match f {
+            Fmt::Q4_0 | Fmt::Q4K => 3,
+            Fmt::Q5_0 | Fmt::Q5K => 2,
+            _ => 1,
+        }
+    }
+
+    /// The byte-per-element values (val4) of the affine formats, shifted by `val_shift`.
+    fn emu_val4(f: Fmt, r: &Raw, j: usize, s: usize, g: usize) -> u32 {
+        match f {
+            Fmt::Q4_0 => {
+                let w = r.q0[g];
+                (if s == 0 { w << 3 } else { w >> 1 }) & 0x7878_7878
+            }
+            Fmt::Q5_0 => {
+                let w = r.q0[g];
+                let lo = (if s == 0 { w << 2 } else { w >> 2 }) & 0x3C3C_3C3C;
+                lo | (spread4((r.qh >> (16 * s + 4 * g)) & 0xF) << 6)
+            }
+            Fmt::Q4K => {
+                let w = word8(r.q0, r.q1, g);
+                (if s == 0 { w << 3 } else { w >> 1 }) & 0x7878_7878
+            }
+            Fmt::Q5K => {
+                let (w, hb) = (word8(r.q0, r.q1, g), word8(r.qh0, r.qh1, g));
+                let bit = (j & 3) * 2 + s;
+                let lo = (if s == 0 { w << 2 } else { w >> 2 }) & 0x3C3C_3C3C;
+                lo | (((hb >> bit) & 0x0101_0101) << 6)
+            }
+            Fmt::Q6K => {
+                let (q0, q1, hb) = (r.q0[g], r.q1[g], r.qh0[g]);
+                match s {
+                    0 => ((q0 << 1) & 0x1E1E_1E1E) | ((hb << 5) & 0x6060_6060),
+                    1 => ((q1 << 1) & 0x1E1E_1E1E) | ((hb << 3) & 0x6060_6060),
+                    2 => ((q0 >> 3) & 0x1E1E_1E1E) | ((hb << 1) & 0x6060_6060),
+                    _ => ((q1 >> 3) & 0x1E1E_1E1E) | ((hb >> 1) & 0x6060_6060),
+                }
+            }
+            _ => unreachable!("not an affine format"),
+        }
+    }
+
+    /// dec4 (the GEMV's decoded floats).
+    fn emu_dec4(f: Fmt, r: &Raw, j: usize, s: usize, g: usize) -> [f32; 4] {
+        match f {
+            Fmt::F32 => r.q0.map(f32::from_bits),
+            Fmt::F16 | Fmt::Bf16 => {
+                let (w0, w1) = if g == 0 {
+                    (r.q0[0], r.q0[1])
+                } else {
+                    (r.q0[2], r.q0[3])
+                };
+                if f == Fmt::F16 {
+                    [h2f(w0), h2f(w0 >> 16), h2f(w1), h2f(w1 >> 16)]
+                } else {
+                    [w0 << 16, w0 & 0xFFFF_0000, w1 << 16, w1 & 0xFFFF_0000].map(f32::from_bits)
+                }
+            }
+            Fmt::Q8_0 => {
+                let u = r.q0[g] ^ 0x8080_8080;
+                std::array::from_fn(|i| magic_f(u, i) - 8_388_736.0)
+            }
+            _ => {
+                let v = emu_val4(f, r, j, s, g);
+                std::array::from_fn(|i| bias_f(v, i))
+            }
+        }
+    }
+
+    /// (d1, m1) of the K formats' segment.
+    fn emu_scale_min(r: &Raw, j: usize, s: usize) -> (f32, f32) {
+        let (sc, mn) = scale_min_k4(r.h[1], r.h[2], r.h[3], (j & 3) * 2 + s);
+        (h2f(r.h[0]) * sc as f32, h2f(r.h[0] >> 16) * mn as f32)
+    }
+
+    fn emu_q6_dl(r: &Raw, j: usize, s: usize) -> f32 {
+        let sc = sbyte(if s < 2 { r.sc[0] } else { r.sc[1] }, (j & 1) + 2 * (s & 1));
+        h2f(r.d) * sc as f32
+    }
+
+    /// (A, B) of an affine segment, or (scale, 0).
+    fn emu_affine(f: Fmt, r: &Raw, j: usize, s: usize) -> (f32, f32) {
+        match f {
+            Fmt::F32 | Fmt::F16 | Fmt::Bf16 => (1.0, 0.0),
+            Fmt::Q8_0 => (h2f(r.d), 0.0),
+            Fmt::Q4_0 => (32.0 * h2f(r.d), 24.0 * h2f(r.d)),
+            Fmt::Q5_0 => (64.0 * h2f(r.d), 48.0 * h2f(r.d)),
+            Fmt::Q4K => {
+                let (d1, m1) = emu_scale_min(r, j, s);
+                (32.0 * d1, 16.0 * d1 + m1)
+            }
+            Fmt::Q5K => {
+                let (d1, m1) = emu_scale_min(r, j, s);
+                (64.0 * d1, 32.0 * d1 + m1)
+            }
+            Fmt::Q6K => {
+                let dl = emu_q6_dl(r, j, s);
+                (128.0 * dl, 96.0 * dl)
+            }
+        }
+    }
+
+    fn emu_exact4(f: Fmt, r: &Raw, j: usize, s: usize, g: usize) -> [f32; 4] {
+        let ubyte = |w: u32, i: usize| ubyte(w, i) >> val_shift(f);
+        match f {
+            Fmt::F32 | Fmt::F16 | Fmt::Bf16 => emu_dec4(f, r, j, s, g),
+            Fmt::Q8_0 => std::array::from_fn(|i| sbyte(r.q0[g], i) as f32 * h2f(r.d)),
+            Fmt::Q4_0 => {
+                let v = emu_val4(f, r, j, s, g);
+                std::array::from_fn(|i| (ubyte(v, i) as i32 - 8) as f32 * h2f(r.d))
+            }
+            Fmt::Q5_0 => {
+                let v = emu_val4(f, r, j, s, g);
+                std::array::from_fn(|i| (ubyte(v, i) as i32 - 16) as f32 * h2f(r.d))
+            }
+            Fmt::Q4K | Fmt::Q5K => {
+                let (d1, m1) = emu_scale_min(r, j, s);
+                let v = emu_val4(f, r, j, s, g);
+                std::array::from_fn(|i| d1 * ubyte(v, i) as f32 - m1)
+            }
+            Fmt::Q6K => {
+                let dl = emu_q6_dl(r, j, s);
+                let v = emu_val4(f, r, j, s, g);
+                std::array::from_fn(|i| dl * (ubyte(v, i) as i32 - 32) as f32)
+            }
+        }
+    }
+
+    fn seglen(f: Fmt) -> usize {
+        f.chunk() / nseg(f)
+    }
+
+    /// Every element of the image, in row order, through the exact decoder.
+    fn emu_dequant(f: Fmt, m: &Img<'_>, n_rows: usize, n_in: usize) -> Vec<f32> {
+        let mut out = vec![f32::NAN; n_rows * n_in];
+        for r in 0..n_rows {
+            for j in 0..n_in / f.chunk() {
+                let raw = emu_load(f, m, r as u64, j);
+                for s in 0..nseg(f) {
+                    for g in 0..seglen(f) / 4 {
+                        let e = emu_seg_elem(f, j, s) + 4 * g;
+                        out[r * n_in + e..r * n_in + e + 4]
+                            .copy_from_slice(&emu_exact4(f, &raw, j, s, g));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// One row's GEMV result the kernel's way (f32 partial sums per segment, as the few-token
+    /// scheme computes them).
+    fn emu_gemv_row(f: Fmt, m: &Img<'_>, row: usize, x: &[f32], n_in: usize) -> f32 {
+        let mut acc = 0.0f32;
+        for j in 0..n_in / f.chunk() {
+            let raw = emu_load(f, m, row as u64, j);
+            for s in 0..nseg(f) {
+                let e0 = emu_seg_elem(f, j, s);
+                let (mut sf, mut sx) = (0.0f32, 0.0f32);
+                for g in 0..seglen(f) / 4 {
+                    let d = emu_dec4(f, &raw, j, s, g);
+                    let xv = &x[e0 + 4 * g..e0 + 4 * g + 4];
+                    sx += (xv[0] + xv[1]) + (xv[2] + xv[3]);
+                    for i in 0..4 {
+                        sf = d[i].mul_add(xv[i], sf);
+                    }
+                }
+                let (a, b) = emu_affine(f, &raw, j, s);
+                acc = a.mul_add(sf, (-b).mul_add(sx, acc));
+            }
+        }
+        acc
+    }
+
+    fn image_of(
+        ty: GgmlType,
+        bytes: &[u8],
+        n_rows: usize,
+        n_in: usize,
+    ) -> (Vec<u8>, [u64; 3], u64) {
+        let f = Fmt::of(ty).expect("supported");
+        let (img, off, stride) = device_image(f, ty, bytes, n_rows, n_in);
+        (img.into_owned(), off, stride)
+    }
+
+    #[test]
+    fn planar_images_keep_every_byte() {
+        for ty in TYPES {
+            let f = Fmt::of(ty).expect("supported");
+            let (n_rows, n_in) = (3, 512);
+            let rb = ty.row_bytes(n_in).expect("whole blocks");
+            let bytes: Vec<u8> = (0..n_rows * rb).map(|i| (i * 7 + 3) as u8).collect();
+            let (img, off, stride) = image_of(ty, &bytes, n_rows, n_in);
+            match f.planes() {
+                None => {
+                    assert_eq!(img, bytes, "{ty}");
+                    assert_eq!(stride as usize, rb);
+                }
+                Some(planes) => {
+                    assert_eq!(stride as usize, n_in / ty.block_size());
+                    let starts = [0, off[0], off[1], off[2]];
+                    let total: usize = planes.iter().map(|p| p.1).sum();
+                    assert_eq!(total, ty.type_size(), "{ty}: planes cover the block");
+                    for (b, blk) in bytes.chunks_exact(ty.type_size()).enumerate() {
+                        for (p, &(src, len)) in planes.iter().enumerate() {
+                            assert_eq!(starts[p] % 256, 0);
+                            let d = starts[p] as usize + b * len;
+                            assert_eq!(
+                                &img[d..d + len],
+                                &blk[src..src + len],
+                                "{ty} block {b} plane {p}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn exact_decoder_matches_dequantize_row() {
+        for ty in TYPES {
+            let f = Fmt::of(ty).expect("supported");
+            let (n_rows, n_in) = (5, 768);
+            let (bytes, want) = rows(ty, n_rows, n_in, 0x5EED ^ ty as u64);
+            let (img, off, stride) = image_of(ty, &bytes, n_rows, n_in);
+            let m = Img {
+                img: &img,
+                off,
+                stride,
+            };
+            let got = emu_dequant(f, &m, n_rows, n_in);
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{ty} element {i}: {a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn gemv_decoder_matches_f64_dot() {
+        for ty in TYPES {
+            let f = Fmt::of(ty).expect("supported");
+            let (n_rows, n_in) = (7, 1024);
+            let (bytes, deq) = rows(ty, n_rows, n_in, 0xD07 ^ ty as u64);
+            let (img, off, stride) = image_of(ty, &bytes, n_rows, n_in);
+            let m = Img {
+                img: &img,
+                off,
+                stride,
+            };
+            let mut rng = Rng(0xABCD ^ ty as u64);
+            // activations with a nonzero mean, the hard case for the sum(x) correction
+            let x: Vec<f32> = (0..n_in).map(|_| 0.3 + rng.sym()).collect();
+            let mut max_err = 0.0f64;
+            let mut max_ref = 0.0f64;
+            for r in 0..n_rows {
+                let want: f64 = (0..n_in)
+                    .map(|k| f64::from(deq[r * n_in + k]) * f64::from(x[k]))
+                    .sum();
+                let got = f64::from(emu_gemv_row(f, &m, r, &x, n_in));
+                max_err = max_err.max((got - want).abs());
+                max_ref = max_ref.max(want.abs());
+            }
+            let rel = max_err / max_ref;
+            println!("{ty}: max rel err of the GEMV decoding {rel:.2e}");
+            // the biased-float trick cancels 2^(7-S) sum(x) against 2^(8-S) sum(f x): with x
+            // of mean 0.3 that costs a bit or two of f32, far below the weights' own
+            // quantisation error (~1e-2)
+            assert!(rel < 5e-6, "{ty}: {rel:e}");
+        }
+    }
+
+    #[test]
+    fn ksplit_stays_in_range() {
+        for (groups, chunks) in [
+            (1, 1),
+            (1, 1000),
+            (37984, 24),
+            (384, 140),
+            (64, 32),
+            (2240, 24),
+        ] {
+            let g = gemv_ksplit(groups, chunks, 132);
+            assert!([1, 2, 4].contains(&g), "{groups} {chunks}: {g}");
+            assert!(g == 1 || chunks >= 32 * g, "{groups} {chunks}: {g}");
+        }
+        assert_eq!(gemv_ksplit(37984, 24, 132), 1);
+        assert_eq!(gemv_ksplit(384, 140, 132), 4);
+    }
+}

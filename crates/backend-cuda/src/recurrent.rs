@@ -1,0 +1,276 @@
+//! Recurrent mixers on the GPU (launches of kernels/recurrent.cu): causal conv1d with carried
+//! state, the Gated DeltaNet recurrence and the Mamba2 scan; the CUDA twin of the CPU
+//! backend's src/recurrent.rs. One launch covers every sequence of the batch (grid z or y =
+//! sequence); slots, starts and lengths come from the batch arrays in device memory. States
+//! are f32 `[n_slots, ...]` tensors read and updated in place at each sequence's slot (slots
+//! checked against the state size on the host).
+//!
+//! These are the token-sequential forms (right for decode and short prompts). Chunked prefill
+//! forms (FLA's WY form for Gated DeltaNet, SSD for Mamba2) are future work.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use kapitsa_backend::{shape_err, Batch, GdnShape, HeadOrder, Mamba2Shape, Result, Tensor};
+
+use crate::buffers::DevBatch;
+use crate::device::{dev_err, u32_arg};
+use crate::CudaBackend;
+
+/// Largest conv kernel width (kernels/recurrent.cu `CONV_MAXK`).
+const CONV_MAXK: usize = 8;
+/// Largest Gated DeltaNet key head width (8 warps of 32 rows).
+const GDN_MAX_DK: usize = 256;
+/// Warps (head dims) per block of the Mamba2 kernel (kernels/recurrent.cu `M2_WARPS`).
+const M2_WARPS: usize = 4;
+/// Largest Mamba2 state size (8 per lane).
+const M2_MAX_N: usize = 256;
+
+/// Number of state slots of `state` (`per` values each), checking the batch's slots fit.
+fn n_slots(op: &'static str, state: &Tensor, per: usize, db: &DevBatch) -> Result<usize> {
+    if per == 0 {
+        return Ok(u32::MAX as usize);
+    }
+    if !state.len().is_multiple_of(per) {
+        return shape_err(
+            op,
+            format!("a state of {} values is not slots of {per}", state.len()),
+        );
+    }
+    let n = state.len() / per;
+    if db.n_seqs > 0 && db.max_slot >= n {
+        return shape_err(
+            op,
+            format!("slot {} of a state with {n} slots", db.max_slot),
+        );
+    }
+    Ok(n)
+}
+
+impl CudaBackend {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn conv1d_causal_impl(
+        &self,
+        x: &Tensor,
+        channels: usize,
+        k: usize,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        silu: bool,
+        conv_state: &mut Tensor,
+        batch: &Batch,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        const OP: &str = "conv1d_causal";
+        let db = self.dev_batch(batch, OP)?;
+        if k == 0 || k > CONV_MAXK {
+            return shape_err(OP, format!("kernel width {k} (1..={CONV_MAXK})"));
+        }
+        let n = db.n_tokens;
+        let xb = self.f32_len(x, n * channels, OP, "x")?;
+        let wb = self.f32_len(w, channels * k, OP, "w")?;
+        let bb = match bias {
+            Some(b) => Some(self.f32_len(b, channels, OP, "bias")?),
+            None => None,
+        };
+        let slots = n_slots(OP, conv_state, (k - 1) * channels, db)?;
+        let sb = self.buf_mut::<f32>(conv_state, OP, "conv_state")?;
+        let ob = self.f32_len_mut(out, n * channels, OP, "out")?;
+        if n == 0 || channels == 0 || db.n_seqs == 0 {
+            return Ok(());
+        }
+        let (c, kk, si, ns, nseq) = (
+            u32_arg(OP, "channels", channels)?,
+            u32_arg(OP, "k", k)?,
+            u32::from(silu),
+            u32_arg(OP, "slots", slots)?,
+            u32_arg(OP, "sequences", db.n_seqs)?,
+        );
+        if nseq > 65535 {
+            return shape_err(OP, format!("{} sequences (at most 65535)", db.n_seqs));
+        }
+        let seqs = db.seqs();
+        let null = 0u64;
+        let mut b = self.stream.launch_builder(&self.k.conv1d_causal_f32);
+        b.arg(xb).arg(wb);
+        match bb {
+            Some(bb) => b.arg(bb),
+            None => b.arg(&null),
+        };
+        b.arg(sb)
+            .arg(ob)
+            .arg(&seqs)
+            .arg(&c)
+            .arg(&kk)
+            .arg(&si)
+            .arg(&ns);
+        let cfg = LaunchConfig {
+            grid_dim: (channels.div_ceil(128) as u32, nseq, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: conv1d_causal_f32(const float* x, const float* w, const float* bias (or
+        // null), float* state, float* out, const uint32_t* seqs, uint32_t C, uint32_t K,
+        // uint32_t silu, uint32_t n_slots), grid (channel blocks, sequences): x and out hold
+        // n_tokens * C floats, w C * K, bias C, state n_slots * (K - 1) * C; the sequences tile
+        // the tokens (prepare_batch) and slots are checked on host and device.
+        unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gdn_impl(
+        &self,
+        shape: GdnShape,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        beta: &Tensor,
+        state: &mut Tensor,
+        batch: &Batch,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        const OP: &str = "gdn";
+        let db = self.dev_batch(batch, OP)?;
+        let GdnShape {
+            n_k_heads: nk,
+            n_v_heads: nv,
+            dk,
+            dv,
+            order,
+        } = shape;
+        if nk == 0 || !nv.is_multiple_of(nk) || dk == 0 || dk > GDN_MAX_DK || dv == 0 {
+            return shape_err(OP, format!("{shape:?} (dk at most {GDN_MAX_DK})"));
+        }
+        let n = db.n_tokens;
+        let qb = self.f32_len(q, n * nk * dk, OP, "q")?;
+        let kb = self.f32_len(k, n * nk * dk, OP, "k")?;
+        let vb = self.f32_len(v, n * nv * dv, OP, "v")?;
+        let gb = self.f32_len(g, n * nv, OP, "g")?;
+        let bb = self.f32_len(beta, n * nv, OP, "beta")?;
+        let slots = n_slots(OP, state, shape.state_len(), db)?;
+        let sb = self.buf_mut::<f32>(state, OP, "state")?;
+        let ob = self.f32_len_mut(out, n * nv * dv, OP, "out")?;
+        if n == 0 || nv == 0 || db.n_seqs == 0 {
+            return Ok(());
+        }
+        let (nka, nva, dka, dva, ord, ns, nseq) = (
+            u32_arg(OP, "k heads", nk)?,
+            u32_arg(OP, "v heads", nv)?,
+            u32_arg(OP, "dk", dk)?,
+            u32_arg(OP, "dv", dv)?,
+            match order {
+                HeadOrder::Grouped => 0u32,
+                HeadOrder::Tiled => 1u32,
+            },
+            u32_arg(OP, "slots", slots)?,
+            u32_arg(OP, "sequences", db.n_seqs)?,
+        );
+        if nva > 65535 || nseq > 65535 {
+            return shape_err(
+                OP,
+                format!("{nv} heads, {} sequences (at most 65535)", db.n_seqs),
+            );
+        }
+        let seqs = db.seqs();
+        let mut b = self.stream.launch_builder(&self.k.gdn_recurrent_f32);
+        b.arg(qb)
+            .arg(kb)
+            .arg(vb)
+            .arg(gb)
+            .arg(bb)
+            .arg(sb)
+            .arg(ob)
+            .arg(&seqs);
+        b.arg(&nka).arg(&nva).arg(&dka).arg(&dva).arg(&ord).arg(&ns);
+        let cfg = LaunchConfig {
+            grid_dim: (dv.div_ceil(32) as u32, nva, nseq),
+            block_dim: (32 * dk.div_ceil(32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: gdn_recurrent_f32(const float* q, k, v, g, beta, float* state, float* out,
+        // const uint32_t* seqs, uint32_t n_k_heads, n_v_heads, dk, dv, order, n_slots), grid
+        // (column tiles, value heads, sequences), 32 * ceil(dk / 32) <= 256 threads: every
+        // buffer length was checked against the shape and the batch's token count; slots are
+        // checked on host and device.
+        unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn mamba2_impl(
+        &self,
+        shape: Mamba2Shape,
+        x: &Tensor,
+        dt: &Tensor,
+        a: &Tensor,
+        b_in: &Tensor,
+        c_in: &Tensor,
+        d: &Tensor,
+        state: &mut Tensor,
+        batch: &Batch,
+        y: &mut Tensor,
+    ) -> Result<()> {
+        const OP: &str = "mamba2";
+        let db = self.dev_batch(batch, OP)?;
+        let Mamba2Shape {
+            n_heads: h,
+            head_dim: p,
+            d_state: ns_,
+            n_groups: g,
+        } = shape;
+        if g == 0 || !h.is_multiple_of(g) || p == 0 || ns_ == 0 || ns_ > M2_MAX_N {
+            return shape_err(OP, format!("{shape:?} (d_state at most {M2_MAX_N})"));
+        }
+        let n = db.n_tokens;
+        let xb = self.f32_len(x, n * h * p, OP, "x")?;
+        let dtb = self.f32_len(dt, n * h, OP, "dt")?;
+        let ab = self.f32_len(a, h, OP, "a")?;
+        let bb = self.f32_len(b_in, n * g * ns_, OP, "b")?;
+        let cb = self.f32_len(c_in, n * g * ns_, OP, "c")?;
+        let db_ = self.f32_len(d, h, OP, "d")?;
+        let slots = n_slots(OP, state, shape.state_len(), db)?;
+        let sb = self.buf_mut::<f32>(state, OP, "state")?;
+        let yb = self.f32_len_mut(y, n * h * p, OP, "y")?;
+        if n == 0 || h == 0 || db.n_seqs == 0 {
+            return Ok(());
+        }
+        let (ha, pa, na, ga, sl, nseq) = (
+            u32_arg(OP, "heads", h)?,
+            u32_arg(OP, "head_dim", p)?,
+            u32_arg(OP, "d_state", ns_)?,
+            u32_arg(OP, "groups", g)?,
+            u32_arg(OP, "slots", slots)?,
+            u32_arg(OP, "sequences", db.n_seqs)?,
+        );
+        if ha > 65535 || nseq > 65535 {
+            return shape_err(
+                OP,
+                format!("{h} heads, {} sequences (at most 65535)", db.n_seqs),
+            );
+        }
+        let seqs = db.seqs();
+        let mut b = self.stream.launch_builder(&self.k.mamba2_recurrent_f32);
+        b.arg(xb)
+            .arg(dtb)
+            .arg(ab)
+            .arg(bb)
+            .arg(cb)
+            .arg(db_)
+            .arg(sb)
+            .arg(yb)
+            .arg(&seqs);
+        b.arg(&ha).arg(&pa).arg(&na).arg(&ga).arg(&sl);
+        let cfg = LaunchConfig {
+            grid_dim: (p.div_ceil(M2_WARPS) as u32, ha, nseq),
+            block_dim: (32 * M2_WARPS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: mamba2_recurrent_f32(const float* x, dt, a, b, c, d, float* state,
+        // float* y, const uint32_t* seqs, uint32_t n_heads, head_dim, d_state, n_groups,
+        // n_slots), grid (head-dim blocks of 4, heads, sequences), 128 threads: every buffer
+        // length was checked against the shape and token count, d_state <= 256 fits the
+        // kernel's shared arrays; slots are checked on host and device.
+        unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        Ok(())
+    }
+}
