@@ -57,3 +57,25 @@ fn the_check_can_fail() {
     // something.
     assert!(!offenders("backend-cpu", &["kapitsa_kernels_cpu"]).is_empty());
 }
+
+/// `kapitsa selftest --device cpu` (what scripts/test-gpu.sh runs with `--device cuda`)
+/// passes on the CPU: the op suite (fast kernels against the scalar reference) and the tiny
+/// qwen2/qwen3 checkpoints.
+#[test]
+fn selftest_passes_on_the_cpu() {
+    let root = crates_dir().join("..");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kapitsa"))
+        .args(["selftest", "--device", "cpu", "--cases", "2", "--fixtures"])
+        .arg(root.join("tests/fixtures/tiny"))
+        .output()
+        .expect("run kapitsa");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "selftest failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("op matmul q4_K vs exact"), "{stdout}");
+    assert!(stdout.contains("qwen3-a p0 logits vs transformers"), "{stdout}");
+    assert!(stdout.contains(" 0 failed"), "{stdout}");
+}
