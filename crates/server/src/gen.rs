@@ -350,7 +350,7 @@ impl Choice {
                 };
                 Ok(self.filter(events))
             }
-            Event::Done { finish, usage } => {
+            Event::Done { finish, usage, .. } => {
                 self.finish = Some(finish);
                 self.usage = usage;
                 let Some(p) = self.parser.take() else {
@@ -510,6 +510,7 @@ mod tests {
         Event::Done {
             finish: FinishReason::EndOfGeneration,
             usage: Usage::default(),
+            timing: Default::default(),
         }
     }
 
