@@ -31,6 +31,15 @@ pub enum DeviceChoice {
     Exact(Device),
 }
 
+impl std::fmt::Display for DeviceChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceChoice::Auto => write!(f, "auto"),
+            DeviceChoice::Exact(d) => write!(f, "{d}"),
+        }
+    }
+}
+
 impl std::str::FromStr for DeviceChoice {
     type Err = BackendError;
 

@@ -443,7 +443,10 @@ impl Suite<'_> {
         let n_in = shape.last().copied().unwrap_or(0);
         let exact = match ty {
             GgmlType::F32 => vals.to_vec(),
-            GgmlType::F16 => vals.iter().map(|v| half::f16::from_f32(*v).to_f32()).collect(),
+            GgmlType::F16 => vals
+                .iter()
+                .map(|v| half::f16::from_f32(*v).to_f32())
+                .collect(),
             GgmlType::BF16 => vals
                 .iter()
                 .map(|v| half::bf16::from_f32(*v).to_f32())
@@ -453,7 +456,10 @@ impl Suite<'_> {
                 let rb = ty.row_bytes(n_in).unwrap_or(0);
                 let mut out = vec![0f32; vals.len()];
                 if n_in > 0 {
-                    for (o, b) in out.chunks_exact_mut(n_in).zip(bytes.chunks_exact(rb.max(1))) {
+                    for (o, b) in out
+                        .chunks_exact_mut(n_in)
+                        .zip(bytes.chunks_exact(rb.max(1)))
+                    {
                         kapitsa_base::quant::dequantize_row(ty, b, o)
                             .map_err(|e| format!("dequantize {ty}: {e}"))?;
                     }

@@ -12,19 +12,19 @@
 //! ids come from a fixed-seed generator, within the vocabulary.
 //!
 //! `--membw` instead measures memory bandwidth (read-only and copy), the bound of decode speed.
+//!
+//! The model is opened like every other command's ([`kapitsa_engine::open_model`]); the timed
+//! runs call its forward pass directly, not the engine, to measure raw passes as llama-bench
+//! does.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
-use kapitsa_backend::Backend;
-use kapitsa_backend_cpu::CpuBackend;
-use kapitsa_base::pool::cpu_pool;
 use kapitsa_base::CpuFeatures;
-use kapitsa_models::{BatchInputs, CausalLm, KvCache, KvType, LoadOptions, ModelSource};
+use kapitsa_engine::{DeviceChoice, OpenOptions};
+use kapitsa_models::{BatchInputs, CausalLm, KvCache, KvType, ModelSource};
 
 /// Output format.
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -53,6 +53,9 @@ pub struct BenchArgs {
     /// Compute threads (0 = one per core).
     #[arg(short, long, default_value_t = 0)]
     threads: usize,
+    /// Device: auto (a usable GPU, else the CPU), cpu, cuda (= cuda:0) or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: DeviceChoice,
     /// How the weights are held: auto (a copy in memory when it fits in half the available
     /// RAM, else a memory map), mmap or memory.
     #[arg(long, value_enum, default_value_t = crate::commands::LoadModeArg::Auto)]
@@ -174,32 +177,23 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         bail!("model {} does not exist", path.display());
     }
 
-    let pool = cpu_pool(a.threads).context("starting the thread pool")?;
-    let n_threads = pool.n_threads();
-    let be: Arc<dyn Backend> = Arc::new(CpuBackend::from_env(pool)?);
-    let bar = ProgressBar::new(0);
-    bar.set_style(
-        ProgressStyle::with_template("loading {msg} [{bar:30}] {bytes}/{total_bytes} ({eta})")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar.set_message(file_name(&path));
-    let progress = |done: u64, total: u64| {
-        bar.set_length(total);
-        bar.set_position(done);
-    };
-    let loaded = kapitsa_models::load_model(
+    let opened = crate::commands::open_with_bar(
         &path,
-        be.clone(),
-        &LoadOptions {
-            progress: Some(&progress),
+        OpenOptions {
+            device: a.device,
+            threads: a.threads,
             load_mode: a.load_mode.into(),
+            ..OpenOptions::default()
         },
-    )
-    .with_context(|| format!("loading {}", path.display()))?;
-    bar.finish_and_clear();
-    let model = &*loaded.model;
+    )?;
+    // The CPU backend's pool: `-t`, or one thread per core (as `cpu_pool` counts them).
+    let n_threads = match a.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let model = &*opened.model;
     let spec = model.spec();
-    let info = model_info(&path, &loaded.source, &loaded.arch);
+    let info = model_info(&path, &opened.source, &opened.arch);
 
     let max_ctx = tests.iter().map(Test::n_ctx).max().unwrap_or(1);
     if max_ctx > spec.n_ctx_train {
@@ -214,10 +208,10 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     eprintln!(
         "bench: {} ({}, {} layers, vocab {}) on {}; cache {} positions ({:.1} MiB)",
         info.filename,
-        loaded.arch,
+        opened.arch,
         spec.layers.len(),
         spec.n_vocab,
-        be.describe(),
+        opened.backend.describe(),
         max_ctx,
         cache.size_bytes() as f64 / (1 << 20) as f64
     );

@@ -1,24 +1,22 @@
-//! The `run`, `chat` and `logits` subcommands.
+//! The `run`, `chat` and `logits` subcommands, and the model options and loading bar every
+//! model command shares. Models are opened with [`kapitsa_engine::open_model`]; `run` and
+//! `chat` generate through the engine service (one slot, the same decode loop as the server),
+//! `logits` calls the model's forward pass directly.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use kapitsa_backend::Backend;
-use kapitsa_backend_cpu::CpuBackend;
-use kapitsa_base::pool::cpu_pool;
-use kapitsa_cache::SlotCache;
-use kapitsa_engine::loader::{chat_template_for, tokenizer_for};
 use kapitsa_engine::{
-    generate, GenerateOutput, GenerateRequest, ParsedReply, ReplyEvent, ReplyFormat, ReplyParser,
-    SamplingParams,
+    open_model, DeviceChoice, EngineConfig, EngineHandle, Event, FinishReason, OpenOptions,
+    OpenedModel, ParsedReply, PrefixCacheConfig, ReplyEvent, ReplyFormat, ReplyParser, Request,
+    SamplingParams, Timing, Usage,
 };
-use kapitsa_models::{BatchInputs, KvType, LoadMode, LoadOptions, LoadedModel};
-use kapitsa_text::{ChatTemplate, Tokenizer};
+use kapitsa_models::{BatchInputs, KvType, LoadMode};
+use kapitsa_text::ChatTemplate;
 
 /// Options every model-running command shares.
 #[derive(Args, Clone)]
@@ -29,6 +27,9 @@ pub struct ModelArgs {
     /// Compute threads (0 = one per core).
     #[arg(short, long, default_value_t = 0)]
     threads: usize,
+    /// Device: auto (a usable GPU, else the CPU), cpu, cuda (= cuda:0) or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: DeviceChoice,
     /// Context size in tokens (0 = the model's training context, capped at 32768).
     #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
     ctx: usize,
@@ -197,20 +198,15 @@ pub struct LogitsArgs {
     batch: usize,
 }
 
+/// An opened model and the engine that generates with it, one sequence at a time.
 struct Session {
-    loaded: LoadedModel,
-    tok: Tokenizer,
-    cache: SlotCache,
+    opened: OpenedModel,
+    engine: EngineHandle,
 }
 
 fn kv_type(s: &str) -> Result<KvType> {
     s.parse::<KvType>()
         .map_err(|_| anyhow::anyhow!("unknown --kv-type '{s}' (use f16, f32 or q8_0)"))
-}
-
-fn backend(threads: usize) -> Result<Arc<dyn Backend>> {
-    let pool = cpu_pool(threads).context("starting the thread pool")?;
-    Ok(Arc::new(CpuBackend::from_env(pool)?))
 }
 
 /// The progress bar shown while the weights of `model` are read.
@@ -229,70 +225,103 @@ pub(crate) fn loading_bar(model: &Path) -> ProgressBar {
     bar
 }
 
-fn load(a: &ModelArgs) -> Result<(LoadedModel, Tokenizer)> {
-    kv_type(&a.kv_type)?; // reject a bad value before the slow load
-    let be = backend(a.threads)?;
-    let bar = loading_bar(&a.model);
+/// Open `path` with a loading bar, then print the device to stderr (`device: cpu`).
+pub(crate) fn open_with_bar(path: &Path, opts: OpenOptions<'_>) -> Result<OpenedModel> {
+    let bar = loading_bar(path);
     let progress = |done: u64, total: u64| {
         bar.set_length(total);
         bar.set_position(done);
     };
-    let loaded = kapitsa_models::load_model(
-        &a.model,
-        be.clone(),
-        &LoadOptions {
+    let opened = open_model(
+        path,
+        &OpenOptions {
             progress: Some(&progress),
-            load_mode: a.load_mode.into(),
+            ..opts
         },
-    )
-    .with_context(|| format!("loading {}", a.model.display()))?;
-    bar.finish_and_clear();
-    let tok = tokenizer_for(&loaded.source)
-        .with_context(|| format!("building the tokenizer of {}", a.model.display()))?;
-    let spec = loaded.model.spec();
-    let mut kinds = format!("{} attention", spec.n_attention_layers());
-    if spec.n_recurrent_layers() > 0 {
-        kinds.push_str(&format!(", {} recurrent", spec.n_recurrent_layers()));
-    }
-    if spec.n_mtp_layers > 0 {
-        kinds.push_str(&format!(", +{} MTP kept", spec.n_mtp_layers));
-    }
-    eprintln!(
-        "kapitsa: {} ({} layers: {kinds}; vocab {}) on {}",
-        loaded.arch,
-        spec.layers.len(),
-        spec.n_vocab,
-        be.describe()
     );
-    Ok((loaded, tok))
+    bar.finish_and_clear();
+    let opened = opened?;
+    eprintln!("device: {}", opened.device);
+    Ok(opened)
 }
 
-fn session(a: &ModelArgs) -> Result<Session> {
-    let (loaded, tok) = load(a)?;
-    let n_ctx = if a.ctx == 0 {
-        loaded.model.spec().n_ctx_train.min(32768)
-    } else {
-        a.ctx
-    };
-    let cache = SlotCache::new(
-        loaded.model.backend().clone(),
-        &loaded.model.spec().cache_layout(),
-        1,
-        n_ctx,
-        kv_type(&a.kv_type)?,
+/// Open the model of `a` and print its description (`kapitsa: qwen2 (24 layers: ...) on
+/// cpu ...`).
+fn open(a: &ModelArgs) -> Result<OpenedModel> {
+    kv_type(&a.kv_type)?; // reject a bad value before the slow load
+    let opened = open_with_bar(
+        &a.model,
+        OpenOptions {
+            device: a.device,
+            threads: a.threads,
+            load_mode: a.load_mode.into(),
+            ..OpenOptions::default()
+        },
     )?;
-    Ok(Session { loaded, tok, cache })
+    eprintln!("kapitsa: {}", opened.description);
+    Ok(opened)
+}
+
+/// Open the model and start the engine: one sequence of `--ctx-size` tokens, with the
+/// prefix cache so that a chat's next turn resumes from the previous one.
+fn session(a: &ModelArgs) -> Result<Session> {
+    let opened = open(a)?;
+    let n_ctx = opened.context_size(a.ctx);
+    let prefix = PrefixCacheConfig {
+        model_id: opened.identity.clone(),
+        ..PrefixCacheConfig::default()
+    };
+    let cfg = EngineConfig::single_sequence(n_ctx, kv_type(&a.kv_type)?, Some(prefix));
+    let engine = EngineHandle::start(opened.model.clone(), opened.tokenizer.clone(), cfg)
+        .context("starting the engine")?;
+    Ok(Session { opened, engine })
 }
 
 fn template(s: &Session) -> Result<ChatTemplate> {
-    chat_template_for(&s.loaded.source, &s.tok)?
+    s.opened
+        .chat_template()?
         .ok_or_else(|| anyhow::anyhow!("the model has no chat template; use -p with a raw prompt"))
+}
+
+/// What a finished request reports.
+struct Finished {
+    finish: FinishReason,
+    usage: Usage,
+    timing: Timing,
+}
+
+/// Submit `req` to the session's engine and wait for its end, giving each piece of final
+/// text to `on_text`.
+fn generate(s: &Session, req: Request, on_text: &mut dyn FnMut(&str)) -> Result<Finished> {
+    let mut stream = s.engine.submit(req)?;
+    while let Some(ev) = stream.blocking_recv() {
+        match ev {
+            Event::Text { text, .. } => {
+                if !text.is_empty() {
+                    on_text(&text);
+                }
+            }
+            Event::Done {
+                finish,
+                usage,
+                timing,
+            } => {
+                return Ok(Finished {
+                    finish,
+                    usage,
+                    timing,
+                })
+            }
+            Event::Error(e) => bail!("{e}"),
+        }
+    }
+    bail!("the engine stopped before the reply was complete")
 }
 
 /// `kapitsa run`.
 pub fn run(a: RunArgs) -> Result<()> {
     a.sample.params().validate()?; // reject bad sampling options before the slow load
-    let mut s = session(&a.model)?;
+    let s = session(&a.model)?;
     let text = match (&a.prompt, &a.chat) {
         (Some(p), None) => p.clone(),
         (None, Some(c)) => {
@@ -305,32 +334,51 @@ pub fn run(a: RunArgs) -> Result<()> {
         }
         _ => bail!("give a prompt with -p TEXT or --chat TEXT"),
     };
-    let prompt = s.tok.encode(&text, true, true)?;
+    let prompt = s.opened.tokenizer.encode(&text, true, true)?;
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    let req = GenerateRequest {
+    let n_prompt = prompt.len();
+    let req = Request {
         prompt,
-        max_tokens: a.n_predict,
         sampling: a.sample.params(),
+        max_tokens: a.n_predict,
         stop: a.sample.stop.clone(),
         ignore_eos: a.sample.ignore_eos,
-        prefill_chunk: 512,
+        top_logprobs: None,
+        constraint: None,
     };
     let mut stdout = std::io::stdout().lock();
-    let out = generate(&*s.loaded.model, &s.tok, &mut s.cache, 0, &req, &mut |t| {
-        let _ = stdout.write_all(t.as_bytes());
-        let _ = stdout.flush();
-    })?;
+    let out = if a.n_predict == 0 {
+        // Nothing to generate (the engine runs requests of at least one token).
+        Finished {
+            finish: FinishReason::Length,
+            usage: Usage {
+                prompt_tokens: n_prompt,
+                ..Usage::default()
+            },
+            timing: Timing::default(),
+        }
+    } else {
+        generate(&s, req, &mut |t| {
+            let _ = stdout.write_all(t.as_bytes());
+            let _ = stdout.flush();
+        })?
+    };
     let _ = writeln!(stdout);
+    let (u, prompt_secs, gen_secs) = (
+        out.usage,
+        out.timing.prompt.as_secs_f64(),
+        out.timing.generation.as_secs_f64(),
+    );
     eprintln!(
         "\nprompt: {} tokens in {:.2} s ({:.1} tok/s) | generation: {} tokens in {:.2} s ({:.1} tok/s) | stop: {:?}",
-        out.n_prompt,
-        out.prompt_secs,
-        rate(out.n_prompt - out.n_cached, out.prompt_secs),
-        out.tokens.len(),
-        out.gen_secs,
-        rate(out.tokens.len(), out.gen_secs),
+        u.prompt_tokens,
+        prompt_secs,
+        rate(u.prompt_tokens - u.cached_tokens, prompt_secs),
+        u.completion_tokens,
+        gen_secs,
+        rate(u.completion_tokens, gen_secs),
         out.finish
     );
     Ok(())
@@ -520,10 +568,10 @@ struct ChatSetup<'a> {
 
 /// Render the history, generate and print the assistant's reply.
 fn chat_turn(
-    s: &mut Session,
+    s: &Session,
     c: &ChatSetup,
     msgs: &[serde_json::Value],
-) -> Result<(ParsedReply, GenerateOutput)> {
+) -> Result<(ParsedReply, Finished)> {
     let text = c.tmpl.render(
         &serde_json::Value::Array(msgs.to_vec()),
         c.tools,
@@ -533,21 +581,22 @@ fn chat_turn(
     if c.args.print_prompt {
         eprintln!("[prompt]\n{text}\n[/prompt]");
     }
-    let prompt = s.tok.encode(&text, true, true)?;
-    let req = GenerateRequest {
+    let prompt = s.opened.tokenizer.encode(&text, true, true)?;
+    let req = Request {
         prompt,
-        max_tokens: c.args.n_predict,
         sampling: c.args.sample.params(),
+        max_tokens: c.args.n_predict,
         stop: c.args.sample.stop.clone(),
         ignore_eos: false,
-        prefill_chunk: 512,
+        top_logprobs: None,
+        constraint: None,
     };
     let mut parser = ReplyParser::new(c.fmt, c.fmt.starts_in_reasoning(&text));
     if let Some(t) = c.tools {
         parser = parser.with_tools(t);
     }
     let mut printer = ReplyPrinter::new(c.stderr_tty);
-    let out = generate(&*s.loaded.model, &s.tok, &mut s.cache, 0, &req, &mut |t| {
+    let out = generate(s, req, &mut |t| {
         for e in parser.push(t) {
             printer.event(e);
         }
@@ -563,7 +612,7 @@ fn chat_turn(
         }
         Err(e) => {
             printer.abort();
-            Err(e.into())
+            Err(e)
         }
     }
 }
@@ -577,9 +626,9 @@ pub fn chat(a: ChatArgs) -> Result<()> {
         (_, true) => Some(serde_json::json!({"enable_thinking": false})),
         _ => None,
     };
-    let mut s = session(&a.model)?;
+    let s = session(&a.model)?;
     let tmpl = template(&s)?;
-    let src = kapitsa_engine::loader::chat_template_source(&s.loaded.source).unwrap_or_default();
+    let src = s.opened.chat_template_source.clone().unwrap_or_default();
     let fmt = ReplyFormat::from_template(&src);
     if tools.is_some() && !src.contains("tools") {
         eprintln!("note: the chat template does not use tools; --tools has no effect");
@@ -646,7 +695,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
             }
             msgs.push(serde_json::json!({"role": "user", "content": line}));
         }
-        let (reply, out) = match chat_turn(&mut s, &setup, &msgs) {
+        let (reply, out) = match chat_turn(&s, &setup, &msgs) {
             Ok(r) => r,
             Err(e) => {
                 eprintln!("\nerror: {e}");
@@ -657,10 +706,13 @@ pub fn chat(a: ChatArgs) -> Result<()> {
         };
         eprintln!(
             "[{} prompt tokens ({} reused), {} generated, {:.1} tok/s]",
-            out.n_prompt,
-            out.n_cached,
-            out.tokens.len(),
-            rate(out.tokens.len(), out.gen_secs)
+            out.usage.prompt_tokens,
+            out.usage.cached_tokens,
+            out.usage.completion_tokens,
+            rate(
+                out.usage.completion_tokens,
+                out.timing.generation.as_secs_f64()
+            )
         );
         let mut msg = reply.to_message();
         let n = pending.record(&mut msg);
@@ -674,9 +726,9 @@ pub fn chat(a: ChatArgs) -> Result<()> {
 
 /// `kapitsa logits`.
 pub fn logits(a: LogitsArgs) -> Result<()> {
-    let (loaded, tok) = load(&a.model)?;
+    let opened = open(&a.model)?;
     let ids = match (&a.prompt, &a.tokens) {
-        (Some(p), _) => tok.encode(p, true, true)?,
+        (Some(p), _) => opened.tokenizer.encode(p, true, true)?,
         (None, Some(t)) => t.clone(),
         _ => bail!("give --prompt or --tokens"),
     };
@@ -686,7 +738,7 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
     if a.batch == 0 {
         bail!("--batch must be >= 1");
     }
-    let model = &*loaded.model;
+    let model = &*opened.model;
     let n_vocab = model.spec().n_vocab as u32;
     if let Some(t) = ids.iter().find(|&&t| t >= n_vocab) {
         bail!("token id {t} is outside the vocabulary ({n_vocab})");

@@ -43,17 +43,10 @@ pub struct SelftestArgs {
     models: Vec<PathBuf>,
 }
 
-/// The backend `--device` names (cpu: the fast kernels).
-pub(crate) fn backend_for(device: &str, threads: usize) -> Result<Arc<dyn Backend>> {
+/// The backend `--device` names (the engine's one place that makes backends).
+fn backend_for(device: &str, threads: usize) -> Result<Arc<dyn Backend>> {
     let choice: DeviceChoice = device.parse()?;
-    Ok(match choice {
-        DeviceChoice::Exact(Device::Cpu) | DeviceChoice::Auto => {
-            Arc::new(CpuBackend::from_env(Box::new(RayonPool::new(threads)?))?)
-        }
-        DeviceChoice::Exact(Device::Cuda(n)) => {
-            Arc::new(kapitsa_backend_cuda::CudaBackend::new(n)?)
-        }
-    })
+    Ok(kapitsa_engine::make_backend(choice, threads)?.0)
 }
 
 fn scalar_reference() -> Result<CpuBackend> {
@@ -201,16 +194,15 @@ pub fn selftest(a: SelftestArgs) -> Result<()> {
     let mut rows = Vec::new();
     if !a.no_ops {
         let reference = scalar_reference()?;
-        let reports =
-            kapitsa_backend::testing::check_ops_with(
-                &*be,
-                &reference,
-                &quantize,
-                a.seed,
-                a.cases,
-                &tolerances(be.device()),
-            )
-                .map_err(|e| anyhow::anyhow!("op suite: {e}"))?;
+        let reports = kapitsa_backend::testing::check_ops_with(
+            &*be,
+            &reference,
+            &quantize,
+            a.seed,
+            a.cases,
+            &tolerances(be.device()),
+        )
+        .map_err(|e| anyhow::anyhow!("op suite: {e}"))?;
         for r in &reports {
             check(
                 &mut rows,

@@ -7,9 +7,9 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use kapitsa_engine::{EngineConfig, EngineHandle, PrefixCacheConfig};
+use kapitsa_engine::{DeviceChoice, EngineConfig, EngineHandle, OpenOptions, PrefixCacheConfig};
 use kapitsa_models::KvType;
-use kapitsa_server::{Server, ServerConfig};
+use kapitsa_server::{ServedModel, Server, ServerConfig};
 
 /// `kapitsa serve`.
 #[derive(Args)]
@@ -43,6 +43,9 @@ pub struct ServeArgs {
     /// Compute threads (0 = one per core).
     #[arg(short, long, default_value_t = 0)]
     threads: usize,
+    /// Device: auto (a usable GPU, else the CPU), cpu, cuda (= cuda:0) or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: DeviceChoice,
     /// Model name clients use in `model` (default: the file or directory name, without
     /// `.gguf`).
     #[arg(long)]
@@ -122,29 +125,22 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     if a.max_batch_tokens < a.max_running {
         bail!("--max-batch-tokens must be >= --max-running");
     }
-    let bar = crate::commands::loading_bar(&a.model);
-    let progress = |done: u64, total: u64| {
-        bar.set_length(total);
-        bar.set_position(done);
-    };
-    let (loaded, served) = kapitsa_server::load(
-        &a.model,
-        a.threads,
-        a.model_name.clone(),
-        a.chat_template_file.as_deref(),
-        a.load_mode.into(),
-        Some(&progress),
-    )?;
-    bar.finish_and_clear();
-    let n_ctx = if a.ctx == 0 {
-        loaded.model.spec().n_ctx_train.min(32768)
-    } else {
-        a.ctx
-    };
     if a.kv_block_size == 0 {
         bail!("--kv-block-size must be >= 1");
     }
-    let spec = loaded.model.spec();
+    let opened = crate::commands::open_with_bar(
+        &a.model,
+        OpenOptions {
+            device: a.device,
+            threads: a.threads,
+            load_mode: a.load_mode.into(),
+            chat_template_file: a.chat_template_file.as_deref(),
+            ..OpenOptions::default()
+        },
+    )?;
+    let served = ServedModel::from_opened(&opened, a.model_name.clone())?;
+    let n_ctx = opened.context_size(a.ctx);
+    let spec = opened.model.spec();
     let token_bytes =
         2 * spec.n_attention_layers() * kv_type.row_bytes(spec.n_head_kv * spec.head_dim);
     let full = a.max_running.saturating_mul(n_ctx);
@@ -168,8 +164,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         None
     } else {
         Some(PrefixCacheConfig {
-            model_id: kapitsa_engine::loader::model_identity(&a.model)
-                .with_context(|| format!("reading {}", a.model.display()))?,
+            model_id: opened.identity.clone(),
             state_bytes: a.cache_state_mem,
             checkpoint_every: a.cache_checkpoint_every.max(1),
             disk: a.cache_dir.clone().map(|d| (d, a.cache_disk_size as u64)),
@@ -181,7 +176,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         );
     }
     let engine = EngineHandle::start(
-        loaded.model.clone(),
+        opened.model.clone(),
         served.tokenizer.clone(),
         EngineConfig {
             max_running: a.max_running,
@@ -213,7 +208,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         let addr = listener.local_addr()?;
         eprintln!(
             "kapitsa: serving '{name}' ({} arch, context {n_ctx}, {} slots, KV pool {pool} tokens = {:.0} MiB) on http://{addr}",
-            loaded.arch,
+            opened.arch,
             a.max_running,
             (pool * token_bytes) as f64 / (1u64 << 20) as f64
         );

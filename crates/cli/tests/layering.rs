@@ -76,6 +76,9 @@ fn selftest_passes_on_the_cpu() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(stdout.contains("op matmul q4_K vs exact"), "{stdout}");
-    assert!(stdout.contains("qwen3-a p0 logits vs transformers"), "{stdout}");
+    assert!(
+        stdout.contains("qwen3-a p0 logits vs transformers"),
+        "{stdout}"
+    );
     assert!(stdout.contains(" 0 failed"), "{stdout}");
 }

@@ -1,7 +1,10 @@
-//! Generation: sampling, stop conditions and the prefill/decode loop.
+//! Generation: opening a model ([`open`]), sampling, stop conditions, and the engine service
+//! that runs every request (the CLI's `run`/`chat` and the server alike) through one
+//! scheduler and one decode loop ([`service`]).
 
-pub mod generate;
+pub mod device;
 pub mod loader;
+pub mod open;
 pub mod reply;
 pub mod rng;
 pub mod sampler;
@@ -10,18 +13,20 @@ pub mod service;
 pub mod stop;
 pub mod structured;
 
-pub use generate::{generate, FinishReason, GenerateOutput, GenerateRequest};
+pub use device::{Device, DeviceChoice};
+pub use kapitsa_models::{KvType, LoadMode};
+pub use open::{make_backend, open_model, OpenOptions, OpenedModel};
 pub use reply::{ParsedReply, ReplyEvent, ReplyFormat, ReplyParser, ToolCall, ToolCallFormat};
 pub use sampler::{Sampler, SamplingParams};
-pub use scheduler::{Scheduler, SchedulerConfig, SeqId, StepPlan};
+pub use scheduler::{FinishReason, Scheduler, SchedulerConfig, SeqId, StepPlan};
 pub use service::{
     EngineConfig, EngineHandle, EngineMetrics, Event, PrefixCacheConfig, Request, RequestStream,
-    SubmitError, TokenLogprob, Usage,
+    SubmitError, Timing, TokenLogprob, Usage,
 };
 pub use stop::StopChecker;
 pub use structured::{Constraint, ConstraintMatcher, StructuredEnv, StructuredError};
 
-/// Errors of a generation.
+/// Errors of the engine: opening a model, bad requests, model failures.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     /// The model failed.
@@ -39,6 +44,18 @@ pub enum EngineError {
     /// The request is invalid.
     #[error("bad request: {0}")]
     BadRequest(String),
+    /// The device cannot be used (or a `--device` value is not one): a one-line message.
+    #[error("{0}")]
+    Device(String),
+    /// Opening a model failed; `context` says what was being done and names the path.
+    #[error("{context}: {source}")]
+    Open {
+        /// What was being done (`loading model.gguf`).
+        context: String,
+        /// Why it failed.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 /// Result of engine operations.

@@ -62,7 +62,6 @@ pub fn gguf_vocab(g: &GgufFile) -> Result<GgufVocab> {
     })
 }
 
-/// The model's own chat template, if it ships one.
 /// The source text of the model's chat template: GGUF `tokenizer.chat_template`, else
 /// `tokenizer_config.json`'s `chat_template`, else `chat_template.jinja` in the model directory.
 pub fn chat_template_source(src: &ModelSource) -> Option<String> {
@@ -80,18 +79,25 @@ pub fn chat_template_source(src: &ModelSource) -> Option<String> {
         .or_else(|| std::fs::read_to_string(src.path().join("chat_template.jinja")).ok())
 }
 
+/// The model's own chat template compiled, if it ships one.
 pub fn chat_template_for(src: &ModelSource, tok: &Tokenizer) -> Result<Option<ChatTemplate>> {
-    let source = chat_template_source(src);
-    let Some(source) = source else {
-        return Ok(None);
-    };
+    chat_template_source(src)
+        .map(|source| compile_chat_template(&source, tok))
+        .transpose()
+}
+
+/// Compile the chat template `source` for a model with tokenizer `tok` (whose BOS and EOS
+/// token texts the template may use as `bos_token` / `eos_token`).
+pub fn compile_chat_template(source: &str, tok: &Tokenizer) -> Result<ChatTemplate> {
     let name = |id: Option<u32>| {
         id.and_then(|i| tok.token_bytes(i))
             .map(|b| String::from_utf8_lossy(&b).into_owned())
     };
-    let bos = name(tok.bos_id());
-    let eos = name(tok.eos_id());
-    Ok(Some(ChatTemplate::new(&source, bos, eos)?))
+    Ok(ChatTemplate::new(
+        source,
+        name(tok.bos_id()),
+        name(tok.eos_id()),
+    )?)
 }
 
 /// A short identity of the model at `path` for cache fingerprints: for a file, its size and

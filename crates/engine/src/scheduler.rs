@@ -28,7 +28,7 @@
 //!
 //! **Finishing.** The engine samples and reports [`Outcome::Token`] (the scheduler then ends
 //! the sequence at `max_tokens` ([`FinishReason::Length`]) or when its tokens fill the context
-//! ([`FinishReason::ContextFull`], the same rule as [`crate::generate()`])), or
+//! ([`FinishReason::ContextFull`]: no room is left for the sampled token)), or
 //! [`Outcome::Finish`] for conditions the engine detects (end-of-generation token, stop
 //! string). [`Scheduler::cancel`] removes a sequence at once; its slot is free for the next
 //! step.
@@ -61,7 +61,18 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::FinishReason;
+/// Why a sequence ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// `max_tokens` reached.
+    Length,
+    /// An end-of-generation token was sampled (it is not part of the output).
+    EndOfGeneration,
+    /// A stop string appeared (it is not part of the output text).
+    StopString,
+    /// The sequence filled its context (no position is left for another token).
+    ContextFull,
+}
 
 /// Id of a sequence (the engine uses the request id).
 pub type SeqId = u64;

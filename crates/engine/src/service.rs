@@ -1,6 +1,8 @@
 //! The engine service: one engine thread owning the model's cache and a
 //! [`Scheduler`](crate::Scheduler), driven through a cloneable [`EngineHandle`] (continuous
-//! batching of many requests).
+//! batching of many requests). It is the only decode loop: the server runs many sequences
+//! through it, `kapitsa run` and `kapitsa chat` one at a time
+//! ([`EngineConfig::single_sequence`]), so every decoding feature is written once.
 //!
 //! Flow: [`EngineHandle::submit`] validates a [`Request`] and queues it; the engine thread
 //! admits it into a free cache slot when one is available, runs its prompt in chunks mixed into
@@ -12,10 +14,15 @@
 //! cancellations without blocking; drop requests whose stream was dropped; ask the scheduler
 //! for a [`StepPlan`](crate::StepPlan) (decodes first, then prefill chunks, within
 //! `max_batch_tokens`); run it as one [`BatchInputs`](kapitsa_models::BatchInputs); for each
-//! sequence that got logits: sample with the request's own seeded [`Sampler`], detokenise
-//! incrementally and check stop strings exactly as [`crate::generate()`] does (so a request
-//! gives the same tokens and text batched as alone), send the text that became final; report
-//! to the scheduler; publish the metrics.
+//! sequence that got logits: sample with the request's own seeded [`Sampler`] (from the
+//! request's own history, so a request gives the same tokens and text batched as alone),
+//! stop at an end-of-generation token unless `ignore_eos`, detokenise incrementally, hold
+//! back text that may start a stop string and cut at one, send the text that became final;
+//! report to the scheduler; publish the metrics.
+//!
+//! - **Timing.** [`Event::Done`] carries the request's [`Timing`]: prompt time from its
+//!   admission into a slot (queueing excluded) to the pass that produced its first logits,
+//!   generation time from there to the end.
 //!
 //! - **Log-probabilities** are the log-softmax of the raw logits: the model's distribution at
 //!   temperature 1, before penalties and truncation (what OpenAI reports). For a request with
@@ -72,12 +79,39 @@ pub struct EngineConfig {
     /// blocks). `None` (default): `max_running * n_ctx`, every sequence can be full at once.
     /// Smaller pools serve more sequences per byte: when the pool runs dry the scheduler
     /// evicts kept prefixes, then preempts the newest sequences (they are recomputed later).
-    /// Must be `>= n_ctx`.
+    /// Must be `>= n_ctx`. With the prefix cache, the pool has at least one block more than a
+    /// context: a sequence whose prompt ends inside a block shares that block with the cache
+    /// and copies it when it writes its first generated token, so a lone sequence that fills
+    /// its context needs one block beyond it (at that moment the shared block cannot be
+    /// evicted).
     pub kv_pool_tokens: Option<usize>,
     /// Positions per KV block; default [`kapitsa_models::DEFAULT_BLOCK_SIZE`].
     pub kv_block_size: usize,
     /// Prefix caching across requests (see [`kapitsa_cache::prefix`]); default on.
     pub prefix_cache: Option<PrefixCacheConfig>,
+}
+
+impl EngineConfig {
+    /// One sequence at a time in a context of `n_ctx` tokens (what `kapitsa run` and
+    /// `kapitsa chat` use): one slot whose pool holds one full context (plus the block
+    /// `kv_pool_tokens` explains), 512-token prefill chunks, room for one waiting request, and
+    /// `prefix_cache` (with one, a chat's next turn resumes from the previous turn's tokens).
+    pub fn single_sequence(
+        n_ctx: usize,
+        kv_type: KvType,
+        prefix_cache: Option<PrefixCacheConfig>,
+    ) -> EngineConfig {
+        EngineConfig {
+            max_running: 1,
+            max_batch_tokens: 512,
+            n_ctx,
+            max_queue: 1,
+            kv_type,
+            kv_pool_tokens: None,
+            kv_block_size: kapitsa_models::DEFAULT_BLOCK_SIZE,
+            prefix_cache,
+        }
+    }
 }
 
 /// Settings of the prefix cache.
@@ -177,11 +211,21 @@ pub struct TokenLogprob {
 pub struct Usage {
     /// Prompt tokens.
     pub prompt_tokens: usize,
-    /// Generated tokens (the end-of-generation token that ended the request is not counted,
-    /// as in [`crate::generate()`]).
+    /// Generated tokens (the end-of-generation token that ended the request is not counted;
+    /// the token that completed a stop string is).
     pub completion_tokens: usize,
     /// Prompt tokens whose K/V were reused from a cache slot instead of computed.
     pub cached_tokens: usize,
+}
+
+/// Where the time of a finished request went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Timing {
+    /// From admission into a cache slot to the forward pass that gave the prompt's last
+    /// logits (the prompt tokens reused from the cache cost nothing here).
+    pub prompt: std::time::Duration,
+    /// From there to the end: sampling every token and the decode passes between them.
+    pub generation: std::time::Duration,
 }
 
 /// What a [`RequestStream`] delivers: any number of `Text`, then exactly one `Done` or `Error`.
@@ -204,6 +248,8 @@ pub enum Event {
         finish: FinishReason,
         /// Token counts.
         usage: Usage,
+        /// Prompt and generation time.
+        timing: Timing,
     },
     /// The request failed (model error, engine panic, shutdown); nothing follows.
     Error(String),
@@ -534,6 +580,7 @@ mod engine {
 
     use std::collections::HashMap;
     use std::panic::{catch_unwind, AssertUnwindSafe};
+    use std::time::Instant;
 
     use kapitsa_cache::SlotCache;
     use kapitsa_models::{BatchInputs, Logits};
@@ -566,6 +613,9 @@ mod engine {
         logprobs: Vec<TokenLogprob>,
         /// Times a failed batch made it recompute (at most once).
         recomputes: u32,
+        /// When it first got a slot, and when its first logits came (see [`Timing`]).
+        admitted_at: Option<Instant>,
+        first_logits_at: Option<Instant>,
     }
 
     impl Active {
@@ -609,12 +659,18 @@ mod engine {
             let pool = cfg
                 .kv_pool_tokens
                 .unwrap_or(cfg.max_running.saturating_mul(cfg.n_ctx));
+            let mut n_blocks = pool.div_ceil(bs);
+            let ctx_blocks = cfg.n_ctx.div_ceil(bs);
+            if cfg.prefix_cache.is_some() && n_blocks >= ctx_blocks {
+                // Room for the copy-on-write of a shared block (see `kv_pool_tokens`).
+                n_blocks = n_blocks.max(ctx_blocks + 1);
+            }
             let mut cache = SlotCache::paged(
                 model.backend().clone(),
                 &model.spec().cache_layout(),
                 cfg.max_running,
                 cfg.n_ctx,
-                pool.div_ceil(bs),
+                n_blocks,
                 bs,
                 cfg.kv_type,
             )?;
@@ -662,7 +718,7 @@ mod engine {
                 block_size: bs,
                 metrics: EngineMetrics {
                     slots_total: cfg.max_running,
-                    cache_blocks_total: pool.div_ceil(bs),
+                    cache_blocks_total: n_blocks,
                     ..Default::default()
                 },
             })
@@ -773,6 +829,8 @@ mod engine {
                             tokens: Vec::new(),
                             logprobs: Vec::new(),
                             recomputes: 0,
+                            admitted_at: None,
+                            first_logits_at: None,
                         },
                     );
                     true
@@ -854,6 +912,7 @@ mod engine {
                 self.shared.queued.fetch_sub(1, Ordering::SeqCst);
                 if a.first {
                     if let Some(act) = self.active.get_mut(&a.id) {
+                        act.admitted_at = Some(Instant::now());
                         act.n_cached = a.reused;
                         self.metrics.prompt_tokens_total += act.n_prompt as u64;
                         self.metrics.cached_tokens_total += a.reused as u64;
@@ -1016,6 +1075,7 @@ mod engine {
             let Some(a) = self.active.get_mut(&s.id) else {
                 return Outcome::Computed;
             };
+            a.first_logits_at.get_or_insert_with(Instant::now);
             let r = catch_unwind(AssertUnwindSafe(|| sample(a, tok, row)));
             match r {
                 Ok(Err(e)) => self.fail(s, &e.to_string()),
@@ -1050,6 +1110,9 @@ mod engine {
                 a.text.push_str(&rest);
             }
             a.send_text();
+            let now = Instant::now();
+            let start = a.admitted_at.unwrap_or(now);
+            let first = a.first_logits_at.unwrap_or(now);
             let _ = a.tx.send(Event::Done {
                 finish: reason,
                 usage: Usage {
@@ -1057,13 +1120,17 @@ mod engine {
                     completion_tokens: a.n_generated,
                     cached_tokens: a.n_cached,
                 },
+                timing: Timing {
+                    prompt: first.saturating_duration_since(start),
+                    generation: now.saturating_duration_since(first),
+                },
             });
             self.metrics.requests_finished += 1;
         }
     }
 
     /// Sample the next token of `a` from `row` and run it through the detokeniser and stop
-    /// strings, as [`crate::generate()`] does. With a constraint, `row` is masked first (the
+    /// strings. With a constraint, `row` is masked first (the
     /// sampler and the logprobs see the masked logits) and the token advances the grammar;
     /// a constraint failure is returned as the error that ends the request.
     fn sample(

@@ -11,11 +11,9 @@ use std::time::{Duration, Instant};
 use kapitsa_backend::Backend;
 use kapitsa_backend_cpu::CpuBackend;
 use kapitsa_base::pool::RayonPool;
-use kapitsa_cache::SlotCache;
 use kapitsa_engine::loader::tokenizer_for;
 use kapitsa_engine::{
-    generate, EngineConfig, EngineHandle, EngineMetrics, Event, GenerateRequest, PrefixCacheConfig,
-    Request,
+    EngineConfig, EngineHandle, EngineMetrics, Event, PrefixCacheConfig, Request,
 };
 use kapitsa_models::{load_model, CausalLm, KvType, LoadOptions};
 use kapitsa_text::Tokenizer;
@@ -53,29 +51,9 @@ fn request(p: &[u32]) -> Request {
     r
 }
 
-/// Greedy tokens of `p` computed from scratch (fresh one-slot cache, no prefix cache).
-fn scratch(model: &dyn CausalLm, tok: &Tokenizer, p: &[u32]) -> Vec<u32> {
-    let mut cache = SlotCache::new(
-        model.backend().clone(),
-        &model.spec().cache_layout(),
-        1,
-        N_CTX,
-        KvType::F32,
-    )
-    .unwrap();
-    let slot = cache.alloc().unwrap();
-    let r = request(p);
-    let g = GenerateRequest {
-        prompt: r.prompt.clone(),
-        max_tokens: r.max_tokens,
-        sampling: r.sampling.clone(),
-        stop: Vec::new(),
-        ignore_eos: true,
-        prefill_chunk: 32,
-    };
-    generate(model, tok, &mut cache, slot, &g, &mut |_| {})
-        .unwrap()
-        .tokens
+/// Greedy tokens of `p` computed from scratch (a one-slot engine without prefix cache).
+fn scratch(model: &Arc<dyn CausalLm>, tok: &Arc<Tokenizer>, p: &[u32]) -> Vec<u32> {
+    common::solo(model, tok, &request(p), N_CTX, 32, KvType::F32).tokens
 }
 
 /// Run `p` on the engine: (generated tokens, cached prompt tokens).
@@ -134,7 +112,7 @@ fn check_hits(name: &str) {
     let p1 = prompt(70, 1);
     let (out1, c1) = run(&h, &p1);
     assert_eq!(c1, 0);
-    assert_eq!(out1, scratch(&*model, &tok, &p1), "{name}: first turn");
+    assert_eq!(out1, scratch(&model, &tok, &p1), "{name}: first turn");
 
     // Next turn: the whole previous exchange plus new tokens. Everything computed before is
     // reused (the last generated token was never run through the model): a hit exactly at
@@ -144,7 +122,7 @@ fn check_hits(name: &str) {
     p2.extend(prompt(20, 2));
     let (out2, c2) = run(&h, &p2);
     assert_eq!(c2, p1.len() + N_GEN - 1, "{name}: turn 2 cached");
-    assert_eq!(out2, scratch(&*model, &tok, &p2), "{name}: turn 2");
+    assert_eq!(out2, scratch(&model, &tok, &p2), "{name}: turn 2");
 
     // The previous prompt plus other tokens: exactly at the prompt-end checkpoint (70,
     // inside a block), which a template that drops the previous answer also hits.
@@ -152,7 +130,7 @@ fn check_hits(name: &str) {
     p3.extend(prompt(10, 3));
     let (out3, c3) = run(&h, &p3);
     assert_eq!(c3, p1.len(), "{name}: turn 3 cached");
-    assert_eq!(out3, scratch(&*model, &tok, &p3), "{name}: turn 3");
+    assert_eq!(out3, scratch(&model, &tok, &p3), "{name}: turn 3");
 
     // A prompt that diverges at 50, inside the fourth block. Attention-only: the 50 matching
     // tokens are reused (the block is shared, then copied before the write at 50). Hybrid:
@@ -163,7 +141,7 @@ fn check_hits(name: &str) {
     p4.extend(prompt(30, 4));
     let (out4, c4) = run(&h, &p4);
     assert_eq!(c4, if recurrent { 48 } else { 50 }, "{name}: turn 4 cached");
-    assert_eq!(out4, scratch(&*model, &tok, &p4), "{name}: turn 4");
+    assert_eq!(out4, scratch(&model, &tok, &p4), "{name}: turn 4");
 
     // The previous prompt with its last token changed (as when the next turn's text
     // re-tokenises the boundary differently). Attention-only: 69 tokens reused. Hybrid: the
@@ -174,7 +152,7 @@ fn check_hits(name: &str) {
     p5.extend(prompt(12, 5));
     let (out5, c5) = run(&h, &p5);
     assert_eq!(c5, if recurrent { 64 } else { 69 }, "{name}: turn 5 cached");
-    assert_eq!(out5, scratch(&*model, &tok, &p5), "{name}: turn 5");
+    assert_eq!(out5, scratch(&model, &tok, &p5), "{name}: turn 5");
 
     let m = idle(&h);
     assert_eq!(m.prefix.lookups, 5);
@@ -231,14 +209,14 @@ fn check_disk(name: &str) {
     let dir = temp_dir(name);
     let pool = Some(N_CTX); // 32 blocks of 16
     let p1 = prompt(70, 1);
-    let out1 = scratch(&*model, &tok, &p1);
+    let out1 = scratch(&model, &tok, &p1);
     let mut p2 = p1.clone();
     p2.extend(&out1);
     p2.extend(prompt(20, 2));
-    let want2 = scratch(&*model, &tok, &p2);
+    let want2 = scratch(&model, &tok, &p2);
     let mut p3 = p1.clone();
     p3.extend(prompt(10, 3));
-    let want3 = scratch(&*model, &tok, &p3);
+    let want3 = scratch(&model, &tok, &p3);
     {
         let h = engine(&model, &tok, pool, prefix_cfg(name, Some(dir.clone())));
         assert_eq!(run(&h, &p1), (out1.clone(), 0));
@@ -246,7 +224,7 @@ fn check_disk(name: &str) {
         for seed in 10..14 {
             let f = prompt(150, seed);
             let (got, _) = run(&h, &f);
-            assert_eq!(got, scratch(&*model, &tok, &f), "{name}: filler {seed}");
+            assert_eq!(got, scratch(&model, &tok, &f), "{name}: filler {seed}");
         }
         let m = idle(&h);
         assert!(m.prefix.disk_files > 0, "{name}: nothing spilled: {m:?}");
@@ -382,11 +360,7 @@ fn check_stress(name: &str) {
                         Event::Error(e) => panic!("{name} request {j}: {e}"),
                     }
                 }
-                assert_eq!(
-                    toks,
-                    scratch(&*model, &tok, &reqs[j]),
-                    "{name}: request {j}"
-                );
+                assert_eq!(toks, scratch(&model, &tok, &reqs[j]), "{name}: request {j}");
             }
         }
     }
@@ -443,7 +417,7 @@ fn without_prefix_cache_nothing_is_reused() {
     )
     .unwrap();
     let p = prompt(70, 1);
-    let want = scratch(&*model, &tok, &p);
+    let want = scratch(&model, &tok, &p);
     assert_eq!(run(&h, &p), (want.clone(), 0));
     assert_eq!(run(&h, &p), (want, 0));
     let m = idle(&h);

@@ -9,15 +9,10 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kapitsa_backend::Backend;
-use kapitsa_backend_cpu::CpuBackend;
-use kapitsa_base::pool::RayonPool;
-use kapitsa_cache::SlotCache;
-use kapitsa_engine::loader::{model_identity, tokenizer_for};
 use kapitsa_engine::{
-    generate, EngineConfig, EngineHandle, GenerateRequest, PrefixCacheConfig, Request,
+    open_model, EngineConfig, EngineHandle, OpenOptions, PrefixCacheConfig, Request,
 };
-use kapitsa_models::{load_model, CausalLm, KvType, LoadOptions};
+use kapitsa_models::{CausalLm, KvType};
 use kapitsa_text::Tokenizer;
 
 mod common;
@@ -65,27 +60,9 @@ fn request(p: &[u32]) -> Request {
     r
 }
 
-fn scratch(model: &dyn CausalLm, tok: &Tokenizer, p: &[u32]) -> Vec<u32> {
-    let mut cache = SlotCache::new(
-        model.backend().clone(),
-        &model.spec().cache_layout(),
-        1,
-        N_CTX,
-        KvType::F16,
-    )
-    .unwrap();
-    let slot = cache.alloc().unwrap();
-    let g = GenerateRequest {
-        prompt: p.to_vec(),
-        max_tokens: N_GEN,
-        sampling: request(p).sampling,
-        stop: Vec::new(),
-        ignore_eos: true,
-        prefill_chunk: 512,
-    };
-    generate(model, tok, &mut cache, slot, &g, &mut |_| {})
-        .unwrap()
-        .tokens
+/// Greedy tokens of `p` computed from scratch (a one-slot engine without prefix cache).
+fn scratch(model: &Arc<dyn CausalLm>, tok: &Arc<Tokenizer>, p: &[u32]) -> Vec<u32> {
+    common::solo(model, tok, &request(p), N_CTX, 512, KvType::F16).tokens
 }
 
 fn run(h: &EngineHandle, p: &[u32]) -> (Vec<u32>, usize) {
@@ -94,12 +71,8 @@ fn run(h: &EngineHandle, p: &[u32]) -> (Vec<u32>, usize) {
 
 fn check(name: &str, file: &str) {
     let Some(path) = model_path(file) else { return };
-    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(Box::new(
-        RayonPool::new(0).expect("thread pool"),
-    )));
-    let m = load_model(&path, backend, &LoadOptions::default()).unwrap();
-    let tok = Arc::new(tokenizer_for(&m.source).unwrap());
-    let model = m.model;
+    let m = open_model(&path, &OpenOptions::default()).unwrap();
+    let (model, tok) = (m.model.clone(), m.tokenizer.clone());
     let dir =
         std::env::temp_dir().join(format!("kapitsa-real-prefix-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -113,7 +86,7 @@ fn check(name: &str, file: &str) {
                 n_ctx: N_CTX,
                 kv_pool_tokens: pool,
                 prefix_cache: Some(PrefixCacheConfig {
-                    model_id: model_identity(&path).unwrap(),
+                    model_id: m.identity.clone(),
                     disk: Some((dir.clone(), 1 << 30)),
                     ..PrefixCacheConfig::default()
                 }),
@@ -131,7 +104,7 @@ fn check(name: &str, file: &str) {
     for t in 0..3 {
         let p = turns[t].clone();
         let (got, cached) = run(&h, &p);
-        let want = scratch(&*model, &tok, &p);
+        let want = scratch(&model, &tok, &p);
         assert_eq!(got, want, "{name}: turn {t}");
         if t > 0 {
             let prev = turns[t - 1].len() + N_GEN - 1;
@@ -160,7 +133,7 @@ fn check(name: &str, file: &str) {
     assert_eq!(cached, 37, "{name}: hit inside a block");
     assert_eq!(
         got,
-        scratch(&*model, &tok, &p),
+        scratch(&model, &tok, &p),
         "{name}: divergence inside a block"
     );
     h.shutdown();
@@ -176,7 +149,7 @@ fn check(name: &str, file: &str) {
     );
     assert_eq!(
         got,
-        scratch(&*model, &tok, &turns[3]),
+        scratch(&model, &tok, &turns[3]),
         "{name}: after a restart"
     );
     let m = h.metrics();

@@ -1,5 +1,5 @@
 //! The engine service on the tiny real-weight fixtures (tests/fixtures/tiny): concurrent
-//! requests give exactly what each gives alone through `generate`, cancellation, queue limits,
+//! requests give exactly what each gives alone (one slot, no prefix cache), cancellation, queue limits,
 //! validation, shutdown with requests in flight, failing batches, and consistent metrics.
 
 use std::path::{Path, PathBuf};
@@ -10,16 +10,17 @@ use std::time::{Duration, Instant};
 use kapitsa_backend::Backend;
 use kapitsa_backend_cpu::CpuBackend;
 use kapitsa_base::pool::RayonPool;
-use kapitsa_cache::SlotCache;
 use kapitsa_engine::loader::tokenizer_for;
 use kapitsa_engine::{
-    generate, EngineConfig, EngineHandle, EngineMetrics, Event, FinishReason, GenerateRequest,
-    Request, RequestStream, SamplingParams, SubmitError, Usage,
+    EngineConfig, EngineHandle, EngineMetrics, Event, FinishReason, Request, RequestStream,
+    SamplingParams, SubmitError, Usage,
 };
 use kapitsa_models::{
     load_model, BatchInputs, CausalLm, KvCache, KvType, LoadOptions, Logits, ModelError, ModelSpec,
 };
 use kapitsa_text::Tokenizer;
+
+mod common;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny")
@@ -77,7 +78,7 @@ fn collect(mut s: RequestStream) -> Collected {
                 c.logprobs.extend(logprobs);
                 c.n_text_events += 1;
             }
-            Event::Done { finish, usage } => {
+            Event::Done { finish, usage, .. } => {
                 assert_eq!(c.end, End::Closed, "two ends");
                 c.end = End::Done(finish, usage);
             }
@@ -120,32 +121,15 @@ fn prompt(len: usize, seed: u32) -> Vec<u32> {
         .collect()
 }
 
-/// `req` alone through `generate` in a fresh one-slot cache.
+/// `req` alone (a one-slot engine without prefix cache, `chunk` prompt tokens per pass).
 fn solo(
-    model: &dyn CausalLm,
-    tok: &Tokenizer,
+    model: &Arc<dyn CausalLm>,
+    tok: &Arc<Tokenizer>,
     req: &Request,
     n_ctx: usize,
     chunk: usize,
-) -> kapitsa_engine::GenerateOutput {
-    let mut cache = SlotCache::new(
-        model.backend().clone(),
-        &model.spec().cache_layout(),
-        1,
-        n_ctx,
-        KvType::F32,
-    )
-    .unwrap();
-    let slot = cache.alloc().unwrap();
-    let g = GenerateRequest {
-        prompt: req.prompt.clone(),
-        max_tokens: req.max_tokens,
-        sampling: req.sampling.clone(),
-        stop: req.stop.clone(),
-        ignore_eos: req.ignore_eos,
-        prefill_chunk: chunk,
-    };
-    generate(model, tok, &mut cache, slot, &g, &mut |_| {}).unwrap()
+) -> common::Finished {
+    common::solo(model, tok, req, n_ctx, chunk, KvType::F32)
 }
 
 /// The 16 requests of the equivalence test: lengths from 2 to 150 (several longer than the
@@ -192,7 +176,7 @@ fn check_equivalence(name: &str, solo_chunk: Option<usize>, pool: Option<usize>)
     // Stop strings from the unconstrained solo text of some requests.
     for (i, r) in reqs.iter_mut().enumerate() {
         if i % 3 == 2 {
-            let out = solo(&*model, &tok, r, n_ctx, chunk);
+            let out = solo(&model, &tok, r, n_ctx, chunk);
             let chars: Vec<char> = out.text.chars().collect();
             if chars.len() >= 6 {
                 let at = chars.len() / 2;
@@ -202,7 +186,7 @@ fn check_equivalence(name: &str, solo_chunk: Option<usize>, pool: Option<usize>)
     }
     let want: Vec<_> = reqs
         .iter()
-        .map(|r| solo(&*model, &tok, r, n_ctx, chunk))
+        .map(|r| solo(&model, &tok, r, n_ctx, chunk))
         .collect();
     assert!(
         want.iter().any(|w| w.finish == FinishReason::StopString),
@@ -283,6 +267,87 @@ fn check_equivalence(name: &str, solo_chunk: Option<usize>, pool: Option<usize>)
     h.shutdown();
 }
 
+/// A solo run's greedy tokens equal a plain loop written here against the model (the prompt
+/// in one pass, then one token per pass, argmax): the reference the other tests compare with
+/// is itself checked, with the prompt in 16-token chunks.
+#[test]
+fn solo_greedy_equals_a_plain_forward_loop() {
+    fn argmax(row: &[f32]) -> u32 {
+        let mut best = 0;
+        for (i, &x) in row.iter().enumerate() {
+            if x > row[best] {
+                best = i;
+            }
+        }
+        best as u32
+    }
+    for name in ["qwen2-a", "qwen35moe-a", "nemotronh-moe-a"] {
+        let (model, tok) = load(name);
+        let p = prompt(40, 7);
+        let n = 10;
+        let mut kv = kapitsa_models::new_cache(&*model, 1, 256, KvType::F32).unwrap();
+        let rows = vec![p.len() - 1];
+        let out = model
+            .forward(&BatchInputs::single(0, &p, 0, rows), &mut kv)
+            .unwrap();
+        let mut row = out.row(0).to_vec();
+        let mut want = Vec::new();
+        for i in 0..n {
+            let t = argmax(&row);
+            want.push(t);
+            if i + 1 < n {
+                let pos = (p.len() + i) as u32;
+                let out = model
+                    .forward(&BatchInputs::single(0, &[t], pos, vec![0]), &mut kv)
+                    .unwrap();
+                row = out.row(0).to_vec();
+            }
+        }
+        let mut r = Request::greedy(p.clone(), n);
+        r.ignore_eos = true;
+        let got = solo(&model, &tok, &r, 256, 16);
+        assert_eq!(got.tokens, want, "{name}");
+        assert_eq!(got.finish, FinishReason::Length, "{name}");
+        assert_eq!(got.usage.completion_tokens, n, "{name}");
+        assert!(
+            got.timing.prompt > Duration::ZERO,
+            "{name}: {:?}",
+            got.timing
+        );
+        assert!(
+            got.timing.generation > Duration::ZERO,
+            "{name}: {:?}",
+            got.timing
+        );
+    }
+}
+
+/// One slot whose pool is one context, the prefix cache on, and prompts ending inside the
+/// context's last block: the sequence still decodes to the end of its context (the block it
+/// shares with the cache is copied on its first write), the first time and from the cache.
+#[test]
+fn lone_sequence_fills_its_context_with_the_prefix_cache() {
+    let (model, tok) = load("qwen2-a");
+    for (n_ctx, len) in [(6, 3), (32, 20), (64, 60), (64, 40)] {
+        let cfg = EngineConfig::single_sequence(
+            n_ctx,
+            KvType::F32,
+            Some(kapitsa_engine::PrefixCacheConfig::default()),
+        );
+        let h = EngineHandle::start(model.clone(), tok.clone(), cfg).unwrap();
+        let mut r = Request::greedy(prompt(len, 3), 100);
+        r.ignore_eos = true;
+        let a = common::run_to_end(&h, r.clone());
+        assert_eq!(a.finish, FinishReason::ContextFull, "{n_ctx} {len}");
+        assert_eq!(a.usage.completion_tokens, n_ctx - len, "{n_ctx} {len}");
+        let b = common::run_to_end(&h, r);
+        assert_eq!(b.usage.cached_tokens, len - 1, "{n_ctx} {len}");
+        assert_eq!(b.tokens, a.tokens, "{n_ctx} {len}");
+        assert_eq!(b.finish, FinishReason::ContextFull, "{n_ctx} {len}");
+        h.shutdown();
+    }
+}
+
 #[test]
 fn concurrent_requests_match_solo_generate_qwen2() {
     check_equivalence("qwen2-a", None, None);
@@ -356,7 +421,7 @@ fn prefix_of_a_finished_request_is_reused() {
     let End::Done(_, ub) = b.end else { panic!() };
     assert_eq!(ua.cached_tokens, 0);
     assert_eq!(ub.cached_tokens, 50, "the whole first prompt is reused");
-    let w = solo(&*model, &tok, &second, 256, 64);
+    let w = solo(&model, &tok, &second, 256, 64);
     assert_eq!(b.tokens, w.tokens);
     // The same prompt again: all but the last token.
     let c = collect(h.submit(second.clone()).unwrap());
@@ -575,7 +640,7 @@ impl CausalLm for Faulty {
         self.inner.spec()
     }
 
-    fn backend(&self) -> &Arc<dyn Backend> {
+    fn backend(&self) -> &Arc<dyn kapitsa_backend::Backend> {
         self.inner.backend()
     }
 
@@ -647,7 +712,7 @@ fn check_faults(name: &str, fault: Fault) {
             c.tokens.splice(0..0, tokens);
             c.text.insert_str(0, &text);
         }
-        let w = solo(&*inner, &tok, r, 256, 256);
+        let w = solo(&inner, &tok, r, 256, 256);
         assert!(matches!(c.end, End::Done(..)), "{name}: {:?}", c.end);
         assert_eq!(c.tokens, w.tokens, "{name}: a good request is unaffected");
     }
@@ -660,7 +725,7 @@ fn check_faults(name: &str, fault: Fault) {
     assert_eq!(m.preemptions > 0, recomputed, "{name}: {m:?}");
     // The engine keeps working.
     let c = collect(h.submit(good[0].clone()).unwrap());
-    assert_eq!(c.tokens, solo(&*inner, &tok, &good[0], 256, 256).tokens);
+    assert_eq!(c.tokens, solo(&inner, &tok, &good[0], 256, 256).tokens);
     h.shutdown();
 }
 

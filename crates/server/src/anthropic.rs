@@ -1,30 +1,26 @@
 //! Anthropic Messages API: `/v1/messages` (streaming or not) and
 //! `/v1/messages/count_tokens`.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kapitsa_engine::{ReplyEvent, SamplingParams};
 use serde_json::{json, Map, Value};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 
 use crate::engine::{FinishReason, Request};
-use crate::error::{Api, ApiError, ApiResult, ErrorKind};
+use crate::error::{Api, ApiError, ApiResult};
 use crate::gen::{
-    cancelled, new_id, random_u64, submit_all, submit_all_for, which_stop, Choice, Merged,
+    new_id, random_u64, send, sse_response, submit_all, submit_all_for, which_stop, Choice,
+    Interrupted, Merged, SseTx,
 };
 use crate::params::{parse_body, type_name, Fields};
 use crate::tool_choice::{self, ToolPolicy};
 use crate::{body_bytes, response_format, AppState};
-
-type SseTx = mpsc::Sender<Result<SseEvent, Infallible>>;
 
 /// A request converted for the chat template.
 struct Conversation {
@@ -386,39 +382,17 @@ async fn messages_inner(
     let choice = Choice::new(fmt, fmt.starts_in_reasoning(&text), conv.prompt_tools());
     let id = new_id("msg_");
     if stream {
-        let (tx, rx) = mpsc::channel(64);
-        tokio::spawn(stream_messages(
-            st.clone(),
-            merged,
-            choice,
-            id,
-            ids.len(),
-            stops,
-            tx,
-        ));
-        return Ok(Sse::new(ReceiverStream::new(rx))
-            .keep_alive(KeepAlive::default())
-            .into_response());
+        let (st2, n_prompt) = (st.clone(), ids.len());
+        return Ok(sse_response(move |tx| {
+            stream_messages(st2, merged, choice, id, n_prompt, stops, tx)
+        }));
     }
     let mut c = choice;
-    let mut m = merged;
-    let mut cancel = st.cancel_rx();
-    loop {
-        tokio::select! {
-            ev = m.rx.recv() => {
-                let Some((_, ev)) = ev else { break };
-                c.event(ev)?;
-            }
-            _ = cancelled(&mut cancel) => {
-                return Err(ApiError::new(ErrorKind::Unavailable, "the server is shutting down"));
-            }
-        }
-    }
-    let Some(finish) = c.finish.clone() else {
-        return Err(ApiError::internal(
-            "the engine stopped before the reply was complete",
-        ));
-    };
+    merged.collect(&st, std::slice::from_mut(&mut c)).await?;
+    let finish = c
+        .finish
+        .clone()
+        .ok_or_else(|| ApiError::internal("the reply has no end"))?;
     let r = &c.reply;
     let mut content = Vec::new();
     if let Some(th) = r.reasoning.as_ref().filter(|t| !t.is_empty()) {
@@ -448,10 +422,6 @@ async fn messages_inner(
 
 fn event(name: &str, v: Value) -> SseEvent {
     SseEvent::default().event(name).data(v.to_string())
-}
-
-async fn send(tx: &SseTx, ev: SseEvent) -> bool {
-    tx.send(Ok(ev)).await.is_ok()
 }
 
 /// The open content block of a stream.
@@ -497,21 +467,12 @@ async fn stream_messages(
     let mut cancel = st.cancel_rx();
     let error = |e: &ApiError| event("error", e.body(Api::Anthropic));
     loop {
-        let ev = tokio::select! {
-            ev = merged.rx.recv() => match ev {
-                Some((_, ev)) => ev,
-                None => break,
-            },
-            _ = tx.closed() => return,
-            _ = cancelled(&mut cancel) => {
-                let e = ApiError::new(ErrorKind::Unavailable, "the server is shutting down");
-                let _ = send(&tx, error(&e)).await;
-                return;
-            }
-        };
-        let events = match c.event(ev) {
-            Ok(e) => e,
-            Err(e) => {
+        let one = std::slice::from_mut(&mut c);
+        let events = match merged.next(one, &mut cancel, Some(&tx)).await {
+            Ok(Some((_, events))) => events,
+            Ok(None) => break,
+            Err(Interrupted::ClientGone) => return,
+            Err(Interrupted::Failed(e)) => {
                 let _ = send(&tx, error(&e)).await;
                 return;
             }
@@ -584,8 +545,8 @@ async fn stream_messages(
         }
     }
     let Some(finish) = c.finish.clone() else {
-        let e = ApiError::internal("the engine stopped before the reply was complete");
-        let _ = send(&tx, error(&e)).await;
+        // (Not reached: `next` ends only once the choice is done.)
+        let _ = send(&tx, error(&ApiError::internal("the reply has no end"))).await;
         return;
     };
     if open != Block::None

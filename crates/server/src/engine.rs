@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 
 pub use kapitsa_engine::service::{
-    EngineConfig, EngineHandle, EngineMetrics, Event, Request, RequestStream, SubmitError,
+    EngineConfig, EngineHandle, EngineMetrics, Event, Request, RequestStream, SubmitError, Timing,
     TokenLogprob, Usage, MAX_TOP_LOGPROBS,
 };
 pub use kapitsa_engine::FinishReason;

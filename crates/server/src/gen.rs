@@ -1,14 +1,20 @@
 //! Plumbing shared by the endpoints: submitting requests to the engine, merging the event
-//! streams of the choices of one HTTP request, and the per-choice reply state.
+//! streams of the choices of one HTTP request and pumping them ([`Merged::next`]: the one
+//! place that waits for engine events, the client closing and shutdown), the per-choice reply
+//! state, and the SSE plumbing. The JSON shapes stay with each API.
 
+use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
 use kapitsa_engine::{ParsedReply, ReplyEvent, ReplyFormat, ReplyParser, ToolCall, ToolCallFormat};
 use kapitsa_text::Tokenizer;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
 
 use crate::engine::{Event, EventStream, FinishReason, Request, SubmitError, TokenLogprob, Usage};
 use crate::error::{ApiError, ApiResult, ErrorKind};
@@ -87,11 +93,100 @@ pub fn engine_error(msg: &str) -> ApiError {
     }
 }
 
+/// The sending side of an SSE response.
+pub type SseTx = mpsc::Sender<Result<SseEvent, Infallible>>;
+
+/// Send one SSE event; false when the client is gone.
+pub async fn send(tx: &SseTx, ev: SseEvent) -> bool {
+    tx.send(Ok(ev)).await.is_ok()
+}
+
+/// An SSE response fed by a task given the sending side.
+pub fn sse_response<F, Fut>(f: F) -> Response
+where
+    F: FnOnce(SseTx) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(f(tx));
+    Sse::new(ReceiverStream::new(rx))
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
 /// The events of all choices of one HTTP request, tagged with the choice index. Dropping it
 /// cancels every request still running.
 pub struct Merged {
     /// `(choice, event)`; closes when every choice has ended.
     pub rx: mpsc::Receiver<(usize, Event)>,
+}
+
+/// Why [`Merged::next`] stopped before every choice finished.
+#[derive(Debug)]
+pub enum Interrupted {
+    /// The streaming client went away: stop without a word (dropping the [`Merged`] cancels
+    /// the requests).
+    ClientGone,
+    /// Report this error (as the response, or as the stream's last event): the server is
+    /// shutting down, a choice failed, or the engine stopped before the reply was complete.
+    Failed(ApiError),
+}
+
+impl Merged {
+    /// Wait for the next event of any choice and take it into `choices[i]`: `Some((i, reply
+    /// events it decided))`, or `None` once every choice has ended (each with `Done`). Stops
+    /// early when `client` (a streaming response's sender) closes, when the server starts
+    /// cancelling requests (`cancel`, see [`cancelled`]), on an `Event::Error`, and when the
+    /// engine stops before every choice got its `Done`.
+    pub async fn next(
+        &mut self,
+        choices: &mut [Choice],
+        cancel: &mut watch::Receiver<bool>,
+        client: Option<&SseTx>,
+    ) -> Result<Option<(usize, Vec<ReplyEvent>)>, Interrupted> {
+        let client_gone = async {
+            match client {
+                Some(tx) => tx.closed().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            ev = self.rx.recv() => match ev {
+                Some((i, ev)) => {
+                    let c = choices.get_mut(i).ok_or_else(|| {
+                        Interrupted::Failed(ApiError::internal(format!("an event for choice {i}")))
+                    })?;
+                    c.event(ev).map(|e| Some((i, e))).map_err(Interrupted::Failed)
+                }
+                None if choices.iter().all(Choice::done) => Ok(None),
+                None => Err(Interrupted::Failed(ApiError::internal(
+                    "the engine stopped before the reply was complete",
+                ))),
+            },
+            _ = client_gone => Err(Interrupted::ClientGone),
+            _ = cancelled(cancel) => Err(Interrupted::Failed(ApiError::new(
+                ErrorKind::Unavailable,
+                "the server is shutting down",
+            ))),
+        }
+    }
+
+    /// Take in every event (a response that is not streamed); the first interruption is the
+    /// error.
+    pub async fn collect(mut self, st: &AppState, choices: &mut [Choice]) -> ApiResult<()> {
+        let mut cancel = st.cancel_rx();
+        loop {
+            match self.next(choices, &mut cancel, None).await {
+                Ok(Some(_)) => {}
+                Ok(None) => return Ok(()),
+                Err(Interrupted::Failed(e)) => return Err(e),
+                // (No client sender was given.)
+                Err(Interrupted::ClientGone) => {
+                    return Err(ApiError::internal("the client went away"))
+                }
+            }
+        }
+    }
 }
 
 /// Submit `reqs` (the choices of one HTTP request). On a refusal the ones already queued are
@@ -350,7 +445,7 @@ impl Choice {
                 };
                 Ok(self.filter(events))
             }
-            Event::Done { finish, usage } => {
+            Event::Done { finish, usage, .. } => {
                 self.finish = Some(finish);
                 self.usage = usage;
                 let Some(p) = self.parser.take() else {
@@ -470,6 +565,84 @@ pub fn completion_logprobs(tok: &Tokenizer, lps: &[TokenLogprob], offset0: usize
 mod tests {
     use super::*;
 
+    fn plain() -> Choice {
+        Choice::new(ReplyFormat::plain(), false, None)
+    }
+
+    fn failed(r: Result<Option<(usize, Vec<ReplyEvent>)>, Interrupted>) -> ApiError {
+        match r {
+            Err(Interrupted::Failed(e)) => e,
+            other => panic!("expected a failure, got {other:?}"),
+        }
+    }
+
+    /// The pump: events go to their choice; the end is `None` only when every choice is
+    /// done; the engine stopping early, shutdown and a client going away interrupt it.
+    #[tokio::test]
+    async fn the_event_pump() {
+        let (_cancel_tx, mut cancel) = watch::channel(false);
+        // Two choices, both finish.
+        let (tx, rx) = mpsc::channel(8);
+        let mut m = Merged { rx };
+        let mut cs = vec![plain(), plain()];
+        tx.send((1, text("b"))).await.unwrap();
+        tx.send((0, text("a"))).await.unwrap();
+        tx.send((0, done())).await.unwrap();
+        tx.send((1, done())).await.unwrap();
+        drop(tx);
+        let mut order = Vec::new();
+        while let Some((i, ev)) = m.next(&mut cs, &mut cancel, None).await.unwrap() {
+            order.push((i, ev.len()));
+        }
+        assert_eq!(order, [(1, 1), (0, 1), (0, 0), (1, 0)]);
+        assert_eq!((cs[0].raw.as_str(), cs[1].raw.as_str()), ("a", "b"));
+        assert!(cs.iter().all(Choice::done));
+
+        // The engine stops before choice 1 is done.
+        let (tx, rx) = mpsc::channel(8);
+        let mut cs = vec![plain(), plain()];
+        tx.send((0, done())).await.unwrap();
+        tx.send((1, text("x"))).await.unwrap();
+        drop(tx);
+        let st = Merged { rx };
+        let (mut m, mut n) = (st, 0);
+        let e = loop {
+            match m.next(&mut cs, &mut cancel, None).await {
+                Ok(Some(_)) => n += 1,
+                r => break failed(r),
+            }
+        };
+        assert_eq!(n, 2);
+        assert_eq!(e.kind, ErrorKind::Internal);
+        assert_eq!(
+            e.message,
+            "the engine stopped before the reply was complete"
+        );
+
+        // An engine error ends the pump with it.
+        let (tx, rx) = mpsc::channel(8);
+        let mut m = Merged { rx };
+        tx.send((0, Event::Error("boom".into()))).await.unwrap();
+        let e = failed(m.next(&mut [plain()], &mut cancel, None).await);
+        assert!(e.message.contains("boom"), "{e:?}");
+
+        // Shutdown: the server cancels what is in flight.
+        let (_tx, rx) = mpsc::channel::<(usize, Event)>(8);
+        let mut m = Merged { rx };
+        let (cancel_tx, mut cancel2) = watch::channel(false);
+        cancel_tx.send(true).unwrap();
+        let e = failed(m.next(&mut [plain()], &mut cancel2, None).await);
+        assert_eq!(e.kind, ErrorKind::Unavailable);
+
+        // The streaming client went away.
+        let (_tx, rx) = mpsc::channel::<(usize, Event)>(8);
+        let mut m = Merged { rx };
+        let (sse_tx, sse_rx) = mpsc::channel(1);
+        drop(sse_rx);
+        let r = m.next(&mut [plain()], &mut cancel, Some(&sse_tx)).await;
+        assert!(matches!(r, Err(Interrupted::ClientGone)), "{r:?}");
+    }
+
     #[test]
     fn ids_are_distinct() {
         let a = new_id("chatcmpl-");
@@ -510,6 +683,7 @@ mod tests {
         Event::Done {
             finish: FinishReason::EndOfGeneration,
             usage: Usage::default(),
+            timing: Default::default(),
         }
     }
 

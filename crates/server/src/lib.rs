@@ -47,8 +47,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use kapitsa_engine::ReplyFormat;
-use kapitsa_models::{LoadMode, LoadOptions, LoadedModel};
+use kapitsa_engine::{OpenedModel, ReplyFormat};
 use kapitsa_text::{ChatTemplate, Tokenizer};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
@@ -105,18 +104,10 @@ impl ServedModel {
         tokenizer: Arc<Tokenizer>,
         template_src: Option<&str>,
     ) -> anyhow::Result<ServedModel> {
-        let token_name = |id: Option<u32>| {
-            id.and_then(|i| tokenizer.token_bytes(i))
-                .map(|b| String::from_utf8_lossy(&b).into_owned())
-        };
         let template = match template_src {
             Some(src) => Some(
-                ChatTemplate::new(
-                    src,
-                    token_name(tokenizer.bos_id()),
-                    token_name(tokenizer.eos_id()),
-                )
-                .context("compiling the chat template")?,
+                kapitsa_engine::loader::compile_chat_template(src, &tokenizer)
+                    .context("compiling the chat template")?,
             ),
             None => None,
         };
@@ -129,6 +120,18 @@ impl ServedModel {
             tokenizer,
             created: gen::unix_now(),
         })
+    }
+
+    /// The model `opened` serves (opened by [`kapitsa_engine::open_model`], whose
+    /// `chat_template_file` replaces the model's own template), named `name` or, by default,
+    /// after its path ([`default_model_name`]).
+    pub fn from_opened(opened: &OpenedModel, name: Option<String>) -> anyhow::Result<ServedModel> {
+        let name = name.unwrap_or_else(|| default_model_name(&opened.path));
+        ServedModel::new(
+            name,
+            opened.tokenizer.clone(),
+            opened.chat_template_source.as_deref(),
+        )
     }
 }
 
@@ -143,43 +146,6 @@ pub fn default_model_name(path: &Path) -> String {
         Some(stem) if !stem.is_empty() => stem.to_string(),
         _ => name,
     }
-}
-
-/// Load the model at `path` on a CPU backend with `threads` threads (0 = one per core), with
-/// its tokenizer and chat template (`template_override`: a template file used instead of the
-/// model's own).
-pub fn load(
-    path: &Path,
-    threads: usize,
-    name: Option<String>,
-    template_override: Option<&Path>,
-    load_mode: LoadMode,
-    progress: Option<&dyn Fn(u64, u64)>,
-) -> anyhow::Result<(LoadedModel, ServedModel)> {
-    let pool = kapitsa_base::pool::cpu_pool(threads).context("starting the thread pool")?;
-    let be: Arc<dyn kapitsa_backend::Backend> =
-        Arc::new(kapitsa_backend_cpu::CpuBackend::from_env(pool)?);
-    let loaded = kapitsa_models::load_model(
-        path,
-        be,
-        &LoadOptions {
-            progress,
-            load_mode,
-        },
-    )
-    .with_context(|| format!("loading {}", path.display()))?;
-    let tok = kapitsa_engine::loader::tokenizer_for(&loaded.source)
-        .with_context(|| format!("building the tokenizer of {}", path.display()))?;
-    let src = match template_override {
-        Some(p) => Some(
-            std::fs::read_to_string(p)
-                .with_context(|| format!("reading the chat template {}", p.display()))?,
-        ),
-        None => kapitsa_engine::loader::chat_template_source(&loaded.source),
-    };
-    let name = name.unwrap_or_else(|| default_model_name(path));
-    let served = ServedModel::new(name, Arc::new(tok), src.as_deref())?;
-    Ok((loaded, served))
 }
 
 /// Everything a handler needs.

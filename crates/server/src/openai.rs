@@ -1,24 +1,21 @@
 //! OpenAI endpoints: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kapitsa_engine::{Constraint, ReplyEvent, ReplyFormat, SamplingParams};
 use serde_json::{json, Map, Value};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 
 use crate::engine::{Request, MAX_TOP_LOGPROBS};
-use crate::error::{Api, ApiError, ApiResult, ErrorKind};
+use crate::error::{Api, ApiError, ApiResult};
 use crate::gen::{
-    cancelled, chat_logprobs, completion_logprobs, new_id, openai_finish, random_u64, submit_all,
-    submit_all_for, unix_now, Choice, Merged,
+    chat_logprobs, completion_logprobs, new_id, openai_finish, random_u64, send, sse_response,
+    submit_all, submit_all_for, unix_now, Choice, Interrupted, Merged, SseTx,
 };
 use crate::params::{parse_body, token_ids, type_name, Fields};
 use crate::{body_bytes, response_format, tool_choice, AppState};
@@ -29,8 +26,6 @@ pub const MAX_N: i64 = 16;
 pub const MAX_STOP: usize = 16;
 /// `max_tokens` of `/v1/completions` when not given (OpenAI's default).
 pub const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
-
-type SseTx = mpsc::Sender<Result<SseEvent, Infallible>>;
 
 /// Generation settings shared by the OpenAI endpoints.
 #[derive(Debug, Clone)]
@@ -406,48 +401,8 @@ fn usage_json(prompt: usize, completion: usize, cached: usize) -> Value {
     })
 }
 
-/// Collect every event of `m` into `choices` (non-streaming).
-async fn collect(st: &AppState, mut m: Merged, choices: &mut [Choice]) -> ApiResult<()> {
-    let mut cancel = st.cancel_rx();
-    loop {
-        tokio::select! {
-            ev = m.rx.recv() => {
-                let Some((i, ev)) = ev else { break };
-                choices[i].event(ev)?;
-            }
-            _ = cancelled(&mut cancel) => {
-                return Err(ApiError::new(ErrorKind::Unavailable, "the server is shutting down"));
-            }
-        }
-    }
-    if choices.iter().any(|c| !c.done()) {
-        return Err(ApiError::internal(
-            "the engine stopped before the reply was complete",
-        ));
-    }
-    Ok(())
-}
-
-/// Send one SSE event; false when the client is gone.
-async fn send(tx: &SseTx, ev: SseEvent) -> bool {
-    tx.send(Ok(ev)).await.is_ok()
-}
-
 fn data(v: &Value) -> SseEvent {
     SseEvent::default().data(v.to_string())
-}
-
-/// An SSE response fed by a task given the sending side.
-fn sse_response<F, Fut>(f: F) -> Response
-where
-    F: FnOnce(SseTx) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(f(tx));
-    Sse::new(ReceiverStream::new(rx))
-        .keep_alive(KeepAlive::default())
-        .into_response()
 }
 
 /// `POST /v1/chat/completions`.
@@ -523,7 +478,7 @@ async fn chat_inner(st: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> A
         }));
     }
     let mut choices = choices;
-    collect(&st, merged, &mut choices).await?;
+    merged.collect(&st, &mut choices).await?;
     let tok = &st.model.tokenizer;
     let mut out = Vec::new();
     for (i, c) in choices.iter().enumerate() {
@@ -614,21 +569,11 @@ async fn stream_chat(
     let mut lp_sent = vec![0usize; choices.len()];
     let mut cancel = st.cancel_rx();
     loop {
-        let (i, ev) = tokio::select! {
-            ev = merged.rx.recv() => match ev {
-                Some(x) => x,
-                None => break,
-            },
-            _ = tx.closed() => return,
-            _ = cancelled(&mut cancel) => {
-                let e = ApiError::new(ErrorKind::Unavailable, "the server is shutting down");
-                let _ = send(&tx, error_chunk(&e)).await;
-                return;
-            }
-        };
-        let events = match choices[i].event(ev) {
-            Ok(e) => e,
-            Err(e) => {
+        let (i, events) = match merged.next(&mut choices, &mut cancel, Some(&tx)).await {
+            Ok(Some(x)) => x,
+            Ok(None) => break,
+            Err(Interrupted::ClientGone) => return,
+            Err(Interrupted::Failed(e)) => {
                 let _ = send(&tx, error_chunk(&e)).await;
                 return;
             }
@@ -673,11 +618,6 @@ async fn stream_chat(
                 return;
             }
         }
-    }
-    if choices.iter().any(|c| !c.done()) {
-        let e = ApiError::internal("the engine stopped before the reply was complete");
-        let _ = send(&tx, error_chunk(&e)).await;
-        return;
     }
     if o.include_usage {
         let completion: usize = choices.iter().map(|c| c.usage.completion_tokens).sum();
@@ -803,7 +743,7 @@ async fn completions_inner(
         }));
     }
     let mut choices = choices;
-    collect(&st, merged, &mut choices).await?;
+    merged.collect(&st, &mut choices).await?;
     let tok = &st.model.tokenizer;
     let out: Vec<Value> = choices
         .iter()
@@ -869,28 +809,25 @@ async fn stream_completions(
         }
     }
     let mut offsets: Vec<usize> = echoes.iter().map(String::len).collect();
+    // Raw text and logprobs of each choice sent so far.
+    let mut raw_sent = vec![0usize; choices.len()];
+    let mut lp_sent = vec![0usize; choices.len()];
     let mut cancel = st.cancel_rx();
     loop {
-        let (i, ev) = tokio::select! {
-            ev = merged.rx.recv() => match ev {
-                Some(x) => x,
-                None => break,
-            },
-            _ = tx.closed() => return,
-            _ = cancelled(&mut cancel) => {
-                let e = ApiError::new(ErrorKind::Unavailable, "the server is shutting down");
+        let i = match merged.next(&mut choices, &mut cancel, Some(&tx)).await {
+            Ok(Some((i, _))) => i,
+            Ok(None) => break,
+            Err(Interrupted::ClientGone) => return,
+            Err(Interrupted::Failed(e)) => {
                 let _ = send(&tx, error_chunk(&e)).await;
                 return;
             }
         };
-        let (n_lp, n_raw) = (choices[i].logprobs.len(), choices[i].raw.len());
-        if let Err(e) = choices[i].event(ev) {
-            let _ = send(&tx, error_chunk(&e)).await;
-            return;
-        }
         let c = &choices[i];
-        let text = &c.raw[n_raw..];
-        let new_lp = &c.logprobs[n_lp..];
+        let text = &c.raw[raw_sent[i]..];
+        let new_lp = &c.logprobs[lp_sent[i]..];
+        raw_sent[i] = c.raw.len();
+        lp_sent[i] = c.logprobs.len();
         let lp = if o.top_logprobs.is_some() && !new_lp.is_empty() {
             completion_logprobs(&tok, new_lp, offsets[i])
         } else {
@@ -909,11 +846,6 @@ async fn stream_completions(
         if !send(&tx, chunk(ch)).await {
             return;
         }
-    }
-    if choices.iter().any(|c| !c.done()) {
-        let e = ApiError::internal("the engine stopped before the reply was complete");
-        let _ = send(&tx, error_chunk(&e)).await;
-        return;
     }
     if o.include_usage {
         let completion: usize = choices.iter().map(|c| c.usage.completion_tokens).sum();

@@ -155,6 +155,7 @@ impl Engine for Scripted {
                         completion_tokens: n,
                         cached_tokens: 0,
                     },
+                    timing: Default::default(),
                 }
             };
             let _ = tx.send(last);

@@ -712,6 +712,7 @@ impl EventStream for DoneAtOnce {
             first.then(|| Event::Done {
                 finish: FinishReason::EndOfGeneration,
                 usage: Usage::default(),
+                timing: Default::default(),
             })
         })
     }

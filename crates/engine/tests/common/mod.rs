@@ -1,18 +1,95 @@
 //! Helpers shared by the engine's integration tests.
 
-use kapitsa_engine::{EngineHandle, Event, Request};
+#![allow(dead_code)]
 
-/// Submit `req` and wait for its end: (generated tokens, cached prompt tokens). Panics on an
-/// error event or a stream that closes without one.
-pub fn run_request(h: &EngineHandle, req: Request) -> (Vec<u32>, usize) {
+use std::sync::Arc;
+
+use kapitsa_engine::{EngineConfig, EngineHandle, Event, FinishReason, Request, Timing, Usage};
+use kapitsa_models::{CausalLm, KvType};
+use kapitsa_text::Tokenizer;
+
+/// The end of a request that finished normally.
+#[derive(Debug, Clone)]
+pub struct Finished {
+    /// All text events concatenated.
+    pub text: String,
+    /// All generated tokens.
+    pub tokens: Vec<u32>,
+    /// Why it ended.
+    pub finish: FinishReason,
+    /// Token counts.
+    pub usage: Usage,
+    /// Prompt and generation time.
+    pub timing: Timing,
+}
+
+/// Submit `req` and wait for its end. Panics on an error event or a stream that closes
+/// without one.
+pub fn run_to_end(h: &EngineHandle, req: Request) -> Finished {
     let mut s = h.submit(req).unwrap();
-    let mut toks = Vec::new();
+    let (mut text, mut toks) = (String::new(), Vec::new());
     while let Some(ev) = s.blocking_recv() {
         match ev {
-            Event::Text { tokens, .. } => toks.extend(tokens),
-            Event::Done { usage, .. } => return (toks, usage.cached_tokens),
+            Event::Text {
+                text: t, tokens, ..
+            } => {
+                text.push_str(&t);
+                toks.extend(tokens);
+            }
+            Event::Done {
+                finish,
+                usage,
+                timing,
+            } => {
+                return Finished {
+                    text,
+                    tokens: toks,
+                    finish,
+                    usage,
+                    timing,
+                }
+            }
             Event::Error(e) => panic!("request failed: {e}"),
         }
     }
     panic!("stream closed without an end")
+}
+
+/// Submit `req` and wait for its end: (generated tokens, cached prompt tokens). Panics on an
+/// error event or a stream that closes without one.
+pub fn run_request(h: &EngineHandle, req: Request) -> (Vec<u32>, usize) {
+    let f = run_to_end(h, req);
+    (f.tokens, f.usage.cached_tokens)
+}
+
+/// An engine that runs each request alone and from scratch: one slot of `n_ctx` tokens, no
+/// prefix cache (nothing is reused between requests), `chunk` prompt tokens per forward
+/// pass. What a request gives here is the reference the batching and prefix-cache tests
+/// compare with.
+pub fn solo_engine(
+    model: &Arc<dyn CausalLm>,
+    tok: &Arc<Tokenizer>,
+    n_ctx: usize,
+    chunk: usize,
+    kv_type: KvType,
+) -> EngineHandle {
+    let mut cfg = EngineConfig::single_sequence(n_ctx, kv_type, None);
+    cfg.max_batch_tokens = chunk;
+    EngineHandle::start(model.clone(), tok.clone(), cfg).unwrap()
+}
+
+/// `req` alone, from scratch (see [`solo_engine`]).
+pub fn solo(
+    model: &Arc<dyn CausalLm>,
+    tok: &Arc<Tokenizer>,
+    req: &Request,
+    n_ctx: usize,
+    chunk: usize,
+    kv_type: KvType,
+) -> Finished {
+    let h = solo_engine(model, tok, n_ctx, chunk, kv_type);
+    let f = run_to_end(&h, req.clone());
+    assert_eq!(f.usage.cached_tokens, 0, "a solo run reuses nothing");
+    h.shutdown();
+    f
 }

@@ -26,14 +26,20 @@ pub fn tiny() -> PathBuf {
     repo().join("tests/fixtures/tiny/qwen2-a")
 }
 
-/// `model` loaded as `kapitsa serve` loads it (one thread, served as "tiny", weights as the
+/// `model` opened as `kapitsa serve` opens it (one thread, served as "tiny", weights as the
 /// default load mode picks), with an optional chat template file.
 pub fn load_tiny(
     model: &std::path::Path,
     template: Option<&std::path::Path>,
-) -> (kapitsa_models::LoadedModel, ServedModel) {
-    let mode = kapitsa_models::LoadMode::Auto;
-    kapitsa_server::load(model, 1, Some("tiny".into()), template, mode, None).expect("load")
+) -> (kapitsa_engine::OpenedModel, ServedModel) {
+    let opts = kapitsa_engine::OpenOptions {
+        threads: 1,
+        chat_template_file: template,
+        ..Default::default()
+    };
+    let opened = kapitsa_engine::open_model(model, &opts).expect("load");
+    let served = ServedModel::from_opened(&opened, Some("tiny".into())).expect("served model");
+    (opened, served)
 }
 
 /// A template from `tests/fixtures/templates`.

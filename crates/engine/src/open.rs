@@ -1,0 +1,236 @@
+//! Opening a model: the one path from a model file or folder and a `--device` choice to a
+//! model ready to run on a backend, with its tokenizer, chat template, identity and a line
+//! describing it. `kapitsa run`, `chat`, `logits`, `bench` and `serve` all load through
+//! [`open_model`]; the backend comes from [`make_backend`] and nowhere else.
+//!
+//! Order: the backend first (a bad `--device` fails at once), then a `chat_template_file`
+//! (before the slow load), then the weights, the tokenizer and the identity. Every error says
+//! what was being done and names the path.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kapitsa_backend::Backend;
+use kapitsa_backend_cpu::CpuBackend;
+use kapitsa_backend_cuda::CudaBackend;
+use kapitsa_models::{CausalLm, LoadMode, LoadOptions, ModelSource};
+use kapitsa_text::{ChatTemplate, Tokenizer};
+
+use crate::device::{Device, DeviceChoice};
+use crate::loader::{chat_template_source, compile_chat_template, model_identity, tokenizer_for};
+use crate::{EngineError, Result};
+
+/// Why `auto` falls back to the CPU in this build.
+const NO_GPU_REASON: &str = "this build has no CUDA support";
+
+/// The error of an explicit CUDA choice in this build.
+
+/// Largest context [`OpenedModel::context_size`] picks by itself (a model's training context
+/// can be far larger than what a machine should allocate unasked).
+pub const MAX_DEFAULT_CONTEXT: usize = 32768;
+
+/// How to open a model.
+#[derive(Clone, Copy, Default)]
+pub struct OpenOptions<'a> {
+    /// Device to run on (default `auto`: a usable GPU, else the CPU).
+    pub device: DeviceChoice,
+    /// Host compute threads of the CPU backend (0 = one per core).
+    pub threads: usize,
+    /// How the weight files are held (memory map, a copy in memory, or chosen by size).
+    pub load_mode: LoadMode,
+    /// Called with `(bytes_done, bytes_total)` while weights are read into memory (a progress
+    /// bar).
+    pub progress: Option<&'a dyn Fn(u64, u64)>,
+    /// A Jinja chat template file used instead of the model's own template.
+    pub chat_template_file: Option<&'a Path>,
+}
+
+impl std::fmt::Debug for OpenOptions<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenOptions")
+            .field("device", &self.device)
+            .field("threads", &self.threads)
+            .field("load_mode", &self.load_mode)
+            .field("progress", &self.progress.is_some())
+            .field("chat_template_file", &self.chat_template_file)
+            .finish()
+    }
+}
+
+/// A model ready to run, with everything the CLI and the server need beside it.
+pub struct OpenedModel {
+    /// The path it was opened from (a GGUF file or a model folder).
+    pub path: PathBuf,
+    /// The model; its weights live where `backend` keeps them.
+    pub model: Arc<dyn CausalLm>,
+    /// The backend the model computes on.
+    pub backend: Arc<dyn Backend>,
+    /// Which device, for stderr: `cpu`, or `cpu (no usable GPU: <reason>)` when `auto` fell
+    /// back to the CPU.
+    pub device: String,
+    /// The model's tokenizer.
+    pub tokenizer: Arc<Tokenizer>,
+    /// Source text of the chat template: the `chat_template_file` if one was given, else the
+    /// model's own (GGUF metadata, `tokenizer_config.json` or `chat_template.jinja`); `None`
+    /// when there is none. Compile it with [`OpenedModel::chat_template`].
+    pub chat_template_source: Option<String>,
+    /// The opened files (metadata for tools such as `bench`).
+    pub source: ModelSource,
+    /// Architecture name (`qwen2`, `qwen35moe`, ...).
+    pub arch: String,
+    /// Identity of the weight files for prefix-cache fingerprints (see
+    /// [`crate::loader::model_identity`]).
+    pub identity: String,
+    /// One line for stderr: architecture, layer kinds, vocabulary and backend, e.g.
+    /// `qwen2 (24 layers: 24 attention; vocab 151936) on cpu avx512, 8 threads`.
+    pub description: String,
+}
+
+impl std::fmt::Debug for OpenedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenedModel")
+            .field("path", &self.path)
+            .field("device", &self.device)
+            .field("description", &self.description)
+            .field("identity", &self.identity)
+            .finish_non_exhaustive()
+    }
+}
+
+impl OpenedModel {
+    /// The chat template compiled (`None` when the model has none). Compiled on demand, so a
+    /// model whose template does not compile still runs raw prompts.
+    pub fn chat_template(&self) -> Result<Option<ChatTemplate>> {
+        self.chat_template_source
+            .as_deref()
+            .map(|src| compile_chat_template(src, &self.tokenizer))
+            .transpose()
+    }
+
+    /// The context per sequence for a `--ctx-size` of `requested` tokens: `requested`, or
+    /// for 0 the model's training context capped at [`MAX_DEFAULT_CONTEXT`].
+    pub fn context_size(&self, requested: usize) -> usize {
+        if requested == 0 {
+            self.model.spec().n_ctx_train.min(MAX_DEFAULT_CONTEXT)
+        } else {
+            requested
+        }
+    }
+}
+
+/// `e` with what was being done: `"{context}: {e}"`.
+fn context<E>(what: impl Into<String>) -> impl FnOnce(E) -> EngineError
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let what = what.into();
+    move |e| EngineError::Open {
+        context: what,
+        source: Box::new(e),
+    }
+}
+
+/// The backend for `device` with `threads` host compute threads (0 = one per core), and
+/// which device it is, for stderr: `cuda[:N]` is that GPU or [`EngineError::Device`] with
+/// the one-line reason (no driver, no GPU, a build without the `cuda` feature); `auto` is GPU
+/// 0 when it works, else the CPU (`"cpu (no usable GPU: <reason>)"`); `cpu` is the CPU.
+pub fn make_backend(device: DeviceChoice, threads: usize) -> Result<(Arc<dyn Backend>, String)> {
+    let which = match device {
+        DeviceChoice::Exact(Device::Cuda(n)) => {
+            let be = CudaBackend::new(n).map_err(|e| EngineError::Device(e.to_string()))?;
+            return Ok((Arc::new(be), format!("cuda:{n}")));
+        }
+        DeviceChoice::Exact(Device::Cpu) => "cpu".to_string(),
+        DeviceChoice::Auto => match CudaBackend::new(0) {
+            Ok(be) => return Ok((Arc::new(be), "cuda:0".to_string())),
+            Err(_) if !cfg!(feature = "cuda") => format!("cpu (no usable GPU: {NO_GPU_REASON})"),
+            Err(e) => format!("cpu (no usable GPU: {e})"),
+        },
+    };
+    let pool =
+        kapitsa_base::pool::cpu_pool(threads).map_err(context("starting the thread pool"))?;
+    let be = CpuBackend::from_env(pool).map_err(|e| EngineError::Device(e.to_string()))?;
+    Ok((Arc::new(be), which))
+}
+
+/// Open the model at `path` (a GGUF file, or a Hugging Face / MLX model folder) on the
+/// device `opts` chooses: its backend, weights, tokenizer, chat template source and identity.
+pub fn open_model(path: &Path, opts: &OpenOptions<'_>) -> Result<OpenedModel> {
+    let (backend, device) = make_backend(opts.device, opts.threads)?;
+    let template_file = match opts.chat_template_file {
+        Some(p) => Some(std::fs::read_to_string(p).map_err(context(format!(
+            "reading the chat template {}",
+            p.display()
+        )))?),
+        None => None,
+    };
+    let loaded = kapitsa_models::load_model(
+        path,
+        backend.clone(),
+        &LoadOptions {
+            progress: opts.progress,
+            load_mode: opts.load_mode,
+        },
+    )
+    .map_err(context(format!("loading {}", path.display())))?;
+    let tokenizer = tokenizer_for(&loaded.source).map_err(context(format!(
+        "building the tokenizer of {}",
+        path.display()
+    )))?;
+    let chat_template_source = template_file.or_else(|| chat_template_source(&loaded.source));
+    let identity = model_identity(path).map_err(context(format!("reading {}", path.display())))?;
+    let description = describe(&*loaded.model, &loaded.arch, &*backend);
+    Ok(OpenedModel {
+        path: path.to_path_buf(),
+        model: loaded.model,
+        backend,
+        device,
+        tokenizer: Arc::new(tokenizer),
+        chat_template_source,
+        source: loaded.source,
+        arch: loaded.arch,
+        identity,
+        description,
+    })
+}
+
+/// `qwen35moe (40 layers: 10 attention, 30 recurrent, +1 MTP kept; vocab 248320) on <backend>`.
+fn describe(model: &dyn CausalLm, arch: &str, backend: &dyn Backend) -> String {
+    let spec = model.spec();
+    let mut kinds = format!("{} attention", spec.n_attention_layers());
+    if spec.n_recurrent_layers() > 0 {
+        kinds.push_str(&format!(", {} recurrent", spec.n_recurrent_layers()));
+    }
+    if spec.n_mtp_layers > 0 {
+        kinds.push_str(&format!(", +{} MTP kept", spec.n_mtp_layers));
+    }
+    format!(
+        "{arch} ({} layers: {kinds}; vocab {}) on {}",
+        spec.layers.len(),
+        spec.n_vocab,
+        backend.describe()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without the `cuda` feature (with it, the answer depends on the machine's GPU).
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn backends_by_device() {
+        let (be, which) = make_backend(DeviceChoice::Auto, 1).unwrap();
+        assert_eq!(which, "cpu (no usable GPU: this build has no CUDA support)");
+        assert!(be.describe().contains("cpu"), "{}", be.describe());
+        let (_, which) = make_backend(DeviceChoice::Exact(Device::Cpu), 1).unwrap();
+        assert_eq!(which, "cpu");
+        for n in [0, 3] {
+            let e = make_backend(DeviceChoice::Exact(Device::Cuda(n)), 1)
+                .err()
+                .unwrap()
+                .to_string();
+            assert_eq!(e, kapitsa_backend_cuda::NOT_BUILT);
+        }
+    }
+}
