@@ -12,15 +12,16 @@
 #        bench/run-gpu.sh --report-only DIR rebuild the report from the results saved in DIR
 #
 # What travels to the GPU machine (bench/.cache is ignored by git; carry it):
-#   bench/.cache/llama[-_]cpp[-_]bin-*.tar.gz   llama.cpp's source (bench/fetch-llama-src.sh)
-#   bench/.cache/kapitsa.gz                     the kapitsa binary, built with CUDA here
+#   bench/.cache/llama[-_]cpp[-_]bin-*.tar.xz   llama.cpp's source (bench/fetch-llama-src.sh, then
+#                                               bench/trim-llama-src.sh to fit the 64 MiB)
+#   bench/.cache/kapitsa.xz                     the kapitsa binary, built with CUDA here
 #                                               (scripts/build-gpu-binary.sh)
 #
 # Environment (defaults in brackets):
 #   OUT            results folder: raw JSON, logs, report.md [bench/results-gpu/<UTC time>]
-#   KAPITSA_BIN    kapitsa binary [bench/.cache/kapitsa.gz unpacked to /tmp/kapitsa-bench if
+#   KAPITSA_BIN    kapitsa binary [bench/.cache/kapitsa.xz unpacked to /tmp/kapitsa-bench if
 #                  that exists, else target/release/kapitsa]
-#   LLAMA_SRC_TGZ  llama.cpp source tarball [bench/.cache/llama[-_]cpp[-_]bin-*.tar.gz]
+#   LLAMA_SRC_TGZ  llama.cpp source tarball [bench/.cache/llama[-_]cpp[-_]bin-*.tar.{xz,gz}]
 #   LLAMA_BUILD    llama.cpp source + build folder, kept between runs [/tmp/llama-build]
 #   LLAMA_TARGETS  llama.cpp targets to build [llama-bench llama-batched-bench]
 #   LLAMA_CUDA     ON; OFF makes a CPU build (only for trying the script without a GPU)
@@ -299,19 +300,19 @@ cuda_paths() {
   export PATH LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
 }
 
-# Sets $kapitsa: KAPITSA_BIN, else the carried bench/.cache/kapitsa.gz, else a local build.
+# Sets $kapitsa: KAPITSA_BIN, else the carried bench/.cache/kapitsa.xz, else a local build.
 find_kapitsa() {
   if [ -n "${KAPITSA_BIN:-}" ]; then
     kapitsa="$KAPITSA_BIN"
-  elif [ -f bench/.cache/kapitsa.gz ]; then
+  elif [ -f bench/.cache/kapitsa.xz ]; then
     kapitsa=/tmp/kapitsa-bench
-    gunzip -c bench/.cache/kapitsa.gz >"$kapitsa.tmp"
+    xz -dc bench/.cache/kapitsa.xz >"$kapitsa.tmp"
     chmod +x "$kapitsa.tmp"
     mv "$kapitsa.tmp" "$kapitsa"
   else
     kapitsa="$root/target/release/kapitsa"
   fi
-  [ -x "$kapitsa" ] || die "no kapitsa binary at $kapitsa (set KAPITSA_BIN or carry bench/.cache/kapitsa.gz)"
+  [ -x "$kapitsa" ] || die "no kapitsa binary at $kapitsa (set KAPITSA_BIN or carry bench/.cache/kapitsa.xz)"
 }
 
 # Run a command, logging it to commands.txt (with the environment it needs).
@@ -329,17 +330,17 @@ build_llama() {
   local tgz="${LLAMA_SRC_TGZ:-}" name stamp flags
   if [ -z "$tgz" ]; then
     # The newest version (an unmatched pattern stays literal and fails the -f test below).
-    tgz=$(printf '%s\n' bench/.cache/llama[-_]cpp[-_]bin-*.tar.gz | sort -V | tail -n1)
+    tgz=$(printf '%s\n' bench/.cache/llama[-_]cpp[-_]bin-*.tar.[gx]z | sort -V | tail -n1)
   fi
   if [ -z "$tgz" ] || [ ! -f "$tgz" ]; then
     die "no llama.cpp source tarball (run bench/fetch-llama-src.sh here and carry bench/.cache, or set LLAMA_SRC_TGZ)"
   fi
-  name=$(basename "$tgz" .tar.gz)
+  name=$(basename "$tgz"); name=${name%.tar.*}
   llama_src="$LLAMA_BUILD/src/$name/llama.cpp"
   if [ ! -f "$llama_src/CMakeLists.txt" ]; then
     say "unpacking $tgz into $LLAMA_BUILD/src"
     mkdir -p "$LLAMA_BUILD/src"
-    tar -xzf "$tgz" -C "$LLAMA_BUILD/src"
+    tar -xf "$tgz" -C "$LLAMA_BUILD/src"
     [ -f "$llama_src/CMakeLists.txt" ] || die "$tgz has no $name/llama.cpp/CMakeLists.txt"
   fi
   flags=(-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF

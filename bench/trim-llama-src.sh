@@ -5,7 +5,7 @@
 # Dropped: docs, media, tests, benches, python packages, non-CUDA GPU backends, the server,
 # its web UI and multimodal tools (the vendored libraries stay: CMake adds them all), every model file but the qwen2 vocabulary. tools/
 # CMakeLists.txt is cut down to the two benchmark tools. The tarball keeps the sdist's name
-# and layout (NAME/llama.cpp/...), replacing the sdist in bench/.cache.
+# and layout (NAME/llama.cpp/...) as NAME.tar.xz in bench/.cache (the .tar.gz sdist stays).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 src=$(printf '%s\n' bench/.cache/llama[-_]cpp[-_]bin-*.tar.gz | sort -V | tail -n1)
@@ -32,6 +32,6 @@ add_subdirectory(llama-bench)
 CM
   touch "$l/.kapitsa-trimmed"
 fi
-tar -C "$tmp" -cf - "$name" | gzip -9 > "$tmp/out.tar.gz"
-mv "$tmp/out.tar.gz" "$src"
-ls -l "$src"
+tar -C "$tmp" -cf - "$name" | xz -9e -T2 > "$tmp/out.tar.xz"
+mv "$tmp/out.tar.xz" "bench/.cache/$name.tar.xz"
+ls -l "bench/.cache/$name.tar.xz"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA correctness checks, run ON the GPU machine (it has no Rust toolchain: the kapitsa
-# binary is built here with `--features cuda`, stripped, gzipped and carried as
-# bench/.cache/kapitsa.gz; see scripts/build-gpu-binary.sh). Logs go to $OUT (or /tmp).
+# binary is built here with `--features cuda`, stripped, xz-compressed and carried as
+# bench/.cache/kapitsa.xz; see scripts/build-gpu-binary.sh). Logs go to $OUT (or /tmp).
 #
 #   1. `kapitsa selftest --device cuda`: every backend op against the CPU scalar reference on
 #      random shapes (odd sizes and tails), the tiny qwen2/qwen3 fixtures within 1e-4 of
@@ -15,9 +15,9 @@ OUT="${OUT:-/tmp/kapitsa-gpu}"
 mkdir -p "$OUT"
 BIN="${KAPITSA_BIN:-}"
 if [[ -z "$BIN" ]]; then
-  if [[ -f bench/.cache/kapitsa.gz ]]; then
+  if [[ -f bench/.cache/kapitsa.xz ]]; then
     BIN=/tmp/kapitsa
-    gunzip -c bench/.cache/kapitsa.gz > "$BIN"
+    xz -dc bench/.cache/kapitsa.xz > "$BIN"
     chmod +x "$BIN"
   else
     BIN=target/release/kapitsa
@@ -52,15 +52,18 @@ for _ in $(seq 1 60); do
   sleep 1
 done
 python3 - "$PORT" <<'PY' 2>&1 | tee "$OUT/serve-checks.log" || status=1
-import json, sys, threading, urllib.request
+import json, sys, threading, urllib.error, urllib.request
 port = sys.argv[1]
 url = f"http://127.0.0.1:{port}/v1/completions"
 def post(body, stream=False):
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return r.read().decode()
-base = {"prompt": "hello world", "max_tokens": 16, "temperature": 0}
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.read().decode()
+    except urllib.error.HTTPError as e:
+        sys.exit(f"FAIL HTTP {e.code}: {e.read().decode()}")
+base = {"model": "qwen2-a", "prompt": "hello world", "max_tokens": 16, "temperature": 0}
 solo = json.loads(post(base))["choices"][0]["text"]
 # streaming gives the same text
 chunks = [l[6:] for l in post({**base, "stream": True}).splitlines() if l.startswith("data: ")]

@@ -275,6 +275,25 @@ impl CudaBackend {
         Ok(Tensor::from_parts(dtype, len, buf))
     }
 
+    /// A new tensor of `len` elements of `dtype` whose contents are unspecified (no memset
+    /// launch): [`kapitsa_backend::Backend::alloc_scratch`].
+    pub(crate) fn alloc_scratch_tensor(&self, dtype: DType, len: usize) -> Result<Tensor> {
+        if dtype == DType::Q8_0 && !len.is_multiple_of(Q8_0_BLOCK) {
+            return shape_err(
+                "alloc_scratch",
+                format!("a Q8_0 tensor of {len} elements (not whole blocks)"),
+            );
+        }
+        let n = storage_len(dtype, len);
+        let buf: Box<dyn std::any::Any + Send + Sync> = match dtype {
+            DType::F32 => Box::new(self.scratch::<f32>(n)?),
+            DType::F16 => Box::new(self.scratch::<u16>(n)?),
+            DType::Q8_0 => Box::new(self.scratch::<u8>(n)?),
+            DType::U32 => Box::new(self.scratch::<u32>(n)?),
+        };
+        Ok(Tensor::from_parts(dtype, len, buf))
+    }
+
     // ---- byte views (any dtype) ----------------------------------------------------------------
 
     /// Byte range of elements `off..off + n` of `t`, checked against its length and (Q8_0)

@@ -177,6 +177,10 @@ mod imp {
             self.alloc_tensor(dtype, len)
         }
 
+        fn alloc_scratch(&self, dtype: DType, len: usize) -> Result<Tensor> {
+            self.alloc_scratch_tensor(dtype, len)
+        }
+
         fn write_f32(&self, dst: &mut Tensor, offset: usize, src: &[f32]) -> Result<()> {
             self.write_f32_impl(dst, offset, src)
         }

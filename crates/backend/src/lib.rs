@@ -61,6 +61,13 @@ pub trait Backend: Send + Sync {
     /// A new tensor of `len` elements, zero-filled.
     fn alloc(&self, dtype: DType, len: usize) -> Result<Tensor>;
 
+    /// A new tensor of `len` elements whose contents are unspecified (a device backend may
+    /// skip the zero fill): only for an op's output that the op writes completely, such as
+    /// the activations of a forward pass. Defaults to [`Backend::alloc`].
+    fn alloc_scratch(&self, dtype: DType, len: usize) -> Result<Tensor> {
+        self.alloc(dtype, len)
+    }
+
     /// A new f32 tensor holding `data` (parameters: norms, biases, conv weights, ...).
     fn upload_f32(&self, data: &[f32]) -> Result<Tensor> {
         let mut t = self.alloc(DType::F32, data.len())?;

@@ -73,7 +73,9 @@ fn tolerances(device: Device) -> Tolerances {
         Device::Cpu => d,
         Device::Cuda(_) => Tolerances {
             matmul: 2e-2,
-            matmul_exact: 2e-3,
+            // bf16 weights meet bf16-rounded activations in the tensor-core GEMM (8-bit
+            // mantissa: ~2e-3); the other types stay under 3e-4 (measured on the H200).
+            matmul_exact: 5e-3,
             ffn: 5e-2,
             ..d
         },
@@ -305,8 +307,10 @@ pub fn selftest(a: SelftestArgs) -> Result<()> {
 }
 
 /// Logits of a 64-token prompt at every position on `be` and on the CPU: the largest
-/// relative difference, and the top-1 agreement at positions whose CPU top two are not a
-/// near tie (within 1e-3 of the logit scale).
+/// relative difference, and the top-1 agreement at the positions where it is decided: the
+/// CPU's top two logits are further apart than twice the largest difference between the two
+/// engines at that position (else rounding alone may swap them: the CPU rounds activations
+/// to 8 bits for quantised weights, a GPU keeps f32 or f16).
 fn compare_with_cpu(
     be: &Arc<dyn Backend>,
     cpu: &Arc<dyn Backend>,
@@ -329,8 +333,8 @@ fn compare_with_cpu(
     for (g, w) in got.chunks_exact(n_vocab).zip(want.chunks_exact(n_vocab)) {
         let mut sorted = w.to_vec();
         sorted.sort_by(|a, b| b.total_cmp(a));
-        let scale = sorted[0].abs().max(1.0);
-        if n_vocab > 1 && sorted[0] - sorted[1] < 1e-3 * scale {
+        let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        if n_vocab > 1 && sorted[0] - sorted[1] <= 2.0 * diff {
             continue;
         }
         counted += 1;
@@ -339,8 +343,8 @@ fn compare_with_cpu(
     check(
         rows,
         format!("{name} logits vs cpu engine"),
-        format!("max rel diff {e:.2e}; top-1 {same}/{counted} off near ties"),
-        same == counted && e < 5e-2,
+        format!("max rel diff {e:.2e}; top-1 {same}/{counted} where decided"),
+        same == counted && counted >= ids.len() / 4 && e < 5e-2,
     );
     Ok(())
 }

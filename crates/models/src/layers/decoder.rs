@@ -13,13 +13,13 @@
 
 use std::sync::Arc;
 
-use kapitsa_backend::{Backend, BatchDesc, DType, SeqDesc, Tensor};
+use kapitsa_backend::{Backend, BatchDesc, SeqDesc, Tensor};
 
 use crate::layers::attention::{Attention, DeviceAttention};
 use crate::layers::ffn::{DeviceFfn, Ffn};
 use crate::layers::gdn::{DeviceGdn, GatedDeltaNet};
 use crate::layers::mamba2::{DeviceMamba2, Mamba2};
-use crate::layers::{check_matrix, check_vec, ForwardCtx};
+use crate::layers::{check_matrix, check_vec, tensor, ForwardCtx};
 use crate::{BatchInputs, KvCache, LayerKind, Logits, ModelError, ModelSpec, Result, Weight};
 
 /// What a block computes.
@@ -297,10 +297,10 @@ impl Decoder {
         }
         let dev_batch = be.prepare_batch(desc)?;
 
-        let mut x = be.alloc(DType::F32, n * d)?;
+        let mut x = tensor(be, n * d)?;
         be.embed(&self.tok_embd, &dev_batch, &mut x)?;
-        let mut h = be.alloc(DType::F32, n * d)?;
-        let mut o = be.alloc(DType::F32, n * d)?;
+        let mut h = tensor(be, n * d)?;
+        let mut o = tensor(be, n * d)?;
         let mut cx = ForwardCtx {
             be,
             batch,
@@ -328,11 +328,11 @@ impl Decoder {
         let rows = &batch.logit_rows;
         let mut data = vec![0f32; rows.len() * n_vocab];
         if !rows.is_empty() {
-            let mut hr = be.alloc(DType::F32, rows.len() * d)?;
+            let mut hr = tensor(be, rows.len() * d)?;
             be.gather_logit_rows(&x, d, &dev_batch, &mut hr)?;
             be.rms_norm(&mut hr, d, &self.out_norm, self.rms_eps)?;
             let out_w = self.output.as_ref().unwrap_or(&self.tok_embd);
-            let mut logits = be.alloc(DType::F32, rows.len() * n_vocab)?;
+            let mut logits = tensor(be, rows.len() * n_vocab)?;
             be.matmul(out_w, &hr, rows.len(), &mut logits)?;
             be.read_f32(&logits, 0, &mut data)?;
         }

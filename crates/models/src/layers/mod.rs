@@ -29,9 +29,10 @@ pub struct ForwardCtx<'a> {
     pub cache: &'a mut KvCache,
 }
 
-/// A zero-filled f32 activation tensor of `n` values on `be`'s device.
+/// An f32 activation tensor of `n` values on `be`'s device, for an op's output (contents
+/// unspecified until the op writes them all: [`Backend::alloc_scratch`]).
 pub fn tensor(be: &dyn Backend, n: usize) -> Result<Tensor> {
-    Ok(be.alloc(DType::F32, n)?)
+    Ok(be.alloc_scratch(DType::F32, n)?)
 }
 
 /// Check a matmul weight's shape is `want` (its type is checked when it is uploaded).
