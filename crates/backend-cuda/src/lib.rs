@@ -28,7 +28,9 @@
 //! their kernels in `kernels/<same name>.cu`); `matmul` holds the quantised matrix kernels'
 //! interface and `device` the driver plumbing.
 
-use kapitsa_backend::BackendError;
+use std::sync::Arc;
+
+use kapitsa_backend::{Backend, BackendError};
 
 #[cfg(feature = "cuda")]
 mod attention;
@@ -45,13 +47,23 @@ mod ops;
 #[cfg(feature = "cuda")]
 mod recurrent;
 
-#[cfg(not(feature = "cuda"))]
-mod stub;
-#[cfg(not(feature = "cuda"))]
-pub use stub::CudaBackend;
-
 /// The answer of a build without the `cuda` feature.
 pub const NOT_BUILT: &str = "this kapitsa was built without CUDA support (cargo feature `cuda`)";
+
+/// The CUDA backend on GPU `ordinal`, or a one-line [`BackendError::Unavailable`] saying why
+/// it cannot run (no driver, no such device, a build without the `cuda` feature or without
+/// kernels). The engine chooses devices at run time through this, with no `cfg` of its own.
+pub fn open(ordinal: usize) -> Result<Arc<dyn Backend>, BackendError> {
+    #[cfg(feature = "cuda")]
+    {
+        Ok(Arc::new(CudaBackend::new(ordinal)?))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        Err(BackendError::Unavailable(NOT_BUILT.into()))
+    }
+}
 
 /// One line describing GPU 0 (`"cuda:0 NVIDIA H200 (141 GB, sm_90)"`, plus the device count
 /// when there are several), or a one-line [`BackendError::Unavailable`] saying why no GPU is
@@ -402,13 +414,12 @@ mod imp {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kapitsa_backend::Backend;
 
-    /// On a machine without a usable GPU the constructor answers `Unavailable` in one line;
-    /// on a GPU machine (with the feature) it succeeds.
+    /// On a machine without a usable GPU the backend answers `Unavailable` in one line; on a
+    /// GPU machine (with the feature) it opens.
     #[test]
-    fn new_is_unavailable_or_works() {
-        match CudaBackend::new(0) {
+    fn open_is_unavailable_or_works() {
+        match open(0) {
             Ok(b) => {
                 assert!(b.describe().starts_with("cuda:0 "), "{}", b.describe());
             }
@@ -441,9 +452,7 @@ mod tests {
 
     #[test]
     fn a_missing_ordinal_is_unavailable() {
-        let e = CudaBackend::new(4096)
-            .err()
-            .expect("no machine has 4097 GPUs");
+        let e = open(4096).err().expect("no machine has 4097 GPUs");
         assert!(matches!(e, BackendError::Unavailable(_)), "{e:?}");
         assert!(!e.to_string().contains('\n'));
     }

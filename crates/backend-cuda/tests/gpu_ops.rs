@@ -7,8 +7,9 @@
 //! They need a GPU and run only with `KAPITSA_GPU_TESTS=1` (built with `--features cuda`);
 //! without it each test prints a note and passes. With it set, a machine where no GPU works
 //! fails. `KAPITSA_GPU_CASES` sets the random cases per op (default 8).
+#![cfg(feature = "cuda")]
 
-use kapitsa_backend::testing::{check_ops, summary, Rng};
+use kapitsa_backend::testing::{check_ops_with, summary, Rng, Tolerances};
 use kapitsa_backend::{
     AttnShape, Backend, BackendError, Batch, BatchDesc, DType, GdnShape, HeadOrder, KvLayer,
     Mamba2Shape, SeqDesc, Tensor,
@@ -43,7 +44,8 @@ fn ops_match_the_scalar_reference() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(8);
     for seed in [1u64, 2] {
-        let reports = check_ops(&cuda, &re, &quantize, seed, cases)
+        let tol = Tolerances::unrounded_activations();
+        let reports = check_ops_with(&cuda, &re, &quantize, seed, cases, &tol)
             .unwrap_or_else(|e| panic!("{}: {e}", cuda.describe()));
         let table = summary(&reports);
         println!(

@@ -44,20 +44,32 @@ pub struct CacheLayout {
     pub head_dim: usize,
 }
 
-impl CacheLayout {
-    /// Number of attention layers.
-    pub fn n_attention_layers(&self) -> usize {
-        self.layers
+impl LayerKind {
+    /// How many of `layers` are attention layers.
+    pub fn count_attention(layers: &[LayerKind]) -> usize {
+        layers
             .iter()
             .filter(|k| **k == LayerKind::Attention)
             .count()
     }
 
-    /// Number of recurrent layers.
-    pub fn n_recurrent_layers(&self) -> usize {
-        self.layers
+    /// How many of `layers` are recurrent layers.
+    pub fn count_recurrent(layers: &[LayerKind]) -> usize {
+        layers
             .iter()
             .filter(|k| matches!(k, LayerKind::Recurrent(_)))
             .count()
+    }
+}
+
+impl CacheLayout {
+    /// Number of attention layers.
+    pub fn n_attention_layers(&self) -> usize {
+        LayerKind::count_attention(&self.layers)
+    }
+
+    /// Number of recurrent layers.
+    pub fn n_recurrent_layers(&self) -> usize {
+        LayerKind::count_recurrent(&self.layers)
     }
 }

@@ -62,23 +62,12 @@ fn quantize(ty: kapitsa_base::GgmlType, x: &[f32]) -> Vec<u8> {
     kapitsa_backend_cpu::testing::quantize_weight(ty, x).unwrap_or_default()
 }
 
-/// The tolerances of the op suite for `device`. Two CPU backends quantise activations the
-/// same way, so the defaults hold; a GPU keeps f32 (GEMV) or f16 (tensor-core GEMM)
-/// activations where the CPU rounds them to 8 bits for quantised weights, so against the CPU
-/// its products differ by that rounding (~5e-3, compounding through an MLP), and the tight
-/// check is the one against the exact product.
+/// The tolerances of the op suite for `device`: two CPU backends round activations the same
+/// way, so the defaults hold; a GPU keeps them unrounded.
 fn tolerances(device: Device) -> Tolerances {
-    let d = Tolerances::default();
     match device {
-        Device::Cpu => d,
-        Device::Cuda(_) => Tolerances {
-            matmul: 2e-2,
-            // bf16 weights meet bf16-rounded activations in the tensor-core GEMM (8-bit
-            // mantissa: ~2e-3); the other types stay under 3e-4 (measured on the H200).
-            matmul_exact: 5e-3,
-            ffn: 5e-2,
-            ..d
-        },
+        Device::Cpu => Tolerances::default(),
+        Device::Cuda(_) => Tolerances::unrounded_activations(),
     }
 }
 

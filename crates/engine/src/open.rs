@@ -12,7 +12,6 @@ use std::sync::Arc;
 
 use kapitsa_backend::Backend;
 use kapitsa_backend_cpu::CpuBackend;
-use kapitsa_backend_cuda::CudaBackend;
 use kapitsa_models::{CausalLm, LoadMode, LoadOptions, ModelSource};
 use kapitsa_text::{ChatTemplate, Tokenizer};
 
@@ -22,8 +21,6 @@ use crate::{EngineError, Result};
 
 /// Why `auto` falls back to the CPU in this build.
 const NO_GPU_REASON: &str = "this build has no CUDA support";
-
-/// The error of an explicit CUDA choice in this build.
 
 /// Largest context [`OpenedModel::context_size`] picks by itself (a model's training context
 /// can be far larger than what a machine should allocate unasked).
@@ -137,12 +134,13 @@ where
 pub fn make_backend(device: DeviceChoice, threads: usize) -> Result<(Arc<dyn Backend>, String)> {
     let which = match device {
         DeviceChoice::Exact(Device::Cuda(n)) => {
-            let be = CudaBackend::new(n).map_err(|e| EngineError::Device(e.to_string()))?;
-            return Ok((Arc::new(be), format!("cuda:{n}")));
+            let be =
+                kapitsa_backend_cuda::open(n).map_err(|e| EngineError::Device(e.to_string()))?;
+            return Ok((be, format!("cuda:{n}")));
         }
         DeviceChoice::Exact(Device::Cpu) => "cpu".to_string(),
-        DeviceChoice::Auto => match CudaBackend::new(0) {
-            Ok(be) => return Ok((Arc::new(be), "cuda:0".to_string())),
+        DeviceChoice::Auto => match kapitsa_backend_cuda::open(0) {
+            Ok(be) => return Ok((be, "cuda:0".to_string())),
             Err(_) if !cfg!(feature = "cuda") => format!("cpu (no usable GPU: {NO_GPU_REASON})"),
             Err(e) => format!("cpu (no usable GPU: {e})"),
         },
@@ -212,12 +210,11 @@ fn describe(model: &dyn CausalLm, arch: &str, backend: &dyn Backend) -> String {
     )
 }
 
-#[cfg(test)]
+/// Without the `cuda` feature (with it, the answer depends on the machine's GPU).
+#[cfg(all(test, not(feature = "cuda")))]
 mod tests {
     use super::*;
 
-    /// Without the `cuda` feature (with it, the answer depends on the machine's GPU).
-    #[cfg(not(feature = "cuda"))]
     #[test]
     fn backends_by_device() {
         let (be, which) = make_backend(DeviceChoice::Auto, 1).unwrap();

@@ -40,23 +40,6 @@ pub enum ModelError {
     /// The batch is malformed (token/position counts, slot ids, logit rows).
     #[error("bad batch: {0}")]
     Batch(String),
-    /// A sequence would grow past the cache's context size.
-    #[error("context full: position {pos} does not fit a context of {n_ctx} tokens")]
-    ContextFull {
-        /// Position that did not fit.
-        pos: usize,
-        /// Context size of the cache.
-        n_ctx: usize,
-    },
-    /// The KV block pool has too few free blocks for a chunk ([`crate::KvCache::prepare`]);
-    /// the caller frees some (evicts or preempts a sequence) and retries.
-    #[error("KV cache full: {needed} free blocks needed, {free} free")]
-    OutOfBlocks {
-        /// Blocks the chunk needs.
-        needed: usize,
-        /// Blocks free.
-        free: usize,
-    },
 }
 
 /// Result of model operations.

@@ -51,18 +51,12 @@ pub struct ModelSpec {
 impl ModelSpec {
     /// Number of layers that need a KV cache.
     pub fn n_attention_layers(&self) -> usize {
-        self.layers
-            .iter()
-            .filter(|k| **k == LayerKind::Attention)
-            .count()
+        LayerKind::count_attention(&self.layers)
     }
 
     /// Number of layers with recurrent state.
     pub fn n_recurrent_layers(&self) -> usize {
-        self.layers
-            .iter()
-            .filter(|k| matches!(k, LayerKind::Recurrent(_)))
-            .count()
+        LayerKind::count_recurrent(&self.layers)
     }
 
     /// What the cache needs to lay out its storage.

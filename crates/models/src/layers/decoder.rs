@@ -239,10 +239,11 @@ impl Decoder {
         for c in &batch.seqs {
             let last = batch.positions[c.start + c.len - 1] as usize;
             if last >= cache.n_ctx() {
-                return Err(ModelError::ContextFull {
+                return Err(kapitsa_cache::CacheError::ContextFull {
                     pos: last,
                     n_ctx: cache.n_ctx(),
-                });
+                }
+                .into());
             }
         }
         if let Some(&bad) = batch.tokens.iter().find(|&&t| t as usize >= n_vocab) {

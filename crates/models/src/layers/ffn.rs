@@ -300,7 +300,7 @@ impl Ffn {
     /// Upload the weights to `be`.
     pub fn upload(&self, be: &dyn Backend) -> Result<DeviceFfn> {
         Ok(match self {
-            Ffn::Mlp(m) => DeviceFfn::Mlp(m.upload(be)?),
+            Ffn::Mlp(m) => DeviceFfn::Mlp(Box::new(m.upload(be)?)),
             Ffn::Moe(m) => DeviceFfn::Moe(Box::new(m.upload(be)?)),
         })
     }
@@ -310,7 +310,7 @@ impl Ffn {
 #[derive(Debug)]
 pub enum DeviceFfn {
     /// Dense MLP.
-    Mlp(MlpWeights),
+    Mlp(Box<MlpWeights>),
     /// Mixture of experts.
     Moe(Box<MoeWeights>),
 }
