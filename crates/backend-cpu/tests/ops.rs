@@ -100,16 +100,20 @@ fn llama_cpp_mode_matches_the_scalar_reference() {
     }
 }
 
-/// The scalar reference against itself is exact (the suite's own sanity).
+/// The scalar reference against itself is exact (the suite's own sanity); its products
+/// against the host's exact f64 product stay within the activation rounding.
 #[test]
 fn the_reference_is_deterministic() {
     let re = reference(pool()).unwrap();
     let reports = suite(&re, 3, 2);
+    let (exact, between): (Vec<_>, Vec<_>) =
+        reports.iter().partition(|r| r.name.ends_with("vs exact"));
     assert!(
-        reports.iter().all(|r| r.worst == 0.0),
+        between.iter().all(|r| r.worst == 0.0),
         "{}",
         summary(&reports)
     );
+    assert!(!exact.is_empty() && exact.iter().all(|r| r.pass));
 }
 
 // ---- errors ---------------------------------------------------------------------------------
