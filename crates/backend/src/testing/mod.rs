@@ -33,6 +33,8 @@ use crate::{
     Tensor, Weight,
 };
 
+mod mixers;
+
 /// Element-wise and row ops (measured on the CPU: 0, the same code).
 pub const TOL_F32: f32 = 1e-5;
 /// Memory ops, KV writes, column splits, row gathers, argmax: bit-exact on every backend.
@@ -292,11 +294,11 @@ pub fn check_ops_with(
         moe(&mut s, sigmoid)?;
     }
     for dt in [DType::F32, DType::F16, DType::Q8_0] {
-        attention(&mut s, dt)?;
+        mixers::attention(&mut s, dt)?;
     }
-    conv1d(&mut s)?;
-    gdn(&mut s)?;
-    mamba2(&mut s)?;
+    mixers::conv1d(&mut s)?;
+    mixers::gdn(&mut s)?;
+    mixers::mamba2(&mut s)?;
     argmax(&mut s)?;
     for b in s.bes {
         b.synchronize().map_err(|e| format!("synchronize: {e}"))?;
@@ -1208,226 +1210,6 @@ fn moe(s: &mut Suite<'_>, sigmoid: bool) -> R<()> {
         let mut out = s.alloc(DType::F32, n * d)?;
         s.both("moe", |be, i| be.moe(&w[i], &x[i], n, &mut out[i]))?;
         s.cmp(name, s.tol.ffn, &out)?;
-    }
-    Ok(())
-}
-
-// ---- attention and recurrent mixers ---------------------------------------------------------
-
-/// `kv_write` then `attention` over a paged cache of `dt` with random prior contents.
-fn attention(s: &mut Suite<'_>, dt: DType) -> R<()> {
-    let (kv_name, at_name) = (format!("kv_write {dt:?}"), format!("attention {dt:?}"));
-    for _ in 0..s.cases {
-        let head_dim = match dt {
-            DType::Q8_0 => s.rng.pick(&[32, 64, 128]),
-            _ => s.rng.pick(&[4, 8, 12, 16, 24, 40, 64, 72, 128]),
-        };
-        let n_head_kv = s.rng.range(1, 3);
-        let n_head = n_head_kv * s.rng.range(1, 3);
-        let kv_dim = n_head_kv * head_dim;
-        let spec = BatchSpec {
-            n_slots: 4,
-            max_len: s.rng.pick(&[1, 4, 9, 20]),
-            max_pos0: 40,
-            block_size: 16,
-            vocab: 1,
-        };
-        let (d, n_blocks) = rand_batch(&mut s.rng, &spec);
-        let b = s.batch(&d)?;
-        let nt = d.n_tokens();
-        let cache_len = n_blocks * 16 * kv_dim;
-        let (kb, vb) = (
-            rand_bytes(&mut s.rng, dt, cache_len),
-            rand_bytes(&mut s.rng, dt, cache_len),
-        );
-        let mut kc = s.with_bytes(dt, cache_len, &kb)?;
-        let mut vc = s.with_bytes(dt, cache_len, &vb)?;
-        let new_rows = |rng: &mut Rng| match dt {
-            DType::Q8_0 => q8_exact(rng, nt * kv_dim),
-            _ => rng.vals(nt * kv_dim, 1.0),
-        };
-        let (kv, vv) = (new_rows(&mut s.rng), new_rows(&mut s.rng));
-        let (k, v) = (s.up(&kv)?, s.up(&vv)?);
-        s.both("kv_write", |be, i| {
-            let cache = KvLayer {
-                k: &mut kc[i],
-                v: &mut vc[i],
-                kv_dim,
-            };
-            be.kv_write(&k[i], &v[i], cache, &b[i])
-        })?;
-        let [ka, kb] = s.read_any(&kc)?;
-        let [va, vb] = s.read_any(&vc)?;
-        s.record(
-            &kv_name,
-            TOL_EXACT,
-            rel_err(&ka, &kb).max(rel_err(&va, &vb)),
-        );
-
-        let q = s.rand(nt * n_head * head_dim, 1.0)?;
-        let mut out = s.alloc(DType::F32, nt * n_head * head_dim)?;
-        let shape = AttnShape {
-            n_head,
-            n_head_kv,
-            head_dim,
-            scale: 1.0 / (head_dim as f32).sqrt(),
-        };
-        s.both("attention", |be, i| {
-            be.attention(shape, &q[i], &kc[i], &vc[i], &b[i], &mut out[i])
-        })?;
-        s.cmp(&at_name, s.tol.attention, &out)?;
-    }
-    Ok(())
-}
-
-/// A batch of sequences over `n_slots` recurrent slots (no KV blocks).
-fn state_batch(s: &mut Suite<'_>, n_slots: usize, max_len: usize) -> BatchDesc {
-    let spec = BatchSpec {
-        n_slots,
-        max_len,
-        max_pos0: 50,
-        block_size: 0,
-        vocab: 1,
-    };
-    rand_batch(&mut s.rng, &spec).0
-}
-
-fn conv1d(s: &mut Suite<'_>) -> R<()> {
-    const SLOTS: usize = 5;
-    for _ in 0..s.cases {
-        let c = s.rng.range(1, 80);
-        let k = s.rng.range(1, 4);
-        let silu = s.rng.coin();
-        let d = state_batch(s, SLOTS, 9);
-        let b = s.batch(&d)?;
-        let nt = d.n_tokens();
-        let x = s.rand(nt * c, 1.0)?;
-        let w = s.rand(c * k, 0.7)?;
-        let bias = if s.rng.coin() {
-            Some(s.rand(c, 0.5)?)
-        } else {
-            None
-        };
-        let mut st = s.rand(SLOTS * (k - 1) * c, 1.0)?;
-        let mut out = s.alloc(DType::F32, nt * c)?;
-        s.both("conv1d_causal", |be, i| {
-            be.conv1d_causal(
-                &x[i],
-                c,
-                k,
-                &w[i],
-                bias.as_ref().map(|t| &t[i]),
-                silu,
-                &mut st[i],
-                &b[i],
-                &mut out[i],
-            )
-        })?;
-        s.cmp_all("conv1d_causal", s.tol.scan, &[&out, &st])?;
-    }
-    Ok(())
-}
-
-/// Unit-norm rows of `w` values (times `scale`), as the model's L2 norm leaves q and k.
-fn unit_rows(rng: &mut Rng, n: usize, w: usize, scale: f32) -> Vec<f32> {
-    let mut v = rng.vals(n * w, 1.0);
-    for r in v.chunks_exact_mut(w) {
-        let norm = r.iter().map(|x| x * x).sum::<f32>().sqrt();
-        r.iter_mut().for_each(|x| *x *= scale / norm);
-    }
-    v
-}
-
-fn gdn(s: &mut Suite<'_>) -> R<()> {
-    const SLOTS: usize = 4;
-    for _ in 0..s.cases {
-        let n_k_heads = s.rng.range(1, 2);
-        let n_v_heads = n_k_heads * s.rng.range(1, 3);
-        let (dk, dv) = (s.rng.range(2, 40), s.rng.range(2, 70));
-        let order = if s.rng.coin() {
-            HeadOrder::Grouped
-        } else {
-            HeadOrder::Tiled
-        };
-        let shape = GdnShape {
-            n_k_heads,
-            n_v_heads,
-            dk,
-            dv,
-            order,
-        };
-        let max_len = s.rng.pick(&[1, 3, 12]);
-        let d = state_batch(s, SLOTS, max_len);
-        let b = s.batch(&d)?;
-        let nt = d.n_tokens();
-        let qv = unit_rows(&mut s.rng, nt * n_k_heads, dk, 1.0 / (dk as f32).sqrt());
-        let kv = unit_rows(&mut s.rng, nt * n_k_heads, dk, 1.0);
-        let (q, k) = (s.up(&qv)?, s.up(&kv)?);
-        let v = s.rand(nt * n_v_heads * dv, 1.0)?;
-        let g: Vec<f32> = (0..nt * n_v_heads)
-            .map(|_| -(0.01 + s.rng.unit() * 1.5))
-            .collect();
-        let beta: Vec<f32> = (0..nt * n_v_heads)
-            .map(|_| 0.05 + 0.9 * s.rng.unit())
-            .collect();
-        let (g, beta) = (s.up(&g)?, s.up(&beta)?);
-        let mut st = s.rand(SLOTS * shape.state_len(), 0.3)?;
-        let mut out = s.alloc(DType::F32, nt * n_v_heads * dv)?;
-        s.both("gdn", |be, i| {
-            be.gdn(
-                shape,
-                &q[i],
-                &k[i],
-                &v[i],
-                &g[i],
-                &beta[i],
-                &mut st[i],
-                &b[i],
-                &mut out[i],
-            )
-        })?;
-        s.cmp_all("gdn", s.tol.scan, &[&out, &st])?;
-    }
-    Ok(())
-}
-
-fn mamba2(s: &mut Suite<'_>) -> R<()> {
-    const SLOTS: usize = 4;
-    for _ in 0..s.cases {
-        let n_groups = s.rng.range(1, 2);
-        let n_heads = n_groups * s.rng.range(1, 3);
-        let head_dim = s.rng.range(1, 20);
-        let d_state = s.rng.range(1, 40);
-        let shape = Mamba2Shape {
-            n_heads,
-            head_dim,
-            d_state,
-            n_groups,
-        };
-        // Long chunks take the chunked scan (64 tokens and more).
-        let max_len = s.rng.pick(&[1, 5, 12, 80]);
-        let d = state_batch(s, SLOTS, max_len);
-        let b = s.batch(&d)?;
-        let nt = d.n_tokens();
-        let di = n_heads * head_dim;
-        let gn = n_groups * d_state;
-        let x = s.rand(nt * di, 1.0)?;
-        let dt: Vec<f32> = (0..nt * n_heads)
-            .map(|_| (s.rng.val() * 2.0).exp().ln_1p())
-            .collect();
-        let a: Vec<f32> = (0..n_heads).map(|_| -(s.rng.val().exp())).collect();
-        let (dt, a) = (s.up(&dt)?, s.up(&a)?);
-        let bm = s.rand(nt * gn, 1.0)?;
-        let cm = s.rand(nt * gn, 1.0)?;
-        let dd = s.rand(n_heads, 1.0)?;
-        let mut st = s.rand(SLOTS * shape.state_len(), 0.3)?;
-        let mut y = s.alloc(DType::F32, nt * di)?;
-        s.both("mamba2", |be, i| {
-            be.mamba2(
-                shape, &x[i], &dt[i], &a[i], &bm[i], &cm[i], &dd[i], &mut st[i], &b[i], &mut y[i],
-            )
-        })?;
-        s.cmp_all("mamba2", s.tol.scan, &[&y, &st])?;
     }
     Ok(())
 }
