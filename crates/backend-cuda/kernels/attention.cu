@@ -87,6 +87,7 @@ __device__ __forceinline__ void kv_write_plain(const float* __restrict__ k, cons
 extern "C" __global__ void kv_write_f32(const float* k, const float* v, float* kc, float* vc, const uint32_t* positions,
                                         const uint32_t* tok_seq, const uint32_t* seqs, const uint32_t* tables,
                                         uint32_t n_tokens, uint32_t kv_dim, uint32_t block_size, uint32_t n_blocks) {
+  pdl_enter();
   kv_write_plain<CacheF32>(k, v, kc, vc, positions, tok_seq, seqs, tables, n_tokens, kv_dim, block_size, n_blocks);
 }
 
@@ -94,6 +95,7 @@ extern "C" __global__ void kv_write_f16(const float* k, const float* v, __half* 
                                         const uint32_t* positions, const uint32_t* tok_seq, const uint32_t* seqs,
                                         const uint32_t* tables, uint32_t n_tokens, uint32_t kv_dim,
                                         uint32_t block_size, uint32_t n_blocks) {
+  pdl_enter();
   kv_write_plain<CacheF16>(k, v, kc, vc, positions, tok_seq, seqs, tables, n_tokens, kv_dim, block_size, n_blocks);
 }
 
@@ -121,6 +123,7 @@ extern "C" __global__ void kv_write_q8_0(const float* __restrict__ k, const floa
                                          const uint32_t* __restrict__ seqs, const uint32_t* __restrict__ tables,
                                          uint32_t n_tokens, uint32_t kv_dim, uint32_t block_size,
                                          uint32_t n_blocks) {
+  pdl_enter();
   const int lane = threadIdx.x & 31;
   const uint32_t bpr = kv_dim / Q8_BLOCK;  // Q8 blocks per cache row
   const uint64_t n_warps_total = (uint64_t)n_tokens * bpr;
@@ -249,7 +252,7 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q, const ty
   extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS)                                                  \
       NAME(const float* q, const C::T* kc, const C::T* vc, const uint32_t* positions, const uint32_t* tok_seq,    \
            const uint32_t* seqs, const uint32_t* tables, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim, \
-           float scale, uint32_t block_size, uint32_t n_blocks, const uint32_t* toks, float* out, float* ws) {  \
+           float scale, uint32_t block_size, uint32_t n_blocks, const uint32_t* toks, float* out, float* ws) { pdl_enter();  \
     attn_split<C, NI>(q, kc, vc, positions, tok_seq, seqs, tables, n_head, n_head_kv, head_dim, scale,          \
                       block_size, n_blocks, toks, out, ws);                                                      \
   }
@@ -394,7 +397,7 @@ __device__ __forceinline__ void attn_tile(const float* __restrict__ q, const typ
   extern "C" __global__ void __launch_bounds__(TILE_THREADS)                                                  \
       NAME(const float* q, const C::T* kc, const C::T* vc, const uint32_t* tiles, const uint32_t* seqs,        \
            const uint32_t* tables, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim, float scale,        \
-           uint32_t block_size, uint32_t n_blocks, float* out) {                                               \
+           uint32_t block_size, uint32_t n_blocks, float* out) { pdl_enter();                                               \
     attn_tile<C, DPT>(q, kc, vc, tiles, seqs, tables, n_head, n_head_kv, head_dim, scale, block_size, n_blocks, \
                       out);                                                                                    \
   }
@@ -415,6 +418,7 @@ ATTN_TILE_KERNEL(attn_tile_q8_0_32, CacheQ8, 32)
 extern "C" __global__ void attn_combine(const float* __restrict__ ws, const uint32_t* __restrict__ toks,
                                         uint32_t n_splits, uint32_t n_head, uint32_t head_dim,
                                         float* __restrict__ out) {
+  pdl_enter();
   const uint32_t ti = blockIdx.x, h = blockIdx.y, t = toks[ti];
   const float* w = ws + ((uint64_t)ti * n_head + h) * n_splits * (head_dim + 2);
   float mm = -INFINITY;

@@ -7,6 +7,8 @@
 // 32 floats (one per warp).
 #pragma once
 
+#include "pdl.cuh"
+
 #include <cuda_fp16.h>
 #include <stdint.h>
 

@@ -16,6 +16,7 @@
 extern "C" __global__ void moe_topk_f32(const float* __restrict__ logits, uint32_t n_exp, uint32_t k,
                                         uint32_t gating, const float* __restrict__ bias, uint32_t norm_topk,
                                         float scale, uint32_t* __restrict__ ids, float* __restrict__ weights) {
+  pdl_enter();
   extern __shared__ float smem[];
   float* score = smem;
   float* sel = smem + n_exp;
@@ -115,6 +116,7 @@ extern "C" __global__ void moe_topk_f32(const float* __restrict__ logits, uint32
 // out[t, c] = sum_j w[t, j] * ye[t * k + j, c] (j ascending) for t < n, c < d.
 extern "C" __global__ void moe_combine_f32(const float* __restrict__ ye, const float* __restrict__ w, uint32_t n,
                                            uint32_t k, uint32_t d, float* __restrict__ out) {
+  pdl_enter();
   const uint64_t total = (uint64_t)n * d;
   for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
        i += (uint64_t)gridDim.x * blockDim.x) {
@@ -130,6 +132,7 @@ extern "C" __global__ void moe_combine_f32(const float* __restrict__ ye, const f
 extern "C" __global__ void moe_shared_add_f32(float* __restrict__ out, const float* __restrict__ sh,
                                               const float* __restrict__ x, const float* __restrict__ gate,
                                               uint32_t d, uint32_t dx) {
+  pdl_enter();
   __shared__ float scratch[32];
   const uint64_t t = blockIdx.x;
   float g = 1.0f;

@@ -199,7 +199,7 @@ __device__ __forceinline__ void gemv_impl(const uint8_t* __restrict__ w, uint64_
 
 #define GEMV_KERNEL(NAME, T, NT)                                                                  \
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GemvTune<T, NT>::MIN_BLOCKS)        \
-      gemv_##NAME##_##NT(GEMV_ARGS) {                                                              \
+      gemv_##NAME##_##NT(GEMV_ARGS) { pdl_enter();                                                              \
     gemv_impl<T, NT>(w, off1, off2, off3, stride, row0, n_rows, n_in, ksplit, x, y, ldy);          \
   }
 
@@ -284,10 +284,10 @@ __device__ __forceinline__ void dequant_impl(const uint8_t* __restrict__ w, uint
       const uint32_t *__restrict__ ids, uint64_t row0, uint64_t n_src_rows, int n_rows, int n_in
 
 #define DEQUANT_KERNELS(NAME, T)                                                                          \
-  extern "C" __global__ void __launch_bounds__(256) dequant_##NAME##_f32(DEQUANT_ARGS, float* __restrict__ out) { \
+  extern "C" __global__ void __launch_bounds__(256) dequant_##NAME##_f32(DEQUANT_ARGS, float* __restrict__ out) { pdl_enter(); \
     dequant_impl<T, float>(w, off1, off2, off3, stride, ids, row0, n_src_rows, n_rows, n_in, out);         \
   }                                                                                                       \
-  extern "C" __global__ void __launch_bounds__(256) dequant_##NAME##_f16(DEQUANT_ARGS, __half* __restrict__ out) { \
+  extern "C" __global__ void __launch_bounds__(256) dequant_##NAME##_f16(DEQUANT_ARGS, __half* __restrict__ out) { pdl_enter(); \
     dequant_impl<T, __half>(w, off1, off2, off3, stride, ids, row0, n_src_rows, n_rows, n_in, out);        \
   }
 
@@ -303,7 +303,7 @@ DEQUANT_KERNELS(q6_k, KQ_Q6_K)
 #define GATHER_KERNEL(NAME, ELEM, CONVERT)                                                                \
   extern "C" __global__ void __launch_bounds__(256)                                                      \
       gather_##NAME(const ELEM* __restrict__ w, const uint32_t* __restrict__ ids, uint64_t row0,         \
-                    uint64_t n_src_rows, int n_rows, int n_in, float* __restrict__ out) {                \
+                    uint64_t n_src_rows, int n_rows, int n_in, float* __restrict__ out) { pdl_enter();                \
     const uint64_t total = (uint64_t)n_rows * n_in;                                                      \
     for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;                        \
          i += (uint64_t)gridDim.x * blockDim.x) {                                                        \
@@ -325,12 +325,14 @@ GATHER_KERNEL(bf16, uint16_t, kq_cvt_bf16)
 
 extern "C" __global__ void __launch_bounds__(256) cvt_f32_f16(const float* __restrict__ x, __half* __restrict__ out,
                                                               uint64_t n) {
+  pdl_enter();
   for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x)
     out[i] = __float2half_rn(x[i]);
 }
 
 extern "C" __global__ void __launch_bounds__(256) cvt_f32_bf16(const float* __restrict__ x,
                                                                __nv_bfloat16* __restrict__ out, uint64_t n) {
+  pdl_enter();
   for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x)
     out[i] = __float2bfloat16_rn(x[i]);
 }

@@ -18,22 +18,26 @@
 
 // y[i] += x[i]
 extern "C" __global__ void add_f32(float* __restrict__ y, const float* __restrict__ x, uint64_t n) {
+  pdl_enter();
   GRID_STRIDE(i, n) y[i] += x[i];
 }
 
 // x[i] += b[i % width]
 extern "C" __global__ void add_bias_f32(float* __restrict__ x, const float* __restrict__ b, uint64_t n,
                                         uint32_t width) {
+  pdl_enter();
   GRID_STRIDE(i, n) x[i] += b[i % width];
 }
 
 // x[i] *= sigmoid(g[i])
 extern "C" __global__ void mul_sigmoid_f32(float* __restrict__ x, const float* __restrict__ g, uint64_t n) {
+  pdl_enter();
   GRID_STRIDE(i, n) x[i] = x[i] * sigmoid_f(g[i]);
 }
 
 // gate[i] = silu(gate[i]) * up[i]  (SwiGLU, as kernels-cpu vexp.rs `swiglu`)
 extern "C" __global__ void silu_mul_f32(float* __restrict__ gate, const float* __restrict__ up, uint64_t n) {
+  pdl_enter();
   GRID_STRIDE(i, n) {
     const float g = gate[i];
     gate[i] = g / (1.0f + expf(-g)) * up[i];
@@ -42,6 +46,7 @@ extern "C" __global__ void silu_mul_f32(float* __restrict__ gate, const float* _
 
 // x[i] = relu(x[i])^2
 extern "C" __global__ void relu2_f32(float* __restrict__ x, uint64_t n) {
+  pdl_enter();
   GRID_STRIDE(i, n) {
     const float v = fmaxf(x[i], 0.0f);
     x[i] = v * v;
@@ -51,6 +56,7 @@ extern "C" __global__ void relu2_f32(float* __restrict__ x, uint64_t n) {
 // dst[r, c] = src[r, col0 + c] for r < rows, c < w (src rows of src_w values).
 extern "C" __global__ void split_cols_f32(const float* __restrict__ src, float* __restrict__ dst, uint32_t rows,
                                           uint32_t src_w, uint32_t col0, uint32_t w) {
+  pdl_enter();
   const uint64_t n = (uint64_t)rows * w;
   GRID_STRIDE(i, n) {
     const uint64_t r = i / w, c = i % w;
@@ -63,6 +69,7 @@ extern "C" __global__ void split_cols_f32(const float* __restrict__ src, float* 
 extern "C" __global__ void gather_rows_f32(const float* __restrict__ src, float* __restrict__ dst,
                                            const uint32_t* __restrict__ idx, uint32_t div, uint32_t n_rows,
                                            uint32_t width, uint32_t src_rows) {
+  pdl_enter();
   const uint64_t n = (uint64_t)n_rows * width;
   GRID_STRIDE(i, n) {
     const uint64_t r = i / width, c = i % width;
@@ -75,6 +82,7 @@ extern "C" __global__ void gather_rows_f32(const float* __restrict__ src, float*
 extern "C" __global__ void scatter_rows_f32(const float* __restrict__ src, float* __restrict__ dst,
                                             const uint32_t* __restrict__ idx, uint32_t n_rows, uint32_t width,
                                             uint32_t dst_rows) {
+  pdl_enter();
   const uint64_t n = (uint64_t)n_rows * width;
   GRID_STRIDE(i, n) {
     const uint64_t r = i / width, c = i % width;
@@ -86,6 +94,7 @@ extern "C" __global__ void scatter_rows_f32(const float* __restrict__ src, float
 // RMSNorm of row blockIdx.x in place: x = (x * (1 / sqrt(mean(x^2) + eps))) * w.
 extern "C" __global__ void rms_norm_f32(float* __restrict__ x, const float* __restrict__ w, uint32_t width,
                                         float eps) {
+  pdl_enter();
   __shared__ float scratch[32];
   float* row = x + (uint64_t)blockIdx.x * width;
   float ss = 0.0f;
@@ -97,6 +106,7 @@ extern "C" __global__ void rms_norm_f32(float* __restrict__ x, const float* __re
 
 // L2 norm of row blockIdx.x in place: x = x * ((1 / sqrt(sum(x^2) + eps)) * scale).
 extern "C" __global__ void l2_norm_f32(float* __restrict__ x, uint32_t width, float eps, float scale) {
+  pdl_enter();
   __shared__ float scratch[32];
   float* row = x + (uint64_t)blockIdx.x * width;
   float ss = 0.0f;
@@ -109,6 +119,7 @@ extern "C" __global__ void l2_norm_f32(float* __restrict__ x, uint32_t width, fl
 // Gated RMSNorm of row blockIdx.x: x = (x * f) * w * silu(z), f = 1 / sqrt(mean(x^2) + eps).
 extern "C" __global__ void gated_rms_norm_f32(float* __restrict__ x, const float* __restrict__ z,
                                               const float* __restrict__ w, uint32_t width, float eps) {
+  pdl_enter();
   __shared__ float scratch[32];
   float* row = x + (uint64_t)blockIdx.x * width;
   const float* zr = z + (uint64_t)blockIdx.x * width;
@@ -124,6 +135,7 @@ extern "C" __global__ void gated_rms_norm_f32(float* __restrict__ x, const float
 extern "C" __global__ void gated_group_rms_norm_f32(float* __restrict__ y, const float* __restrict__ z,
                                                     const float* __restrict__ w, uint32_t d_inner, uint32_t gs,
                                                     float eps) {
+  pdl_enter();
   __shared__ float scratch[32];
   const uint64_t base = (uint64_t)blockIdx.x * d_inner + (uint64_t)blockIdx.y * gs;
   float* row = y + base;
@@ -148,6 +160,7 @@ extern "C" __global__ void gated_group_rms_norm_f32(float* __restrict__ y, const
 extern "C" __global__ void rope_neox_f32(float* __restrict__ x, const uint32_t* __restrict__ positions,
                                          uint32_t n_heads, uint32_t head_dim, uint32_t n_rot,
                                          float theta_scale) {
+  pdl_enter();
   extern __shared__ float cs[];
   const uint32_t half = n_rot / 2;
   const uint32_t tok = blockIdx.x;
@@ -175,6 +188,7 @@ extern "C" __global__ void rope_neox_f32(float* __restrict__ x, const uint32_t* 
 extern "C" __global__ void gdn_gates_f32(float* __restrict__ beta, float* __restrict__ g,
                                          const float* __restrict__ dt_bias, const float* __restrict__ a_neg,
                                          uint64_t n, uint32_t n_v) {
+  pdl_enter();
   GRID_STRIDE(i, n) {
     const uint32_t h = i % n_v;
     beta[i] = sigmoid_f(beta[i]);
@@ -185,12 +199,14 @@ extern "C" __global__ void gdn_gates_f32(float* __restrict__ beta, float* __rest
 // dt = softplus(dt + bias[i % width]) in place.
 extern "C" __global__ void softplus_bias_f32(float* __restrict__ dt, const float* __restrict__ bias, uint64_t n,
                                              uint32_t width) {
+  pdl_enter();
   GRID_STRIDE(i, n) dt[i] = softplus_f(dt[i] + bias[i % width]);
 }
 
 // Index of the largest value of row blockIdx.x (lowest index on ties; NaN never wins; 0 when
 // no value beats -inf), into out[row].
 extern "C" __global__ void argmax_rows_f32(const float* __restrict__ x, uint32_t width, uint32_t* __restrict__ out) {
+  pdl_enter();
   __shared__ float sv[32];
   __shared__ uint32_t si[32];
   const float* row = x + (uint64_t)blockIdx.x * width;

@@ -50,6 +50,8 @@
 // form instead: 0x4B0000uu = 2^23 + u.
 #pragma once
 
+#include "pdl.cuh"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>

@@ -20,6 +20,7 @@ extern "C" __global__ void conv1d_causal_f32(const float* __restrict__ x, const 
                                              const float* __restrict__ bias, float* __restrict__ state,
                                              float* __restrict__ out, const uint32_t* __restrict__ seqs,
                                              uint32_t C, uint32_t K, uint32_t silu, uint32_t n_slots) {
+  pdl_enter();
   const uint32_t ch = blockIdx.x * blockDim.x + threadIdx.x;
   if (ch >= C) return;
   const uint32_t* seq = seqs + blockIdx.y * SEQ_FIELDS;
@@ -70,6 +71,7 @@ extern "C" __global__ void __launch_bounds__(32 * GDN_MAX_WARPS)
                       const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
                       float* __restrict__ out, const uint32_t* __restrict__ seqs, uint32_t n_k_heads,
                       uint32_t n_v_heads, uint32_t dk, uint32_t dv, uint32_t order, uint32_t n_slots) {
+  pdl_enter();
   __shared__ float qs[32 * GDN_MAX_WARPS], ks[32 * GDN_MAX_WARPS];
   __shared__ float red[GDN_MAX_WARPS][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -151,6 +153,7 @@ extern "C" __global__ void __launch_bounds__(32 * M2_WARPS)
                          float* __restrict__ state, float* __restrict__ y, const uint32_t* __restrict__ seqs,
                          uint32_t n_heads, uint32_t head_dim, uint32_t d_state, uint32_t n_groups,
                          uint32_t n_slots) {
+  pdl_enter();
   __shared__ float bs[32 * M2_MAX_NI], cs[32 * M2_MAX_NI];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const uint32_t h = blockIdx.y;

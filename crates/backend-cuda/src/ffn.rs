@@ -14,13 +14,14 @@
 
 use std::ops::Range;
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 use kapitsa_backend::{
     shape_err, Act, BackendError, Batch, Experts, Gating, MlpWeights, MoeWeights, Result, Tensor,
     Weight,
 };
 
 use crate::device::{dev_err, elem_cfg, row_threads, u32_arg};
+use crate::launch::KernelLaunch;
 use crate::matmul::CudaWeight;
 use crate::CudaBackend;
 
@@ -369,7 +370,7 @@ impl CudaBackend {
             });
         }
         {
-            let mut b = self.stream.launch_builder(&self.k.moe_topk_f32);
+            let mut b = self.stream.kernel(&self.k.moe_topk_f32);
             b.arg(&logits).arg(&ne).arg(&ka).arg(&gating);
             match bias {
                 Some(bb) => b.arg(bb),
@@ -454,7 +455,7 @@ impl CudaBackend {
                 None => &mut *ob,
             };
             let dea = u32_arg(OP, "width", de)?;
-            let mut b = self.stream.launch_builder(&self.k.moe_combine_f32);
+            let mut b = self.stream.kernel(&self.k.moe_combine_f32);
             b.arg(&ye).arg(&wts).arg(&nt).arg(&ka).arg(&dea).arg(dst);
             // SAFETY: moe_combine_f32(const float* ye, const float* w, uint32_t n, uint32_t k,
             // uint32_t d, float* out): ye holds n * k * d floats (every row written by the
@@ -470,7 +471,7 @@ impl CudaBackend {
             let mut sh = self.scratch::<f32>(n * d)?;
             self.mlp_dev(&m, act, n_ff, n, xb, &mut sh)?;
             let da = u32_arg(OP, "width", d)?;
-            let mut b = self.stream.launch_builder(&self.k.moe_shared_add_f32);
+            let mut b = self.stream.kernel(&self.k.moe_shared_add_f32);
             b.arg(&mut *ob).arg(&sh).arg(xb);
             match sgate {
                 Some(g) => b.arg(g),

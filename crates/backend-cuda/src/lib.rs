@@ -35,11 +35,17 @@ use kapitsa_backend::{Backend, BackendError};
 #[cfg(feature = "cuda")]
 mod attention;
 #[cfg(feature = "cuda")]
+mod batch;
+#[cfg(feature = "cuda")]
 mod buffers;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
 mod ffn;
+#[cfg(feature = "cuda")]
+mod graph;
+#[cfg(feature = "cuda")]
+mod launch;
 #[cfg(feature = "cuda")]
 mod matmul;
 #[cfg(feature = "cuda")]
@@ -100,7 +106,7 @@ mod imp {
     use cudarc::driver::{CudaContext, CudaStream};
     use kapitsa_backend::{
         AttnShape, Backend, BackendError, Batch, BatchDesc, DType, Device, GdnShape, HostWeight,
-        KvLayer, Mamba2Shape, MlpWeights, MoeWeights, Result, RopeDesc, Tensor, Weight,
+        KvLayer, Mamba2Shape, MlpWeights, MoeWeights, Recording, Result, RopeDesc, Tensor, Weight,
     };
 
     use crate::device::{self, dev_err, DeviceInfo, Kernels, KERNELS};
@@ -226,6 +232,34 @@ mod imp {
 
         fn prepare_batch(&self, desc: BatchDesc) -> Result<Batch> {
             self.prepare_batch_impl(desc)
+        }
+
+        fn can_record(&self) -> bool {
+            self.can_record_impl()
+        }
+
+        fn prepare_batch_for_recording(
+            &self,
+            desc: BatchDesc,
+            table_capacity: usize,
+        ) -> Result<Batch> {
+            self.prepare_batch_for_recording_impl(desc, table_capacity)
+        }
+
+        fn refill_batch(&self, batch: &mut Batch, desc: BatchDesc) -> Result<bool> {
+            self.refill_batch_impl(batch, desc)
+        }
+
+        fn begin_recording(&self) -> Result<()> {
+            self.begin_recording_impl()
+        }
+
+        fn end_recording(&self) -> Result<Recording> {
+            self.end_recording_impl()
+        }
+
+        fn replay(&self, rec: &Recording) -> Result<()> {
+            self.replay_impl(rec)
         }
 
         fn synchronize(&self) -> Result<()> {

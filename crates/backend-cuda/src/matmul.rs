@@ -40,13 +40,14 @@ use std::sync::{Arc, Mutex};
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{
     sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut,
-    DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    DevicePtr, DevicePtrMut, LaunchConfig,
 };
 use cudarc::nvrtc::Ptx;
 use kapitsa_backend::{shape_err, BackendError, HostWeight, Result};
 use kapitsa_base::GgmlType;
 
 use crate::device::dev_err;
+use crate::launch::KernelLaunch;
 
 /// Largest token count of one GEMV launch (`gemv_<ty>_1` .. `gemv_<ty>_8`).
 pub(crate) const GEMV_MAX_TOKENS: usize = 8;
@@ -594,7 +595,7 @@ impl MatmulKernels {
         if w.fmt.is_float() {
             let f = &self.gather[w.fmt.id()];
             let cfg = self.elem_cfg(total);
-            let mut b = stream.launch_builder(f);
+            let mut b = stream.kernel(f);
             b.arg(&w.buf)
                 .arg(ids)
                 .arg(&row0)
@@ -609,7 +610,7 @@ impl MatmulKernels {
         } else {
             let f = self.dequant_fn(&self.dequant_f32, w)?;
             let cfg = self.elem_cfg(total / w.fmt.chunk());
-            let mut b = stream.launch_builder(f);
+            let mut b = stream.kernel(f);
             b.arg(&w.buf)
                 .arg(&w.off[0])
                 .arg(&w.off[1])
@@ -696,7 +697,7 @@ impl MatmulKernels {
         let n_in = i32_arg(OP, "n_in", w.n_in)?;
         let ksplit = g as i32;
         let ldy = n_rows_i;
-        let mut b = stream.launch_builder(f);
+        let mut b = stream.kernel(f);
         b.arg(&w.buf)
             .arg(&w.off[0])
             .arg(&w.off[1])
@@ -731,7 +732,7 @@ impl MatmulKernels {
         let x16 = grow(slot, stream, n)?;
         let f = if bf16 { &self.cvt_bf16 } else { &self.cvt_f16 };
         let n64 = n as u64;
-        let mut b = stream.launch_builder(f);
+        let mut b = stream.kernel(f);
         b.arg(x).arg(&mut *x16).arg(&n64);
         // SAFETY: cvt_f32_<ty>(x, out, n): x holds >= n floats (checked by the caller), out
         // >= n 16-bit values (grown above).
@@ -829,7 +830,7 @@ impl MatmulKernels {
             let tr_i = tr as i32;
             let tile_row0 = (row0 + r0) as u64;
             {
-                let mut b = stream.launch_builder(dequant);
+                let mut b = stream.kernel(dequant);
                 b.arg(&w.buf)
                     .arg(&w.off[0])
                     .arg(&w.off[1])

@@ -3,10 +3,11 @@
 //! kernel on the backend's stream (asynchronously; errors of the kernel surface at the next
 //! synchronising call). Semantics are those documented on [`kapitsa_backend::Backend`].
 
-use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig};
 use kapitsa_backend::{shape_err, Batch, Result, RopeDesc, Tensor};
 
 use crate::device::{dev_err, elem_cfg, row_threads, u32_arg};
+use crate::launch::KernelLaunch;
 use crate::CudaBackend;
 
 /// One block per row, `threads` per block.
@@ -37,7 +38,7 @@ impl CudaBackend {
             return Ok(());
         }
         let n64 = n as u64;
-        let mut b = self.stream.launch_builder(&self.k.add_f32);
+        let mut b = self.stream.kernel(&self.k.add_f32);
         b.arg(yb).arg(xb).arg(&n64);
         // SAFETY: add_f32(float* y, const float* x, uint64_t n); both buffers hold n floats.
         unsafe { b.launch(elem_cfg(n64)) }.map_err(dev_err)?;
@@ -56,7 +57,7 @@ impl CudaBackend {
         if n64 == 0 {
             return Ok(());
         }
-        let mut b = self.stream.launch_builder(&self.k.add_bias_f32);
+        let mut b = self.stream.kernel(&self.k.add_bias_f32);
         b.arg(xb).arg(bb).arg(&n64).arg(&w);
         // SAFETY: add_bias_f32(float* x, const float* b, uint64_t n, uint32_t width); x holds
         // n floats, b holds width floats, and n is whole rows of width.
@@ -74,7 +75,7 @@ impl CudaBackend {
             return Ok(());
         }
         let n64 = n as u64;
-        let mut b = self.stream.launch_builder(&self.k.mul_sigmoid_f32);
+        let mut b = self.stream.kernel(&self.k.mul_sigmoid_f32);
         b.arg(xb).arg(gb).arg(&n64);
         // SAFETY: mul_sigmoid_f32(float* x, const float* g, uint64_t n); both hold n floats.
         unsafe { b.launch(elem_cfg(n64)) }.map_err(dev_err)?;
@@ -92,7 +93,7 @@ impl CudaBackend {
             return Ok(());
         }
         let n64 = n as u64;
-        let mut b = self.stream.launch_builder(&self.k.silu_mul_f32);
+        let mut b = self.stream.kernel(&self.k.silu_mul_f32);
         b.arg(gate).arg(up).arg(&n64);
         // SAFETY: silu_mul_f32(float* gate, const float* up, uint64_t n); callers pass
         // buffers of at least n floats.
@@ -106,7 +107,7 @@ impl CudaBackend {
             return Ok(());
         }
         let n64 = n as u64;
-        let mut b = self.stream.launch_builder(&self.k.relu2_f32);
+        let mut b = self.stream.kernel(&self.k.relu2_f32);
         b.arg(x).arg(&n64);
         // SAFETY: relu2_f32(float* x, uint64_t n); callers pass at least n floats.
         unsafe { b.launch(elem_cfg(n64)) }.map_err(dev_err)?;
@@ -134,7 +135,7 @@ impl CudaBackend {
             u32_arg(OP, "column", col0)?,
             u32_arg(OP, "width", w)?,
         );
-        let mut b = self.stream.launch_builder(&self.k.split_cols_f32);
+        let mut b = self.stream.kernel(&self.k.split_cols_f32);
         b.arg(src).arg(dst).arg(&r).arg(&sw).arg(&c0).arg(&ww);
         // SAFETY: split_cols_f32(const float* src, float* dst, uint32_t rows, uint32_t src_w,
         // uint32_t col0, uint32_t w); the caller guarantees the buffer sizes and
@@ -191,7 +192,7 @@ impl CudaBackend {
             u32_arg(OP, "width", width)?,
             u32_arg(OP, "rows", src_rows)?,
         );
-        let mut b = self.stream.launch_builder(&self.k.gather_rows_f32);
+        let mut b = self.stream.kernel(&self.k.gather_rows_f32);
         b.arg(src)
             .arg(dst)
             .arg(idx)
@@ -226,7 +227,7 @@ impl CudaBackend {
             u32_arg(OP, "width", width)?,
             u32_arg(OP, "rows", dst_rows)?,
         );
-        let mut b = self.stream.launch_builder(&self.k.scatter_rows_f32);
+        let mut b = self.stream.kernel(&self.k.scatter_rows_f32);
         b.arg(src).arg(dst).arg(idx).arg(&r).arg(&w).arg(&dr);
         // SAFETY: scatter_rows_f32(const float* src, float* dst, const uint32_t* idx,
         // uint32_t n_rows, uint32_t width, uint32_t dst_rows); src holds n_rows * width
@@ -266,7 +267,7 @@ impl CudaBackend {
             return Ok(());
         }
         let (r, wd) = (u32_arg(OP, "rows", rows)?, u32_arg(OP, "width", width)?);
-        let mut b = self.stream.launch_builder(&self.k.rms_norm_f32);
+        let mut b = self.stream.kernel(&self.k.rms_norm_f32);
         b.arg(xb).arg(wb).arg(&wd).arg(&eps);
         // SAFETY: rms_norm_f32(float* x, const float* w, uint32_t width, float eps), one block
         // per row: x holds rows * width floats, w holds width.
@@ -289,7 +290,7 @@ impl CudaBackend {
             return Ok(());
         }
         let (r, wd) = (u32_arg(OP, "rows", rows)?, u32_arg(OP, "width", width)?);
-        let mut b = self.stream.launch_builder(&self.k.l2_norm_f32);
+        let mut b = self.stream.kernel(&self.k.l2_norm_f32);
         b.arg(xb).arg(&wd).arg(&eps).arg(&scale);
         // SAFETY: l2_norm_f32(float* x, uint32_t width, float eps, float scale), one block per
         // row of x (rows * width floats).
@@ -314,7 +315,7 @@ impl CudaBackend {
             return Ok(());
         }
         let (r, wd) = (u32_arg(OP, "rows", rows)?, u32_arg(OP, "width", width)?);
-        let mut b = self.stream.launch_builder(&self.k.gated_rms_norm_f32);
+        let mut b = self.stream.kernel(&self.k.gated_rms_norm_f32);
         b.arg(xb).arg(zb).arg(wb).arg(&wd).arg(&eps);
         // SAFETY: gated_rms_norm_f32(float* x, const float* z, const float* w, uint32_t width,
         // float eps), one block per row: x and z hold rows * width floats, w holds width.
@@ -356,7 +357,7 @@ impl CudaBackend {
         if g > 65535 {
             return shape_err(OP, format!("{n_groups} groups (at most 65535)"));
         }
-        let mut b = self.stream.launch_builder(&self.k.gated_group_rms_norm_f32);
+        let mut b = self.stream.kernel(&self.k.gated_group_rms_norm_f32);
         b.arg(yb).arg(zb).arg(wb).arg(&di).arg(&gsa).arg(&eps);
         // SAFETY: gated_group_rms_norm_f32(float* y, const float* z, const float* w,
         // uint32_t d_inner, uint32_t gs, float eps), grid (rows, groups): y and z hold
@@ -392,7 +393,7 @@ impl CudaBackend {
             u32_arg(OP, "n_rot", rope.n_rot)?,
         );
         let pos = db.positions();
-        let mut b = self.stream.launch_builder(&self.k.rope_neox_f32);
+        let mut b = self.stream.kernel(&self.k.rope_neox_f32);
         b.arg(xb)
             .arg(&pos)
             .arg(&nh)
@@ -427,7 +428,7 @@ impl CudaBackend {
             return Ok(());
         }
         let (n64, nv) = (n as u64, u32_arg(OP, "n_v", n_v)?);
-        let mut b = self.stream.launch_builder(&self.k.gdn_gates_f32);
+        let mut b = self.stream.kernel(&self.k.gdn_gates_f32);
         b.arg(bb).arg(gb).arg(db).arg(ab).arg(&n64).arg(&nv);
         // SAFETY: gdn_gates_f32(float* beta, float* g, const float* dt_bias,
         // const float* a_neg, uint64_t n, uint32_t n_v): beta and g hold n floats (whole rows
@@ -447,7 +448,7 @@ impl CudaBackend {
         if n64 == 0 {
             return Ok(());
         }
-        let mut b = self.stream.launch_builder(&self.k.softplus_bias_f32);
+        let mut b = self.stream.kernel(&self.k.softplus_bias_f32);
         b.arg(db).arg(bb).arg(&n64).arg(&w);
         // SAFETY: softplus_bias_f32(float* dt, const float* bias, uint64_t n, uint32_t width):
         // dt holds n floats (whole rows of width), bias width.
@@ -464,7 +465,7 @@ impl CudaBackend {
         }
         let mut ids = self.scratch::<u32>(rows)?;
         let (r, w) = (u32_arg(OP, "rows", rows)?, u32_arg(OP, "width", width)?);
-        let mut b = self.stream.launch_builder(&self.k.argmax_rows_f32);
+        let mut b = self.stream.kernel(&self.k.argmax_rows_f32);
         b.arg(xb).arg(&w).arg(&mut ids);
         // SAFETY: argmax_rows_f32(const float* x, uint32_t width, uint32_t* out), one block
         // per row: x holds rows * width floats, out rows entries.

@@ -8,11 +8,12 @@
 //! These are the token-sequential forms (right for decode and short prompts). Chunked prefill
 //! forms (FLA's WY form for Gated DeltaNet, SSD for Mamba2) are future work.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use kapitsa_backend::{shape_err, Batch, GdnShape, HeadOrder, Mamba2Shape, Result, Tensor};
 
-use crate::buffers::DevBatch;
+use crate::batch::DevBatch;
 use crate::device::{dev_err, u32_arg};
+use crate::launch::KernelLaunch;
 use crate::CudaBackend;
 
 /// Largest conv kernel width (kernels/recurrent.cu `CONV_MAXK`).
@@ -89,7 +90,7 @@ impl CudaBackend {
         }
         let seqs = db.seqs();
         let null = 0u64;
-        let mut b = self.stream.launch_builder(&self.k.conv1d_causal_f32);
+        let mut b = self.stream.kernel(&self.k.conv1d_causal_f32);
         b.arg(xb).arg(wb);
         match bb {
             Some(bb) => b.arg(bb),
@@ -172,7 +173,7 @@ impl CudaBackend {
             );
         }
         let seqs = db.seqs();
-        let mut b = self.stream.launch_builder(&self.k.gdn_recurrent_f32);
+        let mut b = self.stream.kernel(&self.k.gdn_recurrent_f32);
         b.arg(qb)
             .arg(kb)
             .arg(vb)
@@ -249,7 +250,7 @@ impl CudaBackend {
             );
         }
         let seqs = db.seqs();
-        let mut b = self.stream.launch_builder(&self.k.mamba2_recurrent_f32);
+        let mut b = self.stream.kernel(&self.k.mamba2_recurrent_f32);
         b.arg(xb)
             .arg(dtb)
             .arg(ab)

@@ -242,7 +242,8 @@ fn matmul_matches_the_references_for_every_type() {
     let mut failures = Vec::new();
     for ty in TYPES {
         for n_in in widths(ty) {
-            for n_out in [1usize, 7, 257, 4099] {
+            // 20011 rows: more row groups than one wave of GEMV blocks (the grid-stride rounds)
+            for n_out in [1usize, 7, 257, 4099, 20011] {
                 let seed = (ty as u64) << 32 ^ (n_in as u64) << 16 ^ n_out as u64;
                 let hw = random_weight(ty, n_out, n_in, seed);
                 let wg = g.upload_weight(&hw).expect("gpu upload");

@@ -159,6 +159,46 @@ impl Batch {
     pub fn dev<T: 'static>(&self) -> Option<&T> {
         self.dev.downcast_ref()
     }
+
+    /// The backend's copy mutably, and the host description to replace (for backends
+    /// rewriting a batch in place: [`crate::Backend::refill_batch`]).
+    pub fn parts_mut<T: 'static>(&mut self) -> Option<(&mut BatchDesc, &mut T)> {
+        let dev = self.dev.downcast_mut()?;
+        Some((&mut self.desc, dev))
+    }
+}
+
+/// A step's device work recorded once ([`crate::Backend::begin_recording`] ..
+/// [`crate::Backend::end_recording`]: a CUDA graph) and replayed by
+/// [`crate::Backend::replay`] with the contents of the batch it was recorded with, rewritten
+/// by [`crate::Backend::refill_batch`]. Opaque; only the backend that made it can replay it.
+pub struct Recording {
+    rec: Box<dyn std::any::Any + Send>,
+    n_kernels: usize,
+}
+
+impl Recording {
+    /// Wrap a backend's recording of `n_kernels` kernel launches (for backend
+    /// implementations).
+    pub fn from_parts(rec: Box<dyn std::any::Any + Send>, n_kernels: usize) -> Recording {
+        Recording { rec, n_kernels }
+    }
+
+    /// Kernel launches one replay makes.
+    pub fn n_kernels(&self) -> usize {
+        self.n_kernels
+    }
+
+    /// The backend's recording, if it is a `T`.
+    pub fn get<T: 'static>(&self) -> Option<&T> {
+        self.rec.downcast_ref()
+    }
+}
+
+impl std::fmt::Debug for Recording {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Recording({} kernels)", self.n_kernels)
+    }
 }
 
 /// One attention layer's paged K and V storage: each `[n_blocks, block_size, kv_dim]` of

@@ -30,7 +30,7 @@ pub mod testing;
 
 pub use desc::{
     Act, AttnShape, Batch, BatchDesc, Experts, Gating, GdnShape, HeadOrder, KvLayer, Latent,
-    Mamba2Shape, MlpWeights, MoeWeights, RopeDesc, SeqDesc,
+    Mamba2Shape, MlpWeights, MoeWeights, Recording, RopeDesc, SeqDesc,
 };
 pub use device::{Device, DeviceChoice};
 pub use error::{check_len, shape_err, BackendError, Result};
@@ -107,6 +107,69 @@ pub trait Backend: Send + Sync {
 
     /// Upload a step's batch description (once per forward pass).
     fn prepare_batch(&self, desc: BatchDesc) -> Result<Batch>;
+
+    // ---- recorded steps (CUDA graphs) ----------------------------------------------------
+    //
+    // A decode step queues hundreds of small ops; a device backend can record them once and
+    // replay the recording with one launch. The caller (the model) records a step with
+    // `begin_recording`, the ops of the step, `end_recording`; later steps of the same shape
+    // rewrite the batch with `refill_batch` and call `replay`. While recording, ops are
+    // queued into the recording and not run, so nothing may be read back to the host, and
+    // every tensor an op reads or writes must outlive the recording (tensors allocated and
+    // dropped between begin and end are the recording's own scratch). Per-step values reach
+    // the kernels only through the batch arrays, so a replay computes exactly what running
+    // the ops again on the refilled batch would.
+
+    /// Whether this backend can record steps (`false`: the four methods below are not
+    /// available and the caller runs every step op by op).
+    fn can_record(&self) -> bool {
+        false
+    }
+
+    /// [`Backend::prepare_batch`] for a batch that will be recorded: the device arrays get
+    /// room for block tables of up to `table_capacity` blocks per sequence, so
+    /// [`Backend::refill_batch`] can take the longer tables of later steps.
+    fn prepare_batch_for_recording(&self, desc: BatchDesc, table_capacity: usize) -> Result<Batch> {
+        let _ = table_capacity;
+        self.prepare_batch(desc)
+    }
+
+    /// Rewrite `batch` (made by [`Backend::prepare_batch_for_recording`]) in place with a
+    /// later step's `desc`, keeping every device address. `Ok(false)` (and `batch`
+    /// unchanged) when `desc` does not fit what was recorded with it: another number of
+    /// tokens, sequences or logit rows, a sequence of more tokens, tables past the capacity,
+    /// or a context longer than the recorded attention split covers. Then record again.
+    fn refill_batch(&self, batch: &mut Batch, desc: BatchDesc) -> Result<bool> {
+        let _ = (batch, desc);
+        Ok(false)
+    }
+
+    /// Start recording the ops queued from now on (see above).
+    fn begin_recording(&self) -> Result<()> {
+        Err(BackendError::Unsupported {
+            op: "begin_recording",
+            what: "recording on this backend".into(),
+        })
+    }
+
+    /// Stop recording and return the recording. After an error in between, call this anyway
+    /// (and drop the result) so the backend leaves recording mode.
+    fn end_recording(&self) -> Result<Recording> {
+        Err(BackendError::Unsupported {
+            op: "end_recording",
+            what: "recording on this backend".into(),
+        })
+    }
+
+    /// Queue a recording (its ops run on the current contents of the batch it was recorded
+    /// with).
+    fn replay(&self, rec: &Recording) -> Result<()> {
+        let _ = rec;
+        Err(BackendError::Unsupported {
+            op: "replay",
+            what: "recording on this backend".into(),
+        })
+    }
 
     /// Wait until every queued op has finished (device backends); surfaces asynchronous
     /// device errors.

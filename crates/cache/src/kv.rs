@@ -22,6 +22,7 @@
 //!   (which resets the states). Snapshots ([`KvCache::save_recurrent`], copied to host
 //!   memory) let a caller go back to an earlier point.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use kapitsa_backend::{Backend, DType, Tensor, Q8_0_BLOCK};
@@ -132,9 +133,14 @@ impl RecurrentSnapshot {
     }
 }
 
+/// Ids of caches (see [`KvCache::id`]).
+static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(1);
+
 /// Cache storage for every layer of one model: paged KV for attention layers, states for
 /// recurrent layers (see the module docs).
 pub struct KvCache {
+    /// Unique per cache (recordings of steps hold its tensors' device addresses).
+    id: u64,
     backend: Arc<dyn Backend>,
     n_slots: usize,
     n_ctx: usize,
@@ -262,6 +268,7 @@ impl KvCache {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(KvCache {
+            id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
             backend,
             n_slots,
             n_ctx,
@@ -275,6 +282,12 @@ impl KvCache {
             free: (0..n_blocks as u32).rev().collect(),
             rec_pos: vec![0; n_slots],
         })
+    }
+
+    /// An id no other cache of this process has: a model that recorded steps against this
+    /// cache's storage (device addresses) checks it before replaying them.
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// The backend the storage lives on.

@@ -242,16 +242,30 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             );
             samples_ns.push(ns);
         }
-        results.push((*t, samples_ns));
+        let kernels = model.step_kernels().filter(|_| t.n_gen > 0);
+        if let Some(k) = kernels {
+            eprintln!("bench: {name}: {k} kernel launches/step (one recorded step)");
+        }
+        results.push((*t, samples_ns, kernels));
     }
 
-    let backend = format!("CPU ({})", CpuFeatures::get().describe());
+    let backend = match opened.backend.device() {
+        kapitsa_backend::Device::Cpu => format!("CPU ({})", CpuFeatures::get().describe()),
+        _ => format!("CUDA ({})", opened.backend.describe()),
+    };
     match a.output {
         Format::Md => print!("{}", markdown(&info, &backend, n_threads, &results)),
         Format::Json => {
             let arr: Vec<serde_json::Value> = results
                 .iter()
-                .map(|(t, s)| json_entry(&info, &backend, n_threads, &a.kv_type, state_bytes, t, s))
+                .map(|(t, s, k)| {
+                    let mut e =
+                        json_entry(&info, &backend, n_threads, &a.kv_type, state_bytes, t, s);
+                    if let Some(k) = k {
+                        e["launches_per_step"] = serde_json::json!(k);
+                    }
+                    e
+                })
                 .collect();
             println!("{}", serde_json::to_string_pretty(&arr)?);
         }
@@ -456,14 +470,14 @@ fn markdown(
     info: &ModelInfo,
     backend: &str,
     threads: usize,
-    results: &[(Test, Vec<u64>)],
+    results: &[(Test, Vec<u64>, Option<usize>)],
 ) -> String {
     let head = [
         "model", "size", "params", "backend", "threads", "test", "t/s",
     ];
     let right = [false, true, true, false, true, true, true];
     let mut rows: Vec<[String; 7]> = Vec::new();
-    for (t, ns) in results {
+    for (t, ns, _) in results {
         let (m, s) = mean_std(&samples_ts(t, ns));
         rows.push([
             info.model_type.clone(),

@@ -81,6 +81,12 @@ pub trait CausalLm: Send + Sync {
     /// for the rows `batch.logit_rows` asks for. `cache` must have been made for this model
     /// ([`new_cache`]).
     fn forward(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits>;
+
+    /// Kernel launches of the most recently replayed recorded step (`None`: this model's
+    /// steps are not recorded on its backend, or none was yet). For benchmarks.
+    fn step_kernels(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// A cache for `model` on its backend: `n_slots` sequences of up to `n_ctx` tokens, with

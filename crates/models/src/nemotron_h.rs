@@ -484,4 +484,8 @@ impl CausalLm for NemotronH {
     fn forward(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
         self.inner.forward(batch, cache)
     }
+
+    fn step_kernels(&self) -> Option<usize> {
+        self.inner.step_kernels()
+    }
 }

@@ -36,4 +36,8 @@ impl CausalLm for Qwen3 {
     fn forward(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
         self.inner.forward(batch, cache)
     }
+
+    fn step_kernels(&self) -> Option<usize> {
+        self.inner.step_kernels()
+    }
 }

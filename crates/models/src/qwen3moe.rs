@@ -88,4 +88,8 @@ impl CausalLm for Qwen3Moe {
     fn forward(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
         self.inner.forward(batch, cache)
     }
+
+    fn step_kernels(&self) -> Option<usize> {
+        self.inner.step_kernels()
+    }
 }

@@ -196,10 +196,7 @@ impl DeviceAttention {
             be.rope(&mut q, self.n_head, hd, rope, cx.dev_batch)?;
             be.rope(&mut k, self.n_head_kv, hd, rope, cx.dev_batch)?;
         }
-        for c in &batch.seqs {
-            cx.cache
-                .check_writable(c.slot, batch.positions[c.start] as usize, c.len)?;
-        }
+        // (the decoder checked that the positions written are prepared and unshared)
         {
             let (kc, vc) = cx.cache.kv_tensors_mut(layer)?;
             let dst = KvLayer {

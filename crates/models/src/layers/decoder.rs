@@ -11,14 +11,15 @@
 //! (block tables and slots come with the batch). Only the requested logits rows come back to
 //! the host.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use kapitsa_backend::{Backend, BatchDesc, SeqDesc, Tensor};
+use kapitsa_backend::{Backend, Batch, BatchDesc, SeqDesc, Tensor};
 
 use crate::layers::attention::{Attention, DeviceAttention};
 use crate::layers::ffn::{DeviceFfn, Ffn};
 use crate::layers::gdn::{DeviceGdn, GatedDeltaNet};
 use crate::layers::mamba2::{DeviceMamba2, Mamba2};
+use crate::layers::recorded::{self, Recordings};
 use crate::layers::{check_matrix, check_vec, tensor, ForwardCtx};
 use crate::{BatchInputs, KvCache, LayerKind, Logits, ModelError, ModelSpec, Result, Weight};
 
@@ -94,6 +95,10 @@ pub struct Decoder {
     out_norm: Tensor,
     /// `None` when tied to the embedding.
     output: Option<kapitsa_backend::Weight>,
+    /// Some block reads results back mid-step (MoE routing): steps are never recorded.
+    host_sync: bool,
+    /// Recorded decode steps (layers/recorded.rs), used by one forward pass at a time.
+    recordings: Mutex<Recordings>,
 }
 
 impl Decoder {
@@ -193,6 +198,9 @@ impl Decoder {
         };
         let output = p.output.as_ref().map(|o| o.upload(be)).transpose()?;
         let out_norm = be.upload_f32(&p.out_norm)?;
+        let host_sync = blocks
+            .iter()
+            .any(|b| matches!(b.op, DeviceOp::Ffn(DeviceFfn::Moe(_))));
         let spec = ModelSpec {
             arch: p.arch,
             n_vocab,
@@ -211,6 +219,8 @@ impl Decoder {
             blocks,
             out_norm,
             output,
+            host_sync,
+            recordings: Mutex::new(Recordings::default()),
         })
     }
 
@@ -229,12 +239,15 @@ impl Decoder {
         &self.backend
     }
 
+    /// See [`crate::CausalLm::step_kernels`].
+    pub fn step_kernels(&self) -> Option<usize> {
+        self.recordings.lock().ok()?.last_kernels()
+    }
+
     /// Forward pass over a batch (see [`crate::CausalLm::forward`]).
     pub fn forward(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
         batch.validate(cache.n_slots())?;
         let be = &*self.backend;
-        let n = batch.n_tokens();
-        let d = self.n_embd;
         let n_vocab = self.spec.n_vocab;
         for c in &batch.seqs {
             let last = batch.positions[c.start + c.len - 1] as usize;
@@ -296,16 +309,75 @@ impl Decoder {
             });
             desc.block_tables.extend_from_slice(table);
         }
-        let dev_batch = be.prepare_batch(desc)?;
+        if cache.has_kv() {
+            for c in &batch.seqs {
+                cache.check_writable(c.slot, batch.positions[c.start] as usize, c.len)?;
+            }
+        }
 
+        let rows = &batch.logit_rows;
+        let mut data = vec![0f32; rows.len() * n_vocab];
+        if !self.host_sync && recorded::recordable(be, batch) {
+            let table_capacity = if cache.has_kv() {
+                cache.n_ctx().div_ceil(cache.block_size())
+            } else {
+                0
+            };
+            let mut recordings = self
+                .recordings
+                .lock()
+                .map_err(|_| ModelError::Batch("an earlier step panicked".into()))?;
+            recordings.step(
+                be,
+                cache.id(),
+                desc,
+                table_capacity,
+                n_vocab,
+                |dev_batch, logits| self.run_step(batch, dev_batch, cache, logits),
+                &mut data,
+            )?;
+        } else {
+            let dev_batch = be.prepare_batch(desc)?;
+            let mut logits = tensor(be, rows.len() * n_vocab)?;
+            self.run_step(batch, &dev_batch, cache, &mut logits)?;
+            if !rows.is_empty() {
+                be.read_f32(&logits, 0, &mut data)?;
+            }
+        }
+        if cache.has_recurrent() {
+            for c in &batch.seqs {
+                let end = batch.positions[c.start + c.len - 1] as usize + 1;
+                cache.end_recurrent(c.slot, end);
+            }
+        }
+        Ok(Logits {
+            n_vocab,
+            rows: rows.clone(),
+            data,
+        })
+    }
+
+    /// A step's device work: embedding, every block, and the logits of the batch's logit rows
+    /// into `logits` (`[rows, n_vocab]`; untouched when no row is asked for). Queues ops
+    /// only (nothing is read back), so it can be recorded.
+    fn run_step(
+        &self,
+        batch: &BatchInputs,
+        dev_batch: &Batch,
+        cache: &mut KvCache,
+        logits: &mut Tensor,
+    ) -> Result<()> {
+        let be = &*self.backend;
+        let n = batch.n_tokens();
+        let d = self.n_embd;
         let mut x = tensor(be, n * d)?;
-        be.embed(&self.tok_embd, &dev_batch, &mut x)?;
+        be.embed(&self.tok_embd, dev_batch, &mut x)?;
         let mut h = tensor(be, n * d)?;
         let mut o = tensor(be, n * d)?;
         let mut cx = ForwardCtx {
             be,
             batch,
-            dev_batch: &dev_batch,
+            dev_batch,
             cache,
         };
         for b in &self.blocks {
@@ -319,28 +391,14 @@ impl Decoder {
             }
             be.add(&mut x, &o)?;
         }
-        if cx.cache.has_recurrent() {
-            for c in &batch.seqs {
-                let end = batch.positions[c.start + c.len - 1] as usize + 1;
-                cx.cache.end_recurrent(c.slot, end);
-            }
-        }
-
-        let rows = &batch.logit_rows;
-        let mut data = vec![0f32; rows.len() * n_vocab];
-        if !rows.is_empty() {
-            let mut hr = tensor(be, rows.len() * d)?;
-            be.gather_logit_rows(&x, d, &dev_batch, &mut hr)?;
+        let rows = batch.logit_rows.len();
+        if rows > 0 {
+            let mut hr = tensor(be, rows * d)?;
+            be.gather_logit_rows(&x, d, dev_batch, &mut hr)?;
             be.rms_norm(&mut hr, d, &self.out_norm, self.rms_eps)?;
             let out_w = self.output.as_ref().unwrap_or(&self.tok_embd);
-            let mut logits = tensor(be, rows.len() * n_vocab)?;
-            be.matmul(out_w, &hr, rows.len(), &mut logits)?;
-            be.read_f32(&logits, 0, &mut data)?;
+            be.matmul(out_w, &hr, rows, logits)?;
         }
-        Ok(Logits {
-            n_vocab,
-            rows: rows.clone(),
-            data,
-        })
+        Ok(())
     }
 }

@@ -11,6 +11,7 @@ pub mod decoder;
 pub mod ffn;
 pub mod gdn;
 pub mod mamba2;
+pub mod recorded;
 
 use kapitsa_backend::{Backend, Batch, DType, Tensor};
 
