@@ -5,7 +5,8 @@
 // - `gemv_<ty>_<nt>` (nt = 1..8, every type): decode GEMV
 //   `y[t * ldy + r] = sum_k x[t * n_in + k] * W[row0 + r, k]` for t < nt, r < n_rows, with W in
 //   the device layout of quant.cuh dequantised in registers and f32 accumulation. x is f32,
-//   16-byte aligned, n_in a multiple of the type's chunk (CE); y f32.
+//   16-byte aligned, n_in a multiple of the type's chunk (CE); y f32. Epilogue: with `bias`
+//   (non-null, `[n_rows]`) v += bias[r]; with `acc` y += v, else y = v.
 //   Launch: blockDim 128 (4 warps); `ksplit` G in {1, 2, 4} warps share a row group and split
 //   its chunks; a block holds 4/G row groups of R = 4 rows (`GemvTune::R`, mirrored in
 //   src/matmul.rs `GEMV_ROWS`); grid.x = ceil(ceil(n_rows / R) / (4 / G)).
@@ -133,7 +134,8 @@ __device__ __forceinline__ void gemv_chunk(const typename KqFmt<T>::Raw (&raw)[R
 template <int T, int NT>
 __device__ __forceinline__ void gemv_impl(const uint8_t* __restrict__ w, uint64_t off1, uint64_t off2, uint64_t off3,
                                           uint64_t stride, uint64_t row0, int n_rows, int n_in, int ksplit,
-                                          const float* __restrict__ x, float* __restrict__ y, int ldy) {
+                                          const float* __restrict__ x, float* __restrict__ y, int ldy,
+                                          const float* __restrict__ bias, int accumulate) {
   using F = KqFmt<T>;
   constexpr int R = GemvTune<T, NT>::R;
   constexpr int U = GemvTune<T, NT>::U;
@@ -189,18 +191,24 @@ __device__ __forceinline__ void gemv_impl(const uint8_t* __restrict__ w, uint64_
     for (int k = 1; k < G; k++) v += red[warp + k][lane];
     const int t = lane / R, i = lane - t * R;
     const int r = r_first + i;
-    if (r < n_rows) y[(size_t)t * ldy + r] = v;
+    if (r < n_rows) {
+      // the epilogue, rounded step by step as add_bias and add would: y = y + (v + bias)
+      if (bias != nullptr) v += bias[r];
+      float* yp = y + (size_t)t * ldy + r;
+      *yp = accumulate ? *yp + v : v;
+    }
   }
 }
 
 #define GEMV_ARGS                                                                                         \
   const uint8_t *__restrict__ w, uint64_t off1, uint64_t off2, uint64_t off3, uint64_t stride, uint64_t row0, \
-      int n_rows, int n_in, int ksplit, const float *__restrict__ x, float *__restrict__ y, int ldy
+      int n_rows, int n_in, int ksplit, const float *__restrict__ x, float *__restrict__ y, int ldy, \
+      const float *__restrict__ bias, int acc
 
 #define GEMV_KERNEL(NAME, T, NT)                                                                  \
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GemvTune<T, NT>::MIN_BLOCKS)        \
       gemv_##NAME##_##NT(GEMV_ARGS) { pdl_enter();                                                              \
-    gemv_impl<T, NT>(w, off1, off2, off3, stride, row0, n_rows, n_in, ksplit, x, y, ldy);          \
+    gemv_impl<T, NT>(w, off1, off2, off3, stride, row0, n_rows, n_in, ksplit, x, y, ldy, bias, acc); \
   }
 
 #define GEMV_ALL_NT(NAME, T) \

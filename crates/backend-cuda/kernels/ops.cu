@@ -104,6 +104,20 @@ extern "C" __global__ void rms_norm_f32(float* __restrict__ x, const float* __re
   for (uint32_t i = threadIdx.x; i < width; i += blockDim.x) row[i] = (row[i] * scale) * w[i];
 }
 
+// RMSNorm of row blockIdx.x of x into out (x unchanged), the arithmetic of rms_norm_f32.
+extern "C" __global__ void rms_norm_to_f32(const float* __restrict__ x, float* __restrict__ out,
+                                           const float* __restrict__ w, uint32_t width, float eps) {
+  pdl_enter();
+  __shared__ float scratch[32];
+  const float* row = x + (uint64_t)blockIdx.x * width;
+  float* o = out + (uint64_t)blockIdx.x * width;
+  float ss = 0.0f;
+  for (uint32_t i = threadIdx.x; i < width; i += blockDim.x) ss += row[i] * row[i];
+  ss = block_sum(ss, scratch);
+  const float scale = 1.0f / sqrtf(ss / (float)width + eps);
+  for (uint32_t i = threadIdx.x; i < width; i += blockDim.x) o[i] = (row[i] * scale) * w[i];
+}
+
 // L2 norm of row blockIdx.x in place: x = x * ((1 / sqrt(sum(x^2) + eps)) * scale).
 extern "C" __global__ void l2_norm_f32(float* __restrict__ x, uint32_t width, float eps, float scale) {
   pdl_enter();

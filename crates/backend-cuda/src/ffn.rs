@@ -16,13 +16,13 @@ use std::ops::Range;
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use kapitsa_backend::{
-    shape_err, Act, BackendError, Batch, Experts, Gating, MlpWeights, MoeWeights, Result, Tensor,
-    Weight,
+    shape_err, Act, BackendError, Batch, DType, Epilogue, Experts, Gating, MlpWeights, MoeWeights,
+    Result, Tensor, Weight,
 };
 
 use crate::device::{dev_err, elem_cfg, row_threads, u32_arg};
 use crate::launch::KernelLaunch;
-use crate::matmul::CudaWeight;
+use crate::matmul::{CudaWeight, GemvEpilogue};
 use crate::CudaBackend;
 
 /// One operand of an expert MLP: rows `rows` of expert `e` of a device weight (`e = 0` and
@@ -82,6 +82,49 @@ impl CudaBackend {
         self.matmul_dev(m, xb, n_tok, yb)
     }
 
+    pub(crate) fn matmul_with_impl(
+        &self,
+        w: &Weight,
+        x: &Tensor,
+        n_tok: usize,
+        y: &mut Tensor,
+        ep: Epilogue<'_>,
+    ) -> Result<()> {
+        const OP: &str = "matmul_with";
+        let (n_out, n_in) = w.dims2(OP)?;
+        let m = self.matrix(w, OP)?;
+        let xb = self.f32_len(x, n_tok * n_in, OP, "x")?;
+        let bias = match ep.bias {
+            Some(b) => Some(self.f32_len(b, n_out, OP, "bias")?),
+            None => None,
+        };
+        let yb = self.f32_len_mut(y, n_tok * n_out, OP, "y")?;
+        let gep = GemvEpilogue {
+            bias,
+            accumulate: ep.accumulate,
+        };
+        if self
+            .mm
+            .matmul_epilogue(&self.stream, m, xb, n_tok, yb, gep)?
+        {
+            return Ok(());
+        }
+        // the GEMM path: the product, then the epilogue's ops (the trait's definition)
+        if !ep.accumulate {
+            self.matmul_impl(w, x, n_tok, y)?;
+            if let Some(b) = ep.bias {
+                self.add_bias_impl(y, b)?;
+            }
+            return Ok(());
+        }
+        let mut t = self.alloc_scratch_tensor(DType::F32, n_tok * n_out)?;
+        self.matmul_impl(w, x, n_tok, &mut t)?;
+        if let Some(b) = ep.bias {
+            self.add_bias_impl(&mut t, b)?;
+        }
+        self.add_impl(y, &t)
+    }
+
     pub(crate) fn embed_impl(&self, w: &Weight, batch: &Batch, out: &mut Tensor) -> Result<()> {
         const OP: &str = "embed";
         let db = self.dev_batch(batch, OP)?;
@@ -136,6 +179,22 @@ impl CudaBackend {
         x: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        self.mlp_dev_ep(mats, act, n_ff, n, x, out, false)
+    }
+
+    /// [`Self::mlp_dev`], adding into `out` when `accumulate` (the down projection's
+    /// epilogue where the GEMV takes it, else scratch and an add).
+    #[allow(clippy::too_many_arguments)]
+    fn mlp_dev_ep(
+        &self,
+        mats: &ExpertMats<'_>,
+        act: Act,
+        n_ff: usize,
+        n: usize,
+        x: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        accumulate: bool,
+    ) -> Result<()> {
         const OP: &str = "mlp";
         if n == 0 {
             return Ok(());
@@ -143,16 +202,37 @@ impl CudaBackend {
         let m = n * n_ff;
         let mut u = self.scratch::<f32>(m)?;
         self.mat_dev(&mats.up, x, n, &mut u)?;
+        let down = |h: &CudaSlice<f32>, out: &mut CudaSlice<f32>| -> Result<()> {
+            if !accumulate {
+                return self.mat_dev(&mats.down, h, n, out);
+            }
+            let whole = mats.down.e == 0 && mats.down.rows == (0..mats.down.w.n_out());
+            let ep = GemvEpilogue {
+                bias: None,
+                accumulate: true,
+            };
+            if whole
+                && self
+                    .mm
+                    .matmul_epilogue(&self.stream, mats.down.w, h, n, out, ep)?
+            {
+                return Ok(());
+            }
+            let n_out = mats.down.rows.len();
+            let mut t = self.scratch::<f32>(n * n_out)?;
+            self.mat_dev(&mats.down, h, n, &mut t)?;
+            self.add_dev(out, &t, n * n_out)
+        };
         match (act, &mats.gate) {
             (Act::SwiGlu, Some(gate)) => {
                 let mut g = self.scratch::<f32>(m)?;
                 self.mat_dev(gate, x, n, &mut g)?;
                 self.silu_mul_dev(&mut g, &u, m)?;
-                self.mat_dev(&mats.down, &g, n, out)
+                down(&g, out)
             }
             (Act::Relu2, None) => {
                 self.relu2_dev(&mut u, m)?;
-                self.mat_dev(&mats.down, &u, n, out)
+                down(&u, out)
             }
             (Act::SwiGlu, None) => shape_err(OP, "a SwiGLU MLP without a gate"),
             (Act::Relu2, Some(_)) => shape_err(OP, "a squared-ReLU MLP with a gate"),
@@ -205,6 +285,20 @@ impl CudaBackend {
         let xb = self.f32_len(x, n * n_in, OP, "x")?;
         let ob = self.f32_len_mut(out, n * n_out, OP, "out")?;
         self.mlp_dev(&mats, w.act, n_ff, n, xb, ob)
+    }
+
+    pub(crate) fn mlp_add_impl(
+        &self,
+        w: &MlpWeights,
+        x: &Tensor,
+        n: usize,
+        y: &mut Tensor,
+    ) -> Result<()> {
+        const OP: &str = "mlp_add";
+        let (mats, n_in, n_ff, n_out) = self.mlp_mats(w, OP)?;
+        let xb = self.f32_len(x, n * n_in, OP, "x")?;
+        let yb = self.f32_len_mut(y, n * n_out, OP, "y")?;
+        self.mlp_dev_ep(&mats, w.act, n_ff, n, xb, yb, true)
     }
 
     /// The per-expert matrices of `w.experts` for expert inputs/outputs of width `de`.

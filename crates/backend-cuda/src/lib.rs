@@ -105,8 +105,9 @@ mod imp {
     use cudarc::cublas::CudaBlas;
     use cudarc::driver::{CudaContext, CudaStream};
     use kapitsa_backend::{
-        AttnShape, Backend, BackendError, Batch, BatchDesc, DType, Device, GdnShape, HostWeight,
-        KvLayer, Mamba2Shape, MlpWeights, MoeWeights, Recording, Result, RopeDesc, Tensor, Weight,
+        AttnShape, Backend, BackendError, Batch, BatchDesc, DType, Device, Epilogue, GdnShape,
+        HostWeight, KvLayer, Mamba2Shape, MlpWeights, MoeWeights, Recording, Result, RopeDesc,
+        Tensor, Weight,
     };
 
     use crate::device::{self, dev_err, DeviceInfo, Kernels, KERNELS};
@@ -271,6 +272,42 @@ mod imp {
             self.matmul_impl(w, x, n_tok, y)
         }
 
+        fn matmul_with(
+            &self,
+            w: &Weight,
+            x: &Tensor,
+            n_tok: usize,
+            y: &mut Tensor,
+            ep: Epilogue<'_>,
+        ) -> Result<()> {
+            self.matmul_with_impl(w, x, n_tok, y, ep)
+        }
+
+        fn matmul_many_with(
+            &self,
+            ws: &[&Weight],
+            x: &Tensor,
+            n_tok: usize,
+            ys: &mut [&mut Tensor],
+            eps: &[Epilogue<'_>],
+        ) -> Result<()> {
+            if eps.len() != ws.len() || ys.len() != ws.len() {
+                return kapitsa_backend::shape_err(
+                    "matmul_many_with",
+                    format!(
+                        "{} weights, {} outputs, {} epilogues",
+                        ws.len(),
+                        ys.len(),
+                        eps.len()
+                    ),
+                );
+            }
+            for ((w, y), ep) in ws.iter().zip(ys.iter_mut()).zip(eps) {
+                self.matmul_with_impl(w, x, n_tok, y, *ep)?;
+            }
+            Ok(())
+        }
+
         fn embed(&self, w: &Weight, batch: &Batch, out: &mut Tensor) -> Result<()> {
             self.embed_impl(w, batch, out)
         }
@@ -279,12 +316,27 @@ mod imp {
             self.mlp_impl(w, x, n, out)
         }
 
+        fn mlp_add(&self, w: &MlpWeights, x: &Tensor, n: usize, y: &mut Tensor) -> Result<()> {
+            self.mlp_add_impl(w, x, n, y)
+        }
+
         fn moe(&self, w: &MoeWeights, x: &Tensor, n: usize, out: &mut Tensor) -> Result<()> {
             self.moe_impl(w, x, n, out)
         }
 
         fn rms_norm(&self, x: &mut Tensor, width: usize, w: &Tensor, eps: f32) -> Result<()> {
             self.rms_norm_impl(x, width, w, eps)
+        }
+
+        fn rms_norm_to(
+            &self,
+            x: &Tensor,
+            out: &mut Tensor,
+            width: usize,
+            w: &Tensor,
+            eps: f32,
+        ) -> Result<()> {
+            self.rms_norm_to_impl(x, out, width, w, eps)
         }
 
         fn add(&self, y: &mut Tensor, x: &Tensor) -> Result<()> {

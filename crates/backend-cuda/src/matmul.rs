@@ -49,6 +49,14 @@ use kapitsa_base::GgmlType;
 use crate::device::dev_err;
 use crate::launch::KernelLaunch;
 
+/// The GEMV kernels' epilogue: a bias added to every row, accumulation into `y`.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct GemvEpilogue<'a> {
+    /// `[n_rows]` device floats.
+    pub(crate) bias: Option<&'a CudaSlice<f32>>,
+    pub(crate) accumulate: bool,
+}
+
 /// Largest token count of one GEMV launch (`gemv_<ty>_1` .. `gemv_<ty>_8`).
 pub(crate) const GEMV_MAX_TOKENS: usize = 8;
 
@@ -481,6 +489,52 @@ impl MatmulKernels {
         )
     }
 
+    /// `y = (ep.accumulate ? y : 0) + (x @ w^T + ep.bias)` through the GEMV kernels' epilogue,
+    /// for a 2-D weight at most [`GEMV_SPLIT_MAX_TOKENS`] tokens the GEMV takes; `Ok(false)`
+    /// (nothing queued) otherwise, and the caller composes the ops. Buffers as in `matmul`,
+    /// the bias `[n_out]`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn matmul_epilogue(
+        &self,
+        stream: &Arc<CudaStream>,
+        w: &CudaWeight,
+        x: &CudaSlice<f32>,
+        n_tok: usize,
+        y: &mut CudaSlice<f32>,
+        ep: GemvEpilogue<'_>,
+    ) -> Result<bool> {
+        const OP: &str = "matmul_with";
+        if w.n_exp != 1 || n_tok == 0 || n_tok > GEMV_SPLIT_MAX_TOKENS || !w.gemv_ok() {
+            return Ok(false);
+        }
+        let (n_rows, n_in) = (w.n_out, w.n_in);
+        if x.len() < mul(OP, n_tok, n_in)? || y.len() < mul(OP, n_tok, n_rows)? {
+            return shape_err(
+                OP,
+                format!("x or y too short for [{n_tok}, {n_in}] -> [{n_tok}, {n_rows}]"),
+            );
+        }
+        if ep.bias.is_some_and(|b| b.len() < n_rows) {
+            return shape_err(OP, format!("the bias has fewer than {n_rows} elements"));
+        }
+        i32_arg(OP, "n_tok * n_in", n_tok * n_in)?;
+        i32_arg(OP, "n_tok * rows", n_tok * n_rows)?;
+        let (x, mut y) = (x.as_view(), y.as_view_mut());
+        let mut t0 = 0;
+        while t0 < n_tok {
+            let nt = (n_tok - t0).min(GEMV_MAX_TOKENS);
+            let bad = || BackendError::Shape {
+                op: OP,
+                msg: format!("tokens {t0}..{} out of the x/y views", t0 + nt),
+            };
+            let xs = x.try_slice(t0 * n_in..).ok_or_else(bad)?;
+            let mut ys = y.try_slice_mut(t0 * n_rows..).ok_or_else(bad)?;
+            self.gemv(stream, w, 0, n_rows, &xs, nt, &mut ys, ep)?;
+            t0 += nt;
+        }
+        Ok(true)
+    }
+
     /// Rows `rows` of expert `expert` (0 for a 2-D weight): `y[t, i] = x[t, :] .
     /// W[expert, rows.start + i, :]`, x `[n_tok, n_in]`, y `[n_tok, rows.len()]` (row stride
     /// `rows.len()`), views of at least those lengths. x must start 16-byte aligned (any
@@ -548,7 +602,16 @@ impl MatmulKernels {
             };
             let xs = x.try_slice(t0 * w.n_in..).ok_or_else(bad)?;
             let mut ys = y.try_slice_mut(t0 * n_rows..).ok_or_else(bad)?;
-            self.gemv(stream, w, row0, n_rows, &xs, nt, &mut ys)?;
+            self.gemv(
+                stream,
+                w,
+                row0,
+                n_rows,
+                &xs,
+                nt,
+                &mut ys,
+                GemvEpilogue::default(),
+            )?;
             t0 += nt;
         }
         Ok(())
@@ -658,6 +721,7 @@ impl MatmulKernels {
 
     /// One GEMV launch (`n_tok <= 8`, rows of whole chunks).
     #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments)]
     fn gemv(
         &self,
         stream: &Arc<CudaStream>,
@@ -667,6 +731,7 @@ impl MatmulKernels {
         x: &CudaView<'_, f32>,
         n_tok: usize,
         y: &mut CudaViewMut<'_, f32>,
+        ep: GemvEpilogue<'_>,
     ) -> Result<()> {
         const OP: &str = "matmul";
         {
@@ -710,7 +775,15 @@ impl MatmulKernels {
             .arg(x)
             .arg(y)
             .arg(&ldy);
-        // SAFETY: gemv_<ty>_<nt>(w, off1..3, stride, row0, n_rows, n_in, ksplit, x, y, ldy):
+        let null = 0u64;
+        match ep.bias {
+            Some(bias) => b.arg(bias),
+            None => b.arg(&null),
+        };
+        let acc = i32::from(ep.accumulate);
+        b.arg(&acc);
+        // SAFETY: gemv_<ty>_<nt>(w, off1..3, stride, row0, n_rows, n_in, ksplit, x, y, ldy,
+        // bias, acc): bias is null or holds n_rows floats (checked by matmul_with);
         // the image, offsets and stride come from `upload`; rows row0..row0 + n_rows exist
         // (checked by the caller; the kernel clamps its row groups to n_rows); x holds
         // n_tok * n_in floats, 16-byte aligned, n_in a multiple of the chunk (gemv_ok); y

@@ -82,6 +82,25 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// `y += x` on device buffers of `n` floats.
+    pub(crate) fn add_dev(
+        &self,
+        y: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        n: usize,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        let mut b = self.stream.kernel(&self.k.add_f32);
+        b.arg(y).arg(x).arg(&n64);
+        // SAFETY: add_f32(float* y, const float* x, uint64_t n); callers pass buffers of at
+        // least n floats.
+        unsafe { b.launch(elem_cfg(n64)) }.map_err(dev_err)?;
+        Ok(())
+    }
+
     /// `gate = silu(gate) * up` on device buffers of `n` floats (the MLP's SwiGLU).
     pub(crate) fn silu_mul_dev(
         &self,
@@ -271,6 +290,32 @@ impl CudaBackend {
         b.arg(xb).arg(wb).arg(&wd).arg(&eps);
         // SAFETY: rms_norm_f32(float* x, const float* w, uint32_t width, float eps), one block
         // per row: x holds rows * width floats, w holds width.
+        unsafe { b.launch(rows_cfg(r, 1, row_threads(width), 0)) }.map_err(dev_err)?;
+        Ok(())
+    }
+
+    pub(crate) fn rms_norm_to_impl(
+        &self,
+        x: &Tensor,
+        out: &mut Tensor,
+        width: usize,
+        w: &Tensor,
+        eps: f32,
+    ) -> Result<()> {
+        const OP: &str = "rms_norm_to";
+        let rows = rows_of(OP, x.len(), width)?;
+        let wb = self.f32_len(w, width, OP, "w")?;
+        let xb = self.f32_len(x, rows * width, OP, "x")?;
+        let ob = self.f32_len_mut(out, rows * width, OP, "out")?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (r, wd) = (u32_arg(OP, "rows", rows)?, u32_arg(OP, "width", width)?);
+        let mut b = self.stream.kernel(&self.k.rms_norm_to_f32);
+        b.arg(xb).arg(ob).arg(wb).arg(&wd).arg(&eps);
+        // SAFETY: rms_norm_to_f32(const float* x, float* out, const float* w, uint32_t width,
+        // float eps), one block per row: x and out hold rows * width floats (distinct
+        // tensors), w holds width.
         unsafe { b.launch(rows_cfg(r, 1, row_threads(width), 0)) }.map_err(dev_err)?;
         Ok(())
     }

@@ -212,6 +212,18 @@ pub struct KvLayer<'a> {
     pub kv_dim: usize,
 }
 
+/// What a matrix product does with its result before storing it
+/// ([`crate::Backend::matmul_with`]): `y = (accumulate ? y : 0) + ((x @ w^T) + bias)`, each
+/// step rounded to f32 in that order, so it equals the product followed by
+/// [`crate::Backend::add_bias`] and [`crate::Backend::add`] bit for bit.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Epilogue<'a> {
+    /// Added to every row (`[n_out]`, device memory of the backend).
+    pub bias: Option<&'a Tensor>,
+    /// Add into `y` (a residual connection) instead of overwriting it.
+    pub accumulate: bool,
+}
+
 /// Activation of an MLP or an expert.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Act {

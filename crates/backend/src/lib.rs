@@ -29,8 +29,8 @@ pub mod tensor;
 pub mod testing;
 
 pub use desc::{
-    Act, AttnShape, Batch, BatchDesc, Experts, Gating, GdnShape, HeadOrder, KvLayer, Latent,
-    Mamba2Shape, MlpWeights, MoeWeights, Recording, RopeDesc, SeqDesc,
+    Act, AttnShape, Batch, BatchDesc, Epilogue, Experts, Gating, GdnShape, HeadOrder, KvLayer,
+    Latent, Mamba2Shape, MlpWeights, MoeWeights, Recording, RopeDesc, SeqDesc,
 };
 pub use device::{Device, DeviceChoice};
 pub use error::{check_len, shape_err, BackendError, Result};
@@ -182,6 +182,32 @@ pub trait Backend: Send + Sync {
     /// `y[n_tok, n_out] = x[n_tok, n_in] @ w^T` for a 2-D weight `[n_out, n_in]`.
     fn matmul(&self, w: &Weight, x: &Tensor, n_tok: usize, y: &mut Tensor) -> Result<()>;
 
+    /// [`Backend::matmul`] with an epilogue (a bias, accumulation into `y`; see
+    /// [`Epilogue`]): one kernel on a device backend instead of three. The default composes
+    /// `matmul`, `add_bias` and `add`, which defines the result.
+    fn matmul_with(
+        &self,
+        w: &Weight,
+        x: &Tensor,
+        n_tok: usize,
+        y: &mut Tensor,
+        ep: Epilogue<'_>,
+    ) -> Result<()> {
+        if !ep.accumulate {
+            self.matmul(w, x, n_tok, y)?;
+            if let Some(b) = ep.bias {
+                self.add_bias(y, b)?;
+            }
+            return Ok(());
+        }
+        let mut t = self.alloc_scratch(DType::F32, y.len())?;
+        self.matmul(w, x, n_tok, &mut t)?;
+        if let Some(b) = ep.bias {
+            self.add_bias(&mut t, b)?;
+        }
+        self.add(y, &t)
+    }
+
     /// `ys[i] = x @ ws[i]^T` for several matrices sharing the input (attention's q, k, v; the
     /// Gated DeltaNet in-projections); each output exactly as [`Backend::matmul`] computes it.
     fn matmul_many(
@@ -203,11 +229,57 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// [`Backend::matmul_many`] with an epilogue per matrix (`eps.len() == ws.len()`; see
+    /// [`Epilogue`]). The default runs `matmul_many` and then the biases (one `matmul_with`
+    /// per matrix when one accumulates), which defines the result.
+    fn matmul_many_with(
+        &self,
+        ws: &[&Weight],
+        x: &Tensor,
+        n_tok: usize,
+        ys: &mut [&mut Tensor],
+        eps: &[Epilogue<'_>],
+    ) -> Result<()> {
+        if eps.len() != ws.len() {
+            return shape_err(
+                "matmul_many_with",
+                format!("{} weights, {} epilogues", ws.len(), eps.len()),
+            );
+        }
+        if eps.iter().any(|e| e.accumulate) {
+            if ys.len() != ws.len() {
+                return shape_err(
+                    "matmul_many_with",
+                    format!("{} weights, {} outputs", ws.len(), ys.len()),
+                );
+            }
+            for ((w, y), ep) in ws.iter().zip(ys.iter_mut()).zip(eps) {
+                self.matmul_with(w, x, n_tok, y, *ep)?;
+            }
+            return Ok(());
+        }
+        self.matmul_many(ws, x, n_tok, ys)?;
+        for (y, ep) in ys.iter_mut().zip(eps) {
+            if let Some(b) = ep.bias {
+                self.add_bias(y, b)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Embedding gather: `out[i, :] = dequant(w[batch.tokens[i], :])`, out `[n_tokens, n_in]`.
     fn embed(&self, w: &Weight, batch: &Batch, out: &mut Tensor) -> Result<()>;
 
     /// A dense MLP: `out[n, n_out] = mlp(x[n, n_in])` (see [`MlpWeights`]).
     fn mlp(&self, w: &MlpWeights, x: &Tensor, n: usize, out: &mut Tensor) -> Result<()>;
+
+    /// `y += mlp(x)` (a residual MLP block; see [`Backend::mlp`]). The default computes the
+    /// MLP into scratch and adds it, which defines the result.
+    fn mlp_add(&self, w: &MlpWeights, x: &Tensor, n: usize, y: &mut Tensor) -> Result<()> {
+        let mut t = self.alloc_scratch(DType::F32, y.len())?;
+        self.mlp(w, x, n, &mut t)?;
+        self.add(y, &t)
+    }
 
     /// A routed mixture of experts with its shared expert: `out[n, d] = moe(x[n, d])`
     /// (semantics on [`MoeWeights`]): router, top-k, grouping tokens by expert, the expert
@@ -219,6 +291,26 @@ pub trait Backend: Send + Sync {
     /// RMSNorm of each `width`-wide row of `x` in place with weight `w[width]`:
     /// `x = x / sqrt(mean(x^2) + eps) * w`.
     fn rms_norm(&self, x: &mut Tensor, width: usize, w: &Tensor, eps: f32) -> Result<()>;
+
+    /// [`Backend::rms_norm`] of `x` into `out` (same length), `x` unchanged: the pre-norm of
+    /// a residual block. The default copies, then normalises in place.
+    fn rms_norm_to(
+        &self,
+        x: &Tensor,
+        out: &mut Tensor,
+        width: usize,
+        w: &Tensor,
+        eps: f32,
+    ) -> Result<()> {
+        if x.len() != out.len() {
+            return shape_err(
+                "rms_norm_to",
+                format!("x has {} elements, out {}", x.len(), out.len()),
+            );
+        }
+        self.copy(x, 0, out, 0, x.len())?;
+        self.rms_norm(out, width, w, eps)
+    }
 
     /// `y += x` (same length).
     fn add(&self, y: &mut Tensor, x: &Tensor) -> Result<()>;

@@ -287,6 +287,7 @@ pub fn check_ops_with(
         embed(&mut s, ty)?;
     }
     matmul_many(&mut s)?;
+    matmul_with(&mut s)?;
     for act in [Act::SwiGlu, Act::Relu2] {
         mlp(&mut s, act)?;
     }
@@ -781,6 +782,19 @@ fn rows(s: &mut Suite<'_>) -> R<()> {
         })?;
         s.cmp("rms_norm", s.tol.f32, &t)?;
 
+        let src = s.up(&x)?;
+        let mut o = s.alloc(DType::F32, n * width)?;
+        s.both("rms_norm_to", |be, i| {
+            be.rms_norm_to(&src[i], &mut o[i], width, &wt[i], eps)
+        })?;
+        s.cmp("rms_norm_to", s.tol.f32, &o)?;
+        let [a, b] = s.read(&src)?;
+        s.record(
+            "rms_norm_to keeps x",
+            0.0,
+            rel_err(&a, &x).max(rel_err(&b, &x)),
+        );
+
         let mut t = s.up(&x)?;
         let o = s.rand(n * width, 1.0)?;
         s.both("add", |be, i| be.add(&mut t[i], &o[i]))?;
@@ -993,6 +1007,56 @@ fn matmul_many(s: &mut Suite<'_>) -> R<()> {
         })?;
         let refs: Vec<&Two<Tensor>> = ys.iter().collect();
         s.cmp_all("matmul_many", s.tol.matmul, &refs)?;
+
+        // with epilogues: a bias on some, accumulation on some
+        let bs: Vec<Two<Tensor>> = ys
+            .iter()
+            .map(|y| s.rand(y[0].len() / n_tok, 1.0))
+            .collect::<R<_>>()?;
+        let flags: Vec<(bool, bool)> = (0..count)
+            .map(|_| (s.rng.range(0, 2) == 1, s.rng.range(0, 3) == 2))
+            .collect();
+        s.both("matmul_many_with", |be, i| {
+            let w: Vec<&Weight> = ws.iter().map(|p| &p[i]).collect();
+            let mut y: Vec<&mut Tensor> = ys.iter_mut().map(|p| &mut p[i]).collect();
+            let eps: Vec<crate::Epilogue<'_>> = flags
+                .iter()
+                .zip(&bs)
+                .map(|(&(bias, accumulate), b)| crate::Epilogue {
+                    bias: bias.then_some(&b[i]),
+                    accumulate,
+                })
+                .collect();
+            be.matmul_many_with(&w, &x[i], n_tok, &mut y, &eps)
+        })?;
+        let refs: Vec<&Two<Tensor>> = ys.iter().collect();
+        s.cmp_all("matmul_many_with", s.tol.matmul, &refs)?;
+    }
+    Ok(())
+}
+
+/// Matrix products with an epilogue: a bias, accumulation into `y`, both; GEMV and GEMM
+/// token counts.
+fn matmul_with(s: &mut Suite<'_>) -> R<()> {
+    for _ in 0..s.cases {
+        let ty = s.rng.pick(&WEIGHT_TYPES);
+        let n_in = rand_n_in(&mut s.rng, ty);
+        let n_out = s.rng.range(1, 70);
+        let n_tok = s.rng.pick(&[1, 2, 3, 5, 9, 16, 21]);
+        let w = s.rand_weight("w", ty, vec![n_out, n_in], 0.5)?;
+        let x = s.rand(n_tok * n_in, 1.0)?;
+        let b = s.rand(n_out, 1.0)?;
+        for (bias, accumulate) in [(true, false), (false, true), (true, true)] {
+            let mut y = s.rand(n_tok * n_out, 2.0)?;
+            s.both("matmul_with", |be, i| {
+                let ep = crate::Epilogue {
+                    bias: bias.then_some(&b[i]),
+                    accumulate,
+                };
+                be.matmul_with(&w[i], &x[i], n_tok, &mut y[i], ep)
+            })?;
+            s.cmp("matmul_with", s.tol.matmul, &y)?;
+        }
     }
     Ok(())
 }
@@ -1069,6 +1133,9 @@ fn mlp(s: &mut Suite<'_>, act: Act) -> R<()> {
         let mut out = s.alloc(DType::F32, n * n_out)?;
         s.both("mlp", |be, i| be.mlp(&w[i], &x[i], n, &mut out[i]))?;
         s.cmp(name, s.tol.ffn, &out)?;
+        let mut y = s.rand(n * n_out, 2.0)?;
+        s.both("mlp_add", |be, i| be.mlp_add(&w[i], &x[i], n, &mut y[i]))?;
+        s.cmp(&format!("{name} add"), s.tol.ffn, &y)?;
     }
     Ok(())
 }

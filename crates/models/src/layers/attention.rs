@@ -7,7 +7,7 @@
 //! projection output is `[n_tokens, n_head * head_dim]`, or with a gate
 //! `[n_tokens, n_head, 2 * head_dim]` holding `[q_h | gate_h]` per head.
 
-use kapitsa_backend::{AttnShape, Backend, KvLayer, RopeDesc, Tensor};
+use kapitsa_backend::{AttnShape, Backend, Epilogue, KvLayer, RopeDesc, Tensor};
 
 use crate::layers::{check_matrix, check_vec, tensor, upload_opt, ForwardCtx};
 use crate::{ModelError, Result, Weight};
@@ -151,7 +151,7 @@ impl DeviceAttention {
         }
     }
 
-    /// `out[n, d] = attention(h[n, d])` for cache layer `layer`: projections, biases, q/k
+    /// `x[n, d] += attention(h[n, d])` (the residual stream) for cache layer `layer`: projections, biases, q/k
     /// norms, RoPE, writing K and V into the paged cache, attention over the whole batch,
     /// the output gate and the output projection.
     pub fn forward(
@@ -159,7 +159,7 @@ impl DeviceAttention {
         cx: &mut ForwardCtx<'_>,
         layer: usize,
         h: &Tensor,
-        out: &mut Tensor,
+        x: &mut Tensor,
     ) -> Result<()> {
         let be = cx.be;
         let batch = cx.batch;
@@ -178,13 +178,24 @@ impl DeviceAttention {
             let mut g = tensor(be, n * q_dim)?;
             be.split_cols(&qg, n * self.n_head, &[hd, hd], &mut [&mut q, &mut g])?;
             gate = Some(g);
-        } else {
-            be.matmul_many(&ws, h, n, &mut [&mut q, &mut k, &mut v])?;
-        }
-        for (x, b) in [(&mut q, &self.bq), (&mut k, &self.bk), (&mut v, &self.bv)] {
-            if let Some(b) = b {
-                be.add_bias(x, b)?;
+            if let Some(b) = &self.bq {
+                be.add_bias(&mut q, b)?;
             }
+            for (t, b) in [(&mut k, &self.bk), (&mut v, &self.bv)] {
+                if let Some(b) = b {
+                    be.add_bias(t, b)?;
+                }
+            }
+        } else {
+            // the biases in the products' epilogues
+            fn ep(b: &Option<Tensor>) -> Epilogue<'_> {
+                Epilogue {
+                    bias: b.as_ref(),
+                    accumulate: false,
+                }
+            }
+            let eps = [ep(&self.bq), ep(&self.bk), ep(&self.bv)];
+            be.matmul_many_with(&ws, h, n, &mut [&mut q, &mut k, &mut v], &eps)?;
         }
         if let Some(w) = &self.q_norm {
             be.rms_norm(&mut q, hd, w, self.eps)?;
@@ -212,7 +223,12 @@ impl DeviceAttention {
         if let Some(g) = &gate {
             be.mul_sigmoid(&mut att, g)?;
         }
-        be.matmul(&self.wo, &att, n, out)?;
+        // the residual connection in the output projection's epilogue
+        let ep = Epilogue {
+            bias: None,
+            accumulate: true,
+        };
+        be.matmul_with(&self.wo, &att, n, x, ep)?;
         Ok(())
     }
 }

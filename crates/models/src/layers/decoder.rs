@@ -381,15 +381,14 @@ impl Decoder {
             cache,
         };
         for b in &self.blocks {
-            be.copy(&x, 0, &mut h, 0, n * d)?;
-            be.rms_norm(&mut h, d, &b.norm, self.rms_eps)?;
+            // x += op(rmsnorm(x)): each op adds into x itself (in its last product's epilogue)
+            be.rms_norm_to(&x, &mut h, d, &b.norm, self.rms_eps)?;
             match &b.op {
-                DeviceOp::Attention(a) => a.forward(&mut cx, b.layer, &h, &mut o)?,
-                DeviceOp::Gdn(g) => g.forward(&mut cx, b.layer, &h, &mut o)?,
-                DeviceOp::Mamba2(m) => m.forward(&mut cx, b.layer, &h, &mut o)?,
-                DeviceOp::Ffn(f) => f.forward(be, &h, n, &mut o)?,
+                DeviceOp::Attention(a) => a.forward(&mut cx, b.layer, &h, &mut x)?,
+                DeviceOp::Gdn(g) => g.forward(&mut cx, b.layer, &h, &mut x)?,
+                DeviceOp::Mamba2(m) => m.forward(&mut cx, b.layer, &h, &mut x)?,
+                DeviceOp::Ffn(f) => f.forward_add(be, &h, n, &mut x, &mut o)?,
             }
-            be.add(&mut x, &o)?;
         }
         let rows = batch.logit_rows.len();
         if rows > 0 {

@@ -12,7 +12,7 @@
 //!
 //! References: transformers `Qwen3_5MoeGatedDeltaNet`; llama.cpp `build_layer_attn_linear`.
 
-use kapitsa_backend::{Backend, GdnShape, HeadOrder, Tensor};
+use kapitsa_backend::{Backend, Epilogue, GdnShape, HeadOrder, Tensor};
 
 use crate::layers::{check_matrix, check_vec, tensor, ForwardCtx};
 use crate::{ModelError, RecurrentShape, Result, Weight};
@@ -143,13 +143,13 @@ pub struct DeviceGdn {
 }
 
 impl DeviceGdn {
-    /// `out[n, d] = gdn(h[n, d])`, updating the recurrent states of cache layer `layer`.
+    /// `x[n, d] += gdn(h[n, d])` (the residual stream), updating the recurrent states of cache layer `layer`.
     pub fn forward(
         &self,
         cx: &mut ForwardCtx<'_>,
         layer: usize,
         h: &Tensor,
-        out: &mut Tensor,
+        x: &mut Tensor,
     ) -> Result<()> {
         let be = cx.be;
         let n = cx.batch.n_tokens();
@@ -190,7 +190,12 @@ impl DeviceGdn {
         let mut o = tensor(be, n * vd)?;
         be.gdn(*s, &q, &k, &v, &g, &beta, state, cx.dev_batch, &mut o)?;
         be.gated_rms_norm(&mut o, &z, s.dv, &self.norm, self.eps)?;
-        be.matmul(&self.w_out, &o, n, out)?;
+        // the residual connection in the output projection's epilogue
+        let ep = Epilogue {
+            bias: None,
+            accumulate: true,
+        };
+        be.matmul_with(&self.w_out, &o, n, x, ep)?;
         Ok(())
     }
 }

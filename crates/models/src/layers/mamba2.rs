@@ -10,7 +10,7 @@
 //! References: transformers `NemotronHMamba2Mixer`, `NemotronHRMSNormGated`; llama.cpp
 //! `build_mamba2_layer`.
 
-use kapitsa_backend::{Backend, Mamba2Shape, Tensor};
+use kapitsa_backend::{Backend, Epilogue, Mamba2Shape, Tensor};
 
 use crate::layers::{check_matrix, check_vec, tensor, upload_opt, ForwardCtx};
 use crate::{ModelError, RecurrentShape, Result, Weight};
@@ -128,13 +128,14 @@ pub struct DeviceMamba2 {
 }
 
 impl DeviceMamba2 {
-    /// `out[n, d] = mamba2(h[n, d])`, updating the recurrent states of cache layer `layer`.
+    /// `residual[n, d] += mamba2(h[n, d])`, updating the recurrent states of cache layer
+    /// `layer`.
     pub fn forward(
         &self,
         cx: &mut ForwardCtx<'_>,
         layer: usize,
         h: &Tensor,
-        out: &mut Tensor,
+        residual: &mut Tensor,
     ) -> Result<()> {
         let be = cx.be;
         let n = cx.batch.n_tokens();
@@ -180,7 +181,12 @@ impl DeviceMamba2 {
             &mut y,
         )?;
         be.gated_group_rms_norm(&mut y, &z, di, s.n_groups, &self.norm, self.eps)?;
-        be.matmul(&self.w_out, &y, n, out)?;
+        // the residual connection in the output projection's epilogue
+        let ep = Epilogue {
+            bias: None,
+            accumulate: true,
+        };
+        be.matmul_with(&self.w_out, &y, n, residual, ep)?;
         Ok(())
     }
 }
