@@ -92,30 +92,30 @@ extern "C" __global__ void scatter_rows_f32(const float* __restrict__ src, float
 }
 
 // RMSNorm of row blockIdx.x in place: x = (x * (1 / sqrt(mean(x^2) + eps))) * w.
+// RMSNorm of one row (`in` and `out` may be the same row): out = (in * (1 / sqrt(mean(in^2) +
+// eps))) * w. All threads of the block take part.
+__device__ __forceinline__ void rms_norm_row(const float* in, float* out, const float* __restrict__ w,
+                                             uint32_t width, float eps) {
+  __shared__ float scratch[32];
+  float ss = 0.0f;
+  for (uint32_t i = threadIdx.x; i < width; i += blockDim.x) ss += in[i] * in[i];
+  ss = block_sum(ss, scratch);
+  const float scale = 1.0f / sqrtf(ss / (float)width + eps);
+  for (uint32_t i = threadIdx.x; i < width; i += blockDim.x) out[i] = (in[i] * scale) * w[i];
+}
+
 extern "C" __global__ void rms_norm_f32(float* __restrict__ x, const float* __restrict__ w, uint32_t width,
                                         float eps) {
   pdl_enter();
-  __shared__ float scratch[32];
   float* row = x + (uint64_t)blockIdx.x * width;
-  float ss = 0.0f;
-  for (uint32_t i = threadIdx.x; i < width; i += blockDim.x) ss += row[i] * row[i];
-  ss = block_sum(ss, scratch);
-  const float scale = 1.0f / sqrtf(ss / (float)width + eps);
-  for (uint32_t i = threadIdx.x; i < width; i += blockDim.x) row[i] = (row[i] * scale) * w[i];
+  rms_norm_row(row, row, w, width, eps);
 }
 
 // RMSNorm of row blockIdx.x of x into out (x unchanged), the arithmetic of rms_norm_f32.
 extern "C" __global__ void rms_norm_to_f32(const float* __restrict__ x, float* __restrict__ out,
                                            const float* __restrict__ w, uint32_t width, float eps) {
   pdl_enter();
-  __shared__ float scratch[32];
-  const float* row = x + (uint64_t)blockIdx.x * width;
-  float* o = out + (uint64_t)blockIdx.x * width;
-  float ss = 0.0f;
-  for (uint32_t i = threadIdx.x; i < width; i += blockDim.x) ss += row[i] * row[i];
-  ss = block_sum(ss, scratch);
-  const float scale = 1.0f / sqrtf(ss / (float)width + eps);
-  for (uint32_t i = threadIdx.x; i < width; i += blockDim.x) o[i] = (row[i] * scale) * w[i];
+  rms_norm_row(x + (uint64_t)blockIdx.x * width, out + (uint64_t)blockIdx.x * width, w, width, eps);
 }
 
 // L2 norm of row blockIdx.x in place: x = x * ((1 / sqrt(sum(x^2) + eps)) * scale).

@@ -16,8 +16,8 @@ use std::ops::Range;
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use kapitsa_backend::{
-    shape_err, Act, BackendError, Batch, DType, Epilogue, Experts, Gating, MlpWeights, MoeWeights,
-    Result, Tensor, Weight,
+    shape_err, Act, BackendError, Batch, Epilogue, Experts, Gating, MlpWeights, MoeWeights, Result,
+    Tensor, Weight,
 };
 
 use crate::device::{dev_err, elem_cfg, row_threads, u32_arg};
@@ -110,19 +110,7 @@ impl CudaBackend {
             return Ok(());
         }
         // the GEMM path: the product, then the epilogue's ops (the trait's definition)
-        if !ep.accumulate {
-            self.matmul_impl(w, x, n_tok, y)?;
-            if let Some(b) = ep.bias {
-                self.add_bias_impl(y, b)?;
-            }
-            return Ok(());
-        }
-        let mut t = self.alloc_scratch_tensor(DType::F32, n_tok * n_out)?;
-        self.matmul_impl(w, x, n_tok, &mut t)?;
-        if let Some(b) = ep.bias {
-            self.add_bias_impl(&mut t, b)?;
-        }
-        self.add_impl(y, &t)
+        kapitsa_backend::matmul_with_composed(self, w, x, n_tok, y, ep)
     }
 
     pub(crate) fn embed_impl(&self, w: &Weight, batch: &Batch, out: &mut Tensor) -> Result<()> {
@@ -280,11 +268,7 @@ impl CudaBackend {
         n: usize,
         out: &mut Tensor,
     ) -> Result<()> {
-        const OP: &str = "mlp";
-        let (mats, n_in, n_ff, n_out) = self.mlp_mats(w, OP)?;
-        let xb = self.f32_len(x, n * n_in, OP, "x")?;
-        let ob = self.f32_len_mut(out, n * n_out, OP, "out")?;
-        self.mlp_dev(&mats, w.act, n_ff, n, xb, ob)
+        self.mlp_tensors(w, x, n, out, false)
     }
 
     pub(crate) fn mlp_add_impl(
@@ -294,11 +278,23 @@ impl CudaBackend {
         n: usize,
         y: &mut Tensor,
     ) -> Result<()> {
-        const OP: &str = "mlp_add";
-        let (mats, n_in, n_ff, n_out) = self.mlp_mats(w, OP)?;
-        let xb = self.f32_len(x, n * n_in, OP, "x")?;
-        let yb = self.f32_len_mut(y, n * n_out, OP, "y")?;
-        self.mlp_dev_ep(&mats, w.act, n_ff, n, xb, yb, true)
+        self.mlp_tensors(w, x, n, y, true)
+    }
+
+    /// `mlp` (`accumulate`: `mlp_add`) on tensors: shapes checked, then [`Self::mlp_dev_ep`].
+    fn mlp_tensors(
+        &self,
+        w: &MlpWeights,
+        x: &Tensor,
+        n: usize,
+        out: &mut Tensor,
+        accumulate: bool,
+    ) -> Result<()> {
+        let op = if accumulate { "mlp_add" } else { "mlp" };
+        let (mats, n_in, n_ff, n_out) = self.mlp_mats(w, op)?;
+        let xb = self.f32_len(x, n * n_in, op, "x")?;
+        let ob = self.f32_len_mut(out, n * n_out, op, "out")?;
+        self.mlp_dev_ep(&mats, w.act, n_ff, n, xb, ob, accumulate)
     }
 
     /// The per-expert matrices of `w.experts` for expert inputs/outputs of width `de`.

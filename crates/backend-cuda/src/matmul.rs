@@ -520,18 +520,7 @@ impl MatmulKernels {
         i32_arg(OP, "n_tok * n_in", n_tok * n_in)?;
         i32_arg(OP, "n_tok * rows", n_tok * n_rows)?;
         let (x, mut y) = (x.as_view(), y.as_view_mut());
-        let mut t0 = 0;
-        while t0 < n_tok {
-            let nt = (n_tok - t0).min(GEMV_MAX_TOKENS);
-            let bad = || BackendError::Shape {
-                op: OP,
-                msg: format!("tokens {t0}..{} out of the x/y views", t0 + nt),
-            };
-            let xs = x.try_slice(t0 * n_in..).ok_or_else(bad)?;
-            let mut ys = y.try_slice_mut(t0 * n_rows..).ok_or_else(bad)?;
-            self.gemv(stream, w, 0, n_rows, &xs, nt, &mut ys, ep)?;
-            t0 += nt;
-        }
+        self.gemv_tokens(stream, w, 0, n_rows, &x, n_tok, &mut y, ep)?;
         Ok(true)
     }
 
@@ -593,25 +582,42 @@ impl MatmulKernels {
         if n_tok > GEMV_SPLIT_MAX_TOKENS || !w.gemv_ok() {
             return self.gemm(stream, blas, w, row0, n_rows, x, n_tok, y);
         }
+        self.gemv_tokens(
+            stream,
+            w,
+            row0,
+            n_rows,
+            x,
+            n_tok,
+            y,
+            GemvEpilogue::default(),
+        )
+    }
+
+    /// The GEMV over `n_tok` tokens in launches of up to [`GEMV_MAX_TOKENS`] (views checked
+    /// by the caller).
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_tokens(
+        &self,
+        stream: &Arc<CudaStream>,
+        w: &CudaWeight,
+        row0: usize,
+        n_rows: usize,
+        x: &CudaView<'_, f32>,
+        n_tok: usize,
+        y: &mut CudaViewMut<'_, f32>,
+        ep: GemvEpilogue<'_>,
+    ) -> Result<()> {
         let mut t0 = 0;
         while t0 < n_tok {
             let nt = (n_tok - t0).min(GEMV_MAX_TOKENS);
             let bad = || BackendError::Shape {
-                op: OP,
+                op: "matmul",
                 msg: format!("tokens {t0}..{} out of the x/y views", t0 + nt),
             };
             let xs = x.try_slice(t0 * w.n_in..).ok_or_else(bad)?;
             let mut ys = y.try_slice_mut(t0 * n_rows..).ok_or_else(bad)?;
-            self.gemv(
-                stream,
-                w,
-                row0,
-                n_rows,
-                &xs,
-                nt,
-                &mut ys,
-                GemvEpilogue::default(),
-            )?;
+            self.gemv(stream, w, row0, n_rows, &xs, nt, &mut ys, ep)?;
             t0 += nt;
         }
         Ok(())

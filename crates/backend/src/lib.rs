@@ -36,6 +36,32 @@ pub use device::{Device, DeviceChoice};
 pub use error::{check_len, shape_err, BackendError, Result};
 pub use tensor::{DType, HostBytes, HostWeight, Tensor, Weight, Q8_0_BLOCK, Q8_0_BYTES};
 
+/// [`Backend::matmul_with`] as its definition composes it: `matmul`, then `add_bias`, then
+/// `add` (through scratch when accumulating). The trait's default, and the fallback of a
+/// backend whose fused path does not take a shape.
+pub fn matmul_with_composed<B: Backend + ?Sized>(
+    be: &B,
+    w: &Weight,
+    x: &Tensor,
+    n_tok: usize,
+    y: &mut Tensor,
+    ep: Epilogue<'_>,
+) -> Result<()> {
+    if !ep.accumulate {
+        be.matmul(w, x, n_tok, y)?;
+        if let Some(b) = ep.bias {
+            be.add_bias(y, b)?;
+        }
+        return Ok(());
+    }
+    let mut t = be.alloc_scratch(DType::F32, y.len())?;
+    be.matmul(w, x, n_tok, &mut t)?;
+    if let Some(b) = ep.bias {
+        be.add_bias(&mut t, b)?;
+    }
+    be.add(y, &t)
+}
+
 /// The ops a model forward pass needs. All activations are row-major f32 tensors; every
 /// length is checked against the shapes given.
 pub trait Backend: Send + Sync {
@@ -193,19 +219,7 @@ pub trait Backend: Send + Sync {
         y: &mut Tensor,
         ep: Epilogue<'_>,
     ) -> Result<()> {
-        if !ep.accumulate {
-            self.matmul(w, x, n_tok, y)?;
-            if let Some(b) = ep.bias {
-                self.add_bias(y, b)?;
-            }
-            return Ok(());
-        }
-        let mut t = self.alloc_scratch(DType::F32, y.len())?;
-        self.matmul(w, x, n_tok, &mut t)?;
-        if let Some(b) = ep.bias {
-            self.add_bias(&mut t, b)?;
-        }
-        self.add(y, &t)
+        matmul_with_composed(self, w, x, n_tok, y, ep)
     }
 
     /// `ys[i] = x @ ws[i]^T` for several matrices sharing the input (attention's q, k, v; the
