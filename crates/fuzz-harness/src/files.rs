@@ -171,13 +171,7 @@ pub fn gguf_model(data: &[u8]) -> bool {
     let Some((&pick, header)) = data.split_first() else {
         return false;
     };
-    let rel = GGUF_MODELS[pick as usize % GGUF_MODELS.len()];
-    let fixture = fixture_bytes(rel);
-    let Ok(original) = GgufFile::from_bytes(fixture.to_vec()) else {
-        return false;
-    };
-    let start = usize::try_from(original.data_offset()).unwrap_or(usize::MAX);
-    let Some(tensor_data) = fixture.get(start..) else {
+    let Some(tensor_data) = gguf_tensor_data(pick as usize % GGUF_MODELS.len()) else {
         return false;
     };
     let mut bytes = header.to_vec();
@@ -189,6 +183,21 @@ pub fn gguf_model(data: &[u8]) -> bool {
     let text = gguf_text(&g);
     let source = ModelSource::from_kind(SourceKind::Gguf(g), PathBuf::from("fuzz.gguf"));
     run_model(source) && text
+}
+
+/// The data section of fixture `i` of [`GGUF_MODELS`] (found once per fixture).
+fn gguf_tensor_data(i: usize) -> Option<&'static [u8]> {
+    static STARTS: OnceLock<Vec<Option<usize>>> = OnceLock::new();
+    let starts = STARTS.get_or_init(|| {
+        GGUF_MODELS
+            .iter()
+            .map(|rel| {
+                let g = GgufFile::from_bytes(fixture_bytes(rel).to_vec()).ok()?;
+                usize::try_from(g.data_offset()).ok()
+            })
+            .collect()
+    });
+    fixture_bytes(GGUF_MODELS[i]).get((*starts.get(i)?)?..)
 }
 
 /// Load `source` and run one forward pass over three tokens; whether it ran.

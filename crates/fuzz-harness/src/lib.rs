@@ -31,6 +31,14 @@ pub const TARGETS: [(&str, Target); 7] = [
     ("anthropic_request", anthropic_request),
 ];
 
+/// Call once before fuzzing. libFuzzer's panic hook aborts on every panic, even one the code
+/// under test contains on purpose (the `tokenizers` crate's, at `Tokenizer::from_tokenizer_json_bytes`;
+/// minijinja's, on the chat template's render thread); this hook stays silent instead. A panic
+/// that escapes a target still aborts: libfuzzer-sys catches it at the target's boundary.
+pub fn fuzz_init() {
+    std::panic::set_hook(Box::new(|_| {}));
+}
+
 /// `tests/fixtures` of the repository this crate was built in.
 pub fn fixtures() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
