@@ -183,7 +183,7 @@ fn cases() -> Vec<(String, &'static [u8], Vec<u8>)> {
             "invalid UTF-8 body",
             b"{\"model\": \"m\xff\xfe\", \"x\": \"\xc0\xaf\"}".to_vec(),
         );
-        add("truncated", base.to_string()[..10].as_bytes().to_vec());
+        add("truncated", base.to_string().as_bytes()[..10].to_vec());
         add("not an object", b"[1, 2, 3]".to_vec());
         add("number body", b"1e999999".to_vec());
         add("NUL bytes", b"\0\0\0\0".to_vec());

@@ -47,9 +47,12 @@ fn backend() -> Option<Arc<dyn Backend>> {
         .clone()
 }
 
+/// Fixture files read so far: (path under `tests/fixtures`, contents).
+type FixtureCache = Vec<(&'static str, &'static [u8])>;
+
 /// The bytes of a fixture file, read once.
 pub(crate) fn fixture_bytes(rel: &'static str) -> &'static [u8] {
-    static CACHE: OnceLock<std::sync::Mutex<Vec<(&'static str, &'static [u8])>>> = OnceLock::new();
+    static CACHE: OnceLock<std::sync::Mutex<FixtureCache>> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
     let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, b)) = cache.iter().find(|(r, _)| *r == rel) {
