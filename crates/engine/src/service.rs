@@ -567,6 +567,12 @@ impl EngineHandle {
         self.inner.n_ctx
     }
 
+    /// Most requests that can wait for a slot at once ([`EngineConfig::max_queue`]); every
+    /// request is queued at submission, so a group larger than this can never be accepted.
+    pub fn max_queue(&self) -> usize {
+        self.inner.max_queue
+    }
+
     /// Stop accepting requests, end every request in flight (with `Event::Error("server
     /// shutting down")`, or `Done` if it had just finished) and join the engine thread. The
     /// step running when this is called completes first. Idempotent.

@@ -253,9 +253,20 @@ impl StructuredEnv {
             .factory
             .create_parser(grammar)
             .map_err(|e| bad(short(e)))?;
-        let matcher = Matcher::new(Ok(parser));
+        let mut matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
             return Err(bad(short(e)));
+        }
+        // Some grammars compile but fail on their first token (a schema that is only
+        // `{"$ref": "#"}` admits no value): computing the first mask now reports them as a bad
+        // constraint of the request instead of a generation failure. The mask does not change
+        // the matcher's state.
+        match matcher.compute_mask() {
+            Err(e) => return Err(bad(short(e))),
+            Ok(mask) if mask.is_zero() => {
+                return Err(bad("the constraint admits no output at all".into()))
+            }
+            Ok(_) => {}
         }
         Ok(ConstraintMatcher {
             matcher,
@@ -580,6 +591,8 @@ mod tests {
             serde_json::json!({"type": "string", "minLength": "three"}),
             serde_json::json!({"$ref": "#/$defs/missing"}),
             serde_json::json!(["not", "an", "object"]),
+            // Refers to itself only: compiles, but admits no value at all.
+            serde_json::json!({"$ref": "#"}),
         ] {
             let e = env.compile(&Constraint::JsonSchema(schema.clone()));
             assert!(

@@ -2,10 +2,10 @@
 //! dense `qwen35` (HF `qwen3_5`).
 //!
 //! Layers alternate Gated DeltaNet mixers ([`crate::layers::gdn`]) with gated full attention
-//! (every `full_attention_interval`-th layer: q projection with an interleaved sigmoid output
-//! gate, per-head q/k RMSNorm, NeoX RoPE on the first `n_rot` dims — interleaved MRoPE reduces
-//! to this for text); every layer then has a MoE (softmax top-k, renormalised, SwiGLU experts,
-//! shared expert with a sigmoid gate) or, in the dense model, a SwiGLU MLP.
+//! (q projection with an interleaved sigmoid output gate, per-head q/k RMSNorm, NeoX RoPE on the
+//! first `n_rot` dims — interleaved MRoPE reduces to this for text); every layer then has a MoE
+//! (softmax top-k, renormalised, SwiGLU experts, shared expert with a sigmoid gate) or, in the
+//! dense model, a SwiGLU MLP.
 //!
 //! Format fix-ups, all here:
 //! - RMSNorm weights: HF stores `w` of a `(1 + w)` norm (input, post-attention, final, q/k and
@@ -15,6 +15,9 @@
 //! - `A`: HF/MLX store `A_log`, GGUF stores `-exp(A_log)`.
 //! - Value-head order: HF/MLX grouped, GGUF tiled (a kernel parameter, no permutation).
 //! - Experts: GGUF stacked, HF fused `gate_up_proj` or per expert, MLX `switch_mlp`.
+//! - Layer layout: HF `layer_types`, else GGUF `attention.recurrent_layers` (llama.cpp's
+//!   converter writes both it and the interval), else every `full_attention_interval`-th layer;
+//!   a GGUF layout is checked against the file's tensors (`blk.N.ssm_conv1d.weight`).
 //! - MTP: HF `mtp.*`, GGUF an extra block after the trunk (`nextn_predict_layers`); loaded and
 //!   kept ([`Qwen35::mtp`]) for speculative decoding.
 //!
@@ -54,6 +57,56 @@ struct Hybrid {
     n_ff: usize,
     /// MTP layers present after the trunk.
     n_mtp: usize,
+}
+
+/// `<arch>.attention.recurrent_layers` (one bool per block, true for a Gated DeltaNet layer), as
+/// llama.cpp's converter writes it beside `full_attention_interval`; it wins over the interval.
+/// MTP blocks after the trunk may or may not be listed; only the first `n_layer` are used.
+fn gguf_recurrent_layers(
+    src: &ModelSource,
+    arch: &str,
+    n_layer: usize,
+) -> Result<Option<Vec<bool>>> {
+    let Some(g) = src.gguf() else {
+        return Ok(None);
+    };
+    let key = format!("{arch}.attention.recurrent_layers");
+    if g.get(&key).is_none() {
+        return Ok(None);
+    }
+    let mut recurrent = g.get_bool_array(&key)?;
+    if recurrent.len() < n_layer {
+        return Err(ModelError::Config(format!(
+            "{key} has {} entries for {n_layer} layers",
+            recurrent.len()
+        )));
+    }
+    recurrent.truncate(n_layer);
+    Ok(Some(recurrent))
+}
+
+/// Check the layer layout against the GGUF tensors: a Gated DeltaNet layer has
+/// `blk.N.ssm_conv1d.weight`, an attention layer has none, so a layout that disagrees with the
+/// file names the first layer where it does instead of a missing tensor deep in loading.
+fn check_layer_tensors(src: &ModelSource, full_attn: &[bool]) -> Result<()> {
+    for (i, &attn) in full_attn.iter().enumerate() {
+        let has_conv = src.has(&format!("blk.{i}.ssm_conv1d.weight"));
+        if has_conv == attn {
+            let (said, found) = if attn {
+                (
+                    "full attention",
+                    "a recurrent layer (blk.{i}.ssm_conv1d.weight)",
+                )
+            } else {
+                ("recurrent", "no blk.{i}.ssm_conv1d.weight")
+            };
+            return Err(ModelError::Config(format!(
+                "layer {i}: the metadata makes it {said} but the file has {}",
+                found.replace("{i}", &i.to_string())
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn read_hybrid(src: &ModelSource, arch: &str, c: &mut CommonHparams, moe: bool) -> Result<Hybrid> {
@@ -112,8 +165,14 @@ fn read_hybrid(src: &ModelSource, arch: &str, c: &mut CommonHparams, moe: bool) 
                 })
                 .collect::<Result<_>>()?
         }
-        None => (0..c.n_layer).map(|i| (i + 1) % interval == 0).collect(),
+        None => match gguf_recurrent_layers(src, arch, c.n_layer)? {
+            Some(recurrent) => recurrent.iter().map(|&r| !r).collect(),
+            None => (0..c.n_layer).map(|i| (i + 1) % interval == 0).collect(),
+        },
     };
+    if gguf {
+        check_layer_tensors(src, &full_attn)?;
+    }
     let n_rot = if gguf {
         hp.usize("rope.dimension_count", "")?
     } else {

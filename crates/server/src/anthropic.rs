@@ -254,6 +254,21 @@ fn conversation(f: &Fields) -> ApiResult<Conversation> {
     let policy = tool_choice::anthropic(f.object("tool_choice")?, tools.as_ref())?;
     let mut extra = match f.object("thinking")? {
         None => None,
+        // The budget is not enforced (the template's switch is all there is), but it must be a
+        // budget: a positive integer.
+        Some(t)
+            if t.get("budget_tokens").is_some_and(|b| {
+                !b.is_null()
+                    && !b
+                        .as_u64()
+                        .is_some_and(|n| (1..=u64::from(u32::MAX)).contains(&n))
+            }) =>
+        {
+            return Err(f.error(
+                "thinking",
+                "'thinking.budget_tokens' must be a positive integer",
+            ))
+        }
         Some(t) => match t.get("type").and_then(Value::as_str) {
             Some("enabled") => Some(json!({"enable_thinking": true})),
             Some("disabled") => Some(json!({"enable_thinking": false})),

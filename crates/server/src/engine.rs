@@ -27,6 +27,11 @@ pub trait Engine: Send + Sync + 'static {
     fn metrics(&self) -> EngineMetrics;
     /// Context per sequence, in tokens.
     fn n_ctx(&self) -> usize;
+    /// Most requests that can be queued at once (each is queued when submitted); unbounded
+    /// unless the engine says otherwise.
+    fn max_queue(&self) -> usize {
+        usize::MAX
+    }
     /// Stop: end every request in flight and refuse new ones (may block until the engine
     /// thread has stopped).
     fn shutdown(&self);
@@ -49,6 +54,10 @@ impl Engine for EngineHandle {
 
     fn n_ctx(&self) -> usize {
         EngineHandle::n_ctx(self)
+    }
+
+    fn max_queue(&self) -> usize {
+        EngineHandle::max_queue(self)
     }
 
     fn shutdown(&self) {

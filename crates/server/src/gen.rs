@@ -201,6 +201,21 @@ pub fn submit_all_for(
     reqs: Vec<Request>,
     constraint_param: &str,
 ) -> ApiResult<Merged> {
+    // Every generation of a request is queued when submitted: a request with more than the
+    // queue holds can never be accepted (400, not "try again later"), and one that does not
+    // fit the places left now is refused before any of it is queued, so that no half-submitted
+    // request holds places the next one needs while its cancellation is on its way.
+    let max_queue = st.engine.max_queue();
+    if reqs.len() > max_queue {
+        return Err(ApiError::bad(format!(
+            "this request asks for {} generations (prompts x n) but the server queues at most              {max_queue}; send fewer prompts or a smaller 'n' per request",
+            reqs.len()
+        ))
+        .with_code("too_many_generations"));
+    }
+    if st.engine.metrics().queued + reqs.len() > max_queue {
+        return Err(submit_error_for(SubmitError::QueueFull, constraint_param));
+    }
     let (tx, rx) = mpsc::channel(64);
     let mut streams = Vec::with_capacity(reqs.len());
     for r in reqs {

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{Path, State};
 use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
@@ -46,7 +46,8 @@ pub struct GenOpts {
     pub stream: bool,
     /// Send a usage chunk at the end of a stream.
     pub include_usage: bool,
-    /// Structured output (chat `response_format`); `None` here, set by the chat endpoint.
+    /// Structured output (`response_format`, or a forced tool call in chat); `None` here, set
+    /// by the endpoints.
     pub constraint: Option<Constraint>,
 }
 
@@ -703,7 +704,9 @@ async fn completions_inner(
     let map = parse_body(&body)?;
     let f = Fields::new(&map);
     st.check_model(f.str("model")?)?;
-    let o = gen_opts(&f, false, st.model.tokenizer.vocab_size())?;
+    let mut o = gen_opts(&f, false, st.model.tokenizer.vocab_size())?;
+    // Structured output works as in chat: every completion is constrained from its first token.
+    o.constraint = response_format::parse(&f)?;
     let echo = f.bool("echo")?.unwrap_or(false);
     if let Some(s) = f.str("suffix")? {
         if !s.is_empty() {
@@ -724,7 +727,15 @@ async fn completions_inner(
         reqs.extend(requests(&o, ids, room, COMPLETIONS_DEFAULT_MAX_TOKENS));
     }
     let n_prompt: usize = prompts.iter().map(|p| p.0.len()).sum();
-    let merged = submit_all(&st, reqs)?;
+    let merged = if o.constraint.is_some() {
+        // Compiling the constraint (and, the first time, building the token trie) blocks.
+        let st2 = st.clone();
+        tokio::task::spawn_blocking(move || submit_all(&st2, reqs))
+            .await
+            .map_err(|e| ApiError::internal(format!("submitting the request failed: {e}")))??
+    } else {
+        submit_all(&st, reqs)?
+    };
     let n_choices = prompts.len() * o.n;
     let choices: Vec<Choice> = (0..n_choices)
         .map(|_| Choice::new(ReplyFormat::plain(), false, None))
@@ -881,7 +892,22 @@ pub async fn models(State(st): State<Arc<AppState>>) -> Response {
 }
 
 /// `GET /v1/models/{id}`.
-pub async fn model(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+pub async fn model(
+    State(st): State<Arc<AppState>>,
+    id: Result<Path<String>, PathRejection>,
+) -> Response {
+    // A model id that does not decode (invalid UTF-8 after percent-decoding) gets the API's
+    // JSON error, not axum's plain-text rejection.
+    let id = match id {
+        Ok(Path(id)) => id,
+        Err(e) => {
+            return ApiError::bad(format!(
+                "the model id in the URL is not valid: {}",
+                e.body_text()
+            ))
+            .into_response_for(Api::OpenAi)
+        }
+    };
     match st.check_model(Some(&id)) {
         Ok(()) => Json(model_json(&st)).into_response(),
         Err(e) => e.into_response_for(Api::OpenAi),

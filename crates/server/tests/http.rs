@@ -101,6 +101,12 @@ async fn models_health_metrics() {
         404,
         "invalid_request_error",
     );
+    // A model id that is not UTF-8 once percent-decoded: the API's JSON error, not plain text.
+    assert_openai_error(
+        &s.get("/v1/models/%FF%FE").await,
+        400,
+        "invalid_request_error",
+    );
     let h = s.get("/health").await;
     assert_eq!(h.status, 200);
     assert_eq!(h.json()["status"], "ok");

@@ -437,14 +437,24 @@ fn chat_cases() -> Vec<Case> {
             .setup(Setup::QueueFull)
             .status(429, "rate_limit_error")
             .code("rate_limit_exceeded"),
+        // The queue holds one request: two choices can never fit (not "try again later").
         Case::json(
             "n = 2 with one queue place left",
             CHAT,
             with(&ok, "n", json!(2)),
         )
         .setup(Setup::OnePlaceLeft)
-        .status(429, "rate_limit_error")
-        .code("rate_limit_exceeded"),
+        .code("too_many_generations"),
+        Case::json(
+            "response_format admitting no value",
+            CHAT,
+            with(
+                &ok,
+                "response_format",
+                json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}),
+            ),
+        )
+        .param("response_format"),
         Case::json(
             "queue full, streaming",
             CHAT,
@@ -559,14 +569,37 @@ fn completion_cases() -> Vec<Case> {
             .setup(Setup::QueueFull)
             .status(429, "rate_limit_error")
             .code("rate_limit_exceeded"),
+        // The queue holds one request: more prompts can never fit, and nothing of them may
+        // stay queued to refuse the good request that follows.
         Case::json(
             "two prompts with one queue place left",
             COMPLETIONS,
             p(json!(["a", "b"])),
         )
         .setup(Setup::OnePlaceLeft)
-        .status(429, "rate_limit_error")
-        .code("rate_limit_exceeded"),
+        .code("too_many_generations"),
+        Case::json(
+            "10,000 prompts",
+            COMPLETIONS,
+            p(json!(vec!["a"; 10_000])),
+        )
+        .code("too_many_generations"),
+        Case::json(
+            "response_format admitting no value",
+            COMPLETIONS,
+            with(
+                &ok,
+                "response_format",
+                json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}),
+            ),
+        )
+        .param("response_format"),
+        Case::json(
+            "wrong type: response_format",
+            COMPLETIONS,
+            with(&ok, "response_format", json!("json")),
+        )
+        .param("response_format"),
     ]);
     v.extend(bad_values(
         &ok,

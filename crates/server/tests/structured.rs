@@ -175,6 +175,8 @@ async fn bad_response_formats_are_400() {
         // Rejected by the engine's schema compiler.
         json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}),
         json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/none"}}}),
+        // Compiles but admits no value (was a 500 from the first generation step).
+        json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}),
         // Rejected while reading the request.
         json!({"type": "json_schema", "json_schema": {"name": "x", "schema": "object"}}),
         json!({"type": "json_schema"}),
@@ -249,4 +251,38 @@ async fn reasoning_templates_give_plain_json_content() {
     let mut b = body(json_schema_format(), 5);
     b["chat_template_kwargs"] = json!({"enable_thinking": true});
     assert_eq!(prompt_tokens(b).await, plain);
+}
+
+/// `response_format` on `/v1/completions` constrains every completion as in chat (it was
+/// silently ignored), and a bad one is a 400 naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_honour_response_format() {
+    let s = start(None).await;
+    let b = json!({
+        "model": "tiny",
+        "prompt": ["Weather as JSON:", "Some JSON:"],
+        "max_tokens": 300,
+        "temperature": 1.0,
+        "seed": 5,
+        "response_format": json_schema_format(),
+    });
+    let r = s.post("/v1/completions", &b).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    for c in choices {
+        assert_eq!(c["finish_reason"], "stop", "{c}");
+        check(c["text"].as_str().unwrap());
+    }
+    let mut bad = b.clone();
+    bad["response_format"] =
+        json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}});
+    let r = s.post("/v1/completions", &bad).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["param"], "response_format");
+    bad["response_format"] = json!({"type": "yaml"});
+    let r = s.post("/v1/completions", &bad).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["param"], "response_format");
 }

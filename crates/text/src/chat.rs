@@ -1,6 +1,13 @@
 //! [`ChatTemplate`]: Hugging Face chat templates rendered with minijinja, configured to behave
 //! like `transformers`' jinja2 environment (trim/lstrip blocks, loop controls, Python string
 //! methods, `raise_exception`, `strftime_now`, a `json.dumps`-compatible `tojson`).
+//!
+//! Templates come from model files and run on request data, so a render is bounded (see
+//! [`limits`]): minijinja's fuel (one unit per instruction, plus the bytes and items the template
+//! makes; it also refuses oversized `indent`/`format` widths before allocating), a recursion
+//! limit, an output cap, a depth bound on the inputs and on our own value walks, and a render
+//! thread whose stack is sized for the deepest value the fuel can build (minijinja drops and
+//! prints nested values recursively). A hostile template ends in [`TextError::TemplateRender`].
 
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, State};
@@ -8,6 +15,39 @@ use minijinja::{Environment, Error, ErrorKind, State};
 use crate::error::jinja_message;
 use crate::pyfmt::{self, JsonOpts};
 use crate::TextError;
+
+/// The bounds of one render, sized from the fixtures' templates (Qwen2.5, Qwen3, Qwen3.5,
+/// Nemotron 3): their test conversations take at most ~2,400 fuel, and a 400-message 800 KB
+/// conversation ~0.21 fuel per input byte (Nemotron 3, the most expensive).
+pub mod limits {
+    /// Fuel every render starts with (minijinja units: one per instruction, one per 64 bytes
+    /// made); 40x what the fixtures' largest test conversation takes.
+    pub const BASE_FUEL: u64 = 100_000;
+    /// Extra fuel per byte of input (messages, tools, extra variables), half a unit: 2.4x the
+    /// most expensive real template's rate.
+    pub const INPUT_BYTES_PER_FUEL: u64 = 2;
+    /// The most fuel any render gets, whatever the input size (inputs past ~4.5 MB may need
+    /// more than this with the most expensive real template).
+    pub const MAX_FUEL: u64 = 1_000_000;
+    /// Stack of the render thread for no fuel; minijinja validated its default recursion limit
+    /// on an 8 MiB main-thread stack.
+    pub const BASE_STACK: usize = 8 << 20;
+    /// Stack bytes per unit of fuel. The cheapest nesting a template can build costs ~1.7 fuel
+    /// per level (a list literal in a namespace loop), and the deepest recursion over such a
+    /// value (minijinja printing it for `~`) measured under 640 bytes per level.
+    pub const STACK_PER_FUEL: usize = 400;
+    /// Nested macro calls / recursive loops / includes (minijinja's counter; its default is 500).
+    pub const RECURSION_LIMIT: usize = 200;
+    /// Deepest nesting of the JSON inputs (messages, tools, extra variables).
+    pub const MAX_INPUT_DEPTH: usize = 64;
+    /// Output cap for no input; each input byte allows 4 more bytes of output.
+    pub const BASE_OUTPUT: usize = 1 << 20;
+    /// Longest `tojson(indent=..)` (a number of spaces or a string).
+    pub const MAX_INDENT: usize = 64;
+    /// Largest width or precision in a `str.format` replacement field (`'{:>20}'.format(x)`);
+    /// the Python-compatibility methods allocate the padding before fuel is charged.
+    pub const MAX_FORMAT_WIDTH: u64 = 10_000;
+}
 
 /// Name under which the template is stored in its environment (no extension, so minijinja does
 /// not turn on HTML auto-escaping).
@@ -80,15 +120,30 @@ fn raise_exception(msg: String) -> Result<Value, Error> {
 }
 
 /// `tojson` with Python `json.dumps` semantics (`ensure_ascii=False` by default, separators
-/// `", "` / `": "`, no HTML escaping); honours `indent`, `sort_keys` and `ensure_ascii`.
-fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
+/// `", "` / `": "`, no HTML escaping); honours `indent` (at most [`limits::MAX_INDENT`]),
+/// `sort_keys` and `ensure_ascii`.
+fn tojson(state: &State, value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
     let indent = match kwargs.get::<Option<Value>>("indent")? {
         None => None,
         Some(v) if v.is_none() => None,
-        Some(v) => match v.kind() {
-            ValueKind::Number => Some(" ".repeat(v.as_usize().unwrap_or(0))),
-            _ => Some(v.as_str().unwrap_or_default().to_string()),
-        },
+        Some(v) => {
+            let indent = match v.kind() {
+                ValueKind::Number => {
+                    // Python treats a negative indent as 0; anything past the cap is refused
+                    // before the indent string is built.
+                    let width = i64::try_from(v.clone()).unwrap_or(i64::MAX).max(0);
+                    if width > limits::MAX_INDENT as i64 {
+                        return Err(indent_too_large(&v));
+                    }
+                    " ".repeat(width as usize)
+                }
+                _ => v.as_str().unwrap_or_default().to_string(),
+            };
+            if indent.len() > limits::MAX_INDENT {
+                return Err(indent_too_large(&v));
+            }
+            Some(indent)
+        }
     };
     let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
     let ensure_ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
@@ -100,15 +155,88 @@ fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
         sort_keys,
         ensure_ascii,
     };
-    Ok(Value::from_safe_string(pyfmt::json_dumps(value, &opts)?))
+    Ok(Value::from_safe_string(pyfmt::json_dumps(
+        value,
+        &opts,
+        Some(state),
+    )?))
+}
+
+/// The error for a `tojson` indent past [`limits::MAX_INDENT`].
+fn indent_too_large(indent: &Value) -> Error {
+    let shown: String = indent.to_string().chars().take(40).collect();
+    Error::new(
+        ErrorKind::InvalidOperation,
+        format!(
+            "tojson: indent {shown} is larger than {} characters",
+            limits::MAX_INDENT
+        ),
+    )
+}
+
+/// Python string methods (`minijinja_contrib::pycompat`), with `str.format` refused when a
+/// replacement field asks for a width or precision past [`limits::MAX_FORMAT_WIDTH`].
+fn unknown_method(
+    state: &mut State,
+    value: &Value,
+    method: &str,
+    args: &[Value],
+) -> Result<Value, Error> {
+    if method == "format" {
+        if let Some(spec) = value.as_str() {
+            check_format_widths(spec)?;
+        }
+    }
+    minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+}
+
+/// Refuse a `str.format` string with a number past [`limits::MAX_FORMAT_WIDTH`] inside a
+/// `{...}` replacement field (a conservative check: any digit run inside braces counts).
+fn check_format_widths(spec: &str) -> Result<(), Error> {
+    let mut depth = 0usize;
+    let mut number: u64 = 0;
+    for c in spec.chars() {
+        match c {
+            '{' => depth += 1,
+            '}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        number = match c.to_digit(10) {
+            Some(d) if depth > 0 => number.saturating_mul(10).saturating_add(u64::from(d)),
+            _ => 0,
+        };
+        if number > limits::MAX_FORMAT_WIDTH {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!(
+                    "str.format: a width or precision is larger than {}",
+                    limits::MAX_FORMAT_WIDTH
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `string` filter with Python `str()` semantics (`True`, `None`, `1.0`, `['a']`).
-fn string_filter(value: &Value) -> Value {
+fn string_filter(state: &State, value: &Value) -> Result<Value, Error> {
     match value.kind() {
-        ValueKind::String => value.clone(),
-        _ => Value::from(pyfmt::py_str(value)),
+        ValueKind::String => Ok(value.clone()),
+        _ => Ok(Value::from(pyfmt::py_str(value, Some(state))?)),
     }
+}
+
+/// `pprint` as Python's `repr()` on one line, bounded like `string` (minijinja's own walks the
+/// value recursively and indents every level, quadratic in the depth).
+fn pprint_filter(state: &State, value: &Value) -> Result<Value, Error> {
+    let text = match value.kind() {
+        ValueKind::String => pyfmt::py_str(&Value::from(vec![value.clone()]), Some(state))?
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_string(),
+        _ => pyfmt::py_str(value, Some(state))?,
+    };
+    Ok(Value::from(text))
 }
 
 /// Python's `iterable` / `sequence` tests: strings, lists, dicts and undefined qualify; none,
@@ -128,12 +256,12 @@ fn is_py_iterable(value: &Value) -> bool {
 /// Output formatter: print `None`, booleans, floats and containers the way Python does.
 fn formatter(out: &mut minijinja::Output, state: &mut State, value: &Value) -> Result<(), Error> {
     match value.kind() {
-        ValueKind::None | ValueKind::Bool | ValueKind::Seq | ValueKind::Map => {
-            out.write_str(&pyfmt::py_str(value)).map_err(Error::from)
-        }
-        ValueKind::Number if !value.is_integer() => {
-            out.write_str(&pyfmt::py_str(value)).map_err(Error::from)
-        }
+        ValueKind::None | ValueKind::Bool | ValueKind::Seq | ValueKind::Map => out
+            .write_str(&pyfmt::py_str(value, Some(state))?)
+            .map_err(Error::from),
+        ValueKind::Number if !value.is_integer() => out
+            .write_str(&pyfmt::py_str(value, Some(state))?)
+            .map_err(Error::from),
         _ => minijinja::escape_formatter(out, state, value),
     }
 }
@@ -290,12 +418,14 @@ impl ChatTemplate {
             .build()
             .map_err(|e| TextError::TemplateSyntax(jinja_message(&e)))?;
         env.set_syntax(syntax);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(unknown_method);
         env.set_formatter(formatter);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
         env.add_filter("string", string_filter);
+        env.add_filter("pprint", pprint_filter);
+        env.set_recursion_limit(limits::RECURSION_LIMIT);
         env.add_test("iterable", is_py_iterable);
         env.add_test("sequence", is_py_iterable);
         env.add_template_owned(NAME, strip_generation_tags(source))
@@ -322,6 +452,13 @@ impl ChatTemplate {
         extra: Option<&serde_json::Value>,
     ) -> Result<String, TextError> {
         let messages = normalize_messages(messages)?;
+        let mut input_bytes = input_size("messages", &messages)?;
+        if let Some(t) = tools {
+            input_bytes += input_size("tools", t)?;
+        }
+        if let Some(e) = extra {
+            input_bytes += input_size("extra", e)?;
+        }
         let mut ctx = serde_json::Map::new();
         ctx.insert("messages".into(), messages);
         ctx.insert(
@@ -345,13 +482,101 @@ impl ChatTemplate {
             }
             Some(_) => return Err(TextError::TemplateInput("extra must be an object".into())),
         }
-        let tmpl = self
-            .env
-            .get_template(NAME)
-            .map_err(|e| TextError::TemplateRender(jinja_message(&e)))?;
-        tmpl.render(Value::from(minijinja::value::Serde(&ctx)))
-            .map_err(|e| TextError::TemplateRender(jinja_message(&e)))
+        let fuel = (limits::BASE_FUEL + input_bytes as u64 / limits::INPUT_BYTES_PER_FUEL)
+            .min(limits::MAX_FUEL);
+        let max_output = limits::BASE_OUTPUT.saturating_add(input_bytes.saturating_mul(4));
+        let mut env = self.env.clone();
+        env.set_fuel(Some(fuel));
+        let stack = limits::BASE_STACK + fuel as usize * limits::STACK_PER_FUEL;
+        let ctx = serde_json::Value::Object(ctx);
+        // A thread of its own: the stack of whichever thread calls `render` (a 2 MiB async
+        // worker, say) is too small for the deepest value the fuel allows (see `limits`).
+        std::thread::scope(|scope| {
+            let worker = std::thread::Builder::new()
+                .name("chat-template".into())
+                .stack_size(stack)
+                .spawn_scoped(scope, || render_bounded(&env, &ctx, max_output))
+                .map_err(|e| {
+                    TextError::TemplateRender(format!("cannot start the render thread: {e}"))
+                })?;
+            worker.join().unwrap_or_else(|_| {
+                Err(TextError::TemplateRender(
+                    "the template engine panicked".into(),
+                ))
+            })
+        })
     }
+}
+
+/// Render the stored template of `env` on `ctx`, refusing output past `max_output` bytes.
+fn render_bounded(
+    env: &Environment<'static>,
+    ctx: &serde_json::Value,
+    max_output: usize,
+) -> Result<String, TextError> {
+    let tmpl = env
+        .get_template(NAME)
+        .map_err(|e| TextError::TemplateRender(jinja_message(&e)))?;
+    let mut out = CappedOutput {
+        buf: Vec::new(),
+        cap: max_output,
+    };
+    tmpl.render_captured_to(Value::from(minijinja::value::Serde(ctx)), &mut out)
+        .map_err(|e| TextError::TemplateRender(jinja_message(&e)))?;
+    String::from_utf8(out.buf).map_err(|e| TextError::TemplateRender(e.to_string()))
+}
+
+/// A byte sink that fails once more than `cap` bytes were written to it.
+struct CappedOutput {
+    buf: Vec<u8>,
+    cap: usize,
+}
+
+impl std::io::Write for CappedOutput {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + bytes.len() > self.cap {
+            return Err(std::io::Error::other(format!(
+                "the rendered prompt is longer than {} bytes",
+                self.cap
+            )));
+        }
+        self.buf.extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The size in bytes of a JSON input (string bytes plus 8 per value), or an error when it is
+/// nested deeper than [`limits::MAX_INPUT_DEPTH`]. Iterative, so any depth is safe to measure.
+fn input_size(name: &str, value: &serde_json::Value) -> Result<usize, TextError> {
+    let mut size = 0usize;
+    let mut pending = vec![(value, 1usize)];
+    while let Some((v, depth)) = pending.pop() {
+        if depth > limits::MAX_INPUT_DEPTH {
+            return Err(TextError::TemplateInput(format!(
+                "{name} is nested deeper than {} levels",
+                limits::MAX_INPUT_DEPTH
+            )));
+        }
+        size += 8;
+        match v {
+            serde_json::Value::String(s) => size += s.len(),
+            serde_json::Value::Array(items) => {
+                pending.extend(items.iter().map(|item| (item, depth + 1)));
+            }
+            serde_json::Value::Object(map) => {
+                for (k, item) in map {
+                    size += k.len();
+                    pending.push((item, depth + 1));
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(size)
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 //!   `transformers`; from GGUF metadata ([`GgufVocab`]) exactly as llama.cpp.
 //! - [`IncrementalDecoder`] turns generated ids into a stream of valid UTF-8 text.
 //! - [`ChatTemplate`] renders Hugging Face Jinja chat templates byte-identically to
-//!   `transformers`' `apply_chat_template`.
+//!   `transformers`' `apply_chat_template`, within the bounds of [`template_limits`].
 
 #![warn(missing_docs)]
 
@@ -17,7 +17,7 @@ mod gguf;
 mod pyfmt;
 mod tokenizer;
 
-pub use chat::ChatTemplate;
+pub use chat::{limits as template_limits, ChatTemplate};
 pub use detok::IncrementalDecoder;
 pub use error::TextError;
 pub use gguf::GgufVocab;

@@ -1,10 +1,39 @@
 //! Python-compatible text forms of template values: `str()`, `repr()` and `json.dumps()`, so that
 //! chat templates render as they do under jinja2 in `transformers`.
+//!
+//! Templates come from model files, so these walks are bounded: containers nested deeper than
+//! [`MAX_DEPTH`] are refused (a template can build a list 100,000 levels deep in a loop), and
+//! every item visited is charged to the render's fuel (a lazily repeated list can claim
+//! billions of items), so the walk ends with an error instead of a stack overflow or a hang.
 
 use std::fmt::Write as _;
 
 use minijinja::value::ValueKind;
-use minijinja::{Error, ErrorKind, Value};
+use minijinja::{Error, ErrorKind, State, Value};
+
+/// Deepest container nesting that `str()`, `repr()` and `json.dumps()` walk (Python's own
+/// default recursion limit is 1,000 frames; real chat data is a few levels deep).
+pub(crate) const MAX_DEPTH: usize = 128;
+
+/// Fuel charged per container item visited (minijinja charges about this much for an item a
+/// built-in filter visits).
+const FUEL_PER_ITEM: u64 = 1;
+
+/// Charge the render's fuel for one visited item; a no-op without a state (unit tests).
+fn charge_item(state: Option<&State>) -> Result<(), Error> {
+    match state {
+        Some(st) => st.consume_fuel(FUEL_PER_ITEM),
+        None => Ok(()),
+    }
+}
+
+/// The error for a value nested deeper than [`MAX_DEPTH`].
+fn too_deep(what: &str) -> Error {
+    Error::new(
+        ErrorKind::InvalidOperation,
+        format!("{what}: value is nested deeper than {MAX_DEPTH} levels"),
+    )
+}
 
 /// Python `repr(float)`: shortest round-trip digits, scientific notation when the exponent is
 /// below -4 or at least 16, always a `.0` or exponent for integral values.
@@ -104,18 +133,27 @@ fn str_repr(s: &str, out: &mut String) {
     out.push(quote);
 }
 
-/// Python `repr()` of a template value (used inside containers).
-fn repr_into(v: &Value, out: &mut String) {
+/// Python `repr()` of a template value (used inside containers), `depth` levels down.
+fn repr_into(
+    v: &Value,
+    state: Option<&State>,
+    depth: usize,
+    out: &mut String,
+) -> Result<(), Error> {
+    if depth > MAX_DEPTH {
+        return Err(too_deep("str"));
+    }
     match v.kind() {
         ValueKind::String => str_repr(v.as_str().unwrap_or_default(), out),
         ValueKind::Seq | ValueKind::Iterable => {
             out.push('[');
             if let Ok(iter) = v.try_iter() {
                 for (i, item) in iter.enumerate() {
+                    charge_item(state)?;
                     if i > 0 {
                         out.push_str(", ");
                     }
-                    repr_into(&item, out);
+                    repr_into(&item, state, depth + 1, out)?;
                 }
             }
             out.push(']');
@@ -124,35 +162,45 @@ fn repr_into(v: &Value, out: &mut String) {
             out.push('{');
             if let Ok(iter) = v.try_iter() {
                 for (i, key) in iter.enumerate() {
+                    charge_item(state)?;
                     if i > 0 {
                         out.push_str(", ");
                     }
-                    repr_into(&key, out);
+                    repr_into(&key, state, depth + 1, out)?;
                     out.push_str(": ");
-                    repr_into(&v.get_item(&key).unwrap_or_default(), out);
+                    repr_into(&v.get_item(&key).unwrap_or_default(), state, depth + 1, out)?;
                 }
             }
             out.push('}');
         }
-        _ => out.push_str(&py_str(v)),
+        _ => out.push_str(&scalar_str(v)),
     }
+    Ok(())
 }
 
-/// Python `str()` of a template value: `None`, `True`, `1.0`, `['a', 1]`, `{'k': 'v'}`.
-/// Undefined renders as the empty string, as jinja2's default `Undefined` does.
-pub(crate) fn py_str(v: &Value) -> String {
+/// Python `str()` of a value that is not a container.
+fn scalar_str(v: &Value) -> String {
     match v.kind() {
         ValueKind::Undefined => String::new(),
         ValueKind::None => "None".into(),
         ValueKind::Bool => if v.is_true() { "True" } else { "False" }.into(),
         ValueKind::Number => number_str(v),
         ValueKind::String => v.as_str().unwrap_or_default().to_string(),
-        ValueKind::Seq | ValueKind::Map => {
-            let mut s = String::new();
-            repr_into(v, &mut s);
-            s
-        }
         _ => v.to_string(),
+    }
+}
+
+/// Python `str()` of a template value: `None`, `True`, `1.0`, `['a', 1]`, `{'k': 'v'}`.
+/// Undefined renders as the empty string, as jinja2's default `Undefined` does. Items visited
+/// are charged to `state`'s fuel; containers deeper than [`MAX_DEPTH`] are an error.
+pub(crate) fn py_str(v: &Value, state: Option<&State>) -> Result<String, Error> {
+    match v.kind() {
+        ValueKind::Seq | ValueKind::Map | ValueKind::Iterable => {
+            let mut s = String::new();
+            repr_into(v, state, 0, &mut s)?;
+            Ok(s)
+        }
+        _ => Ok(scalar_str(v)),
     }
 }
 
@@ -192,7 +240,17 @@ fn json_str(s: &str, ensure_ascii: bool, out: &mut String) {
     out.push('"');
 }
 
-fn json_into(v: &Value, opts: &JsonOpts, level: usize, out: &mut String) -> Result<(), Error> {
+/// `json.dumps` of `v` at nesting `level` into `out`.
+fn json_into(
+    v: &Value,
+    opts: &JsonOpts,
+    state: Option<&State>,
+    level: usize,
+    out: &mut String,
+) -> Result<(), Error> {
+    if level > MAX_DEPTH {
+        return Err(too_deep("tojson"));
+    }
     let newline = |out: &mut String, level: usize| {
         if let Some(ind) = &opts.indent {
             out.push('\n');
@@ -221,30 +279,41 @@ fn json_into(v: &Value, opts: &JsonOpts, level: usize, out: &mut String) -> Resu
         }
         ValueKind::String => json_str(v.as_str().unwrap_or_default(), opts.ensure_ascii, out),
         ValueKind::Seq | ValueKind::Iterable => {
-            let items: Vec<Value> = v.try_iter()?.collect();
-            if items.is_empty() {
-                out.push_str("[]");
-                return Ok(());
-            }
+            let mut empty = true;
             out.push('[');
-            for (i, item) in items.iter().enumerate() {
+            for (i, item) in v.try_iter()?.enumerate() {
+                charge_item(state)?;
+                empty = false;
                 if i > 0 {
                     out.push_str(item_sep);
                 }
                 newline(out, level + 1);
-                json_into(item, opts, level + 1, out)?;
+                json_into(&item, opts, state, level + 1, out)?;
+            }
+            if empty {
+                out.push(']');
+                return Ok(());
             }
             newline(out, level);
             out.push(']');
         }
         ValueKind::Map => {
-            let mut keys: Vec<Value> = v.try_iter()?.collect();
+            let mut keys = Vec::new();
+            for key in v.try_iter()? {
+                charge_item(state)?;
+                keys.push(key);
+            }
             if keys.is_empty() {
                 out.push_str("{}");
                 return Ok(());
             }
             if opts.sort_keys {
-                keys.sort_by_key(py_str);
+                let mut sorted = Vec::with_capacity(keys.len());
+                for key in keys {
+                    sorted.push((py_str(&key, state)?, key));
+                }
+                sorted.sort_by(|a, b| a.0.cmp(&b.0));
+                keys = sorted.into_iter().map(|(_, key)| key).collect();
             }
             out.push('{');
             for (i, key) in keys.iter().enumerate() {
@@ -256,11 +325,11 @@ fn json_into(v: &Value, opts: &JsonOpts, level: usize, out: &mut String) -> Resu
                     ValueKind::String => key.as_str().unwrap_or_default().to_string(),
                     ValueKind::None => "null".into(),
                     ValueKind::Bool => if key.is_true() { "true" } else { "false" }.into(),
-                    _ => py_str(key),
+                    _ => py_str(key, state)?,
                 };
                 json_str(&key_text, opts.ensure_ascii, out);
                 out.push_str(": ");
-                json_into(&v.get_item(key)?, opts, level + 1, out)?;
+                json_into(&v.get_item(key)?, opts, state, level + 1, out)?;
             }
             newline(out, level);
             out.push('}');
@@ -282,9 +351,15 @@ fn json_into(v: &Value, opts: &JsonOpts, level: usize, out: &mut String) -> Resu
 }
 
 /// Python `json.dumps(v, ensure_ascii=.., indent=.., sort_keys=..)` with default separators.
-pub(crate) fn json_dumps(v: &Value, opts: &JsonOpts) -> Result<String, Error> {
+/// Items visited are charged to `state`'s fuel; containers deeper than [`MAX_DEPTH`] are an
+/// error.
+pub(crate) fn json_dumps(
+    v: &Value,
+    opts: &JsonOpts,
+    state: Option<&State>,
+) -> Result<String, Error> {
     let mut out = String::new();
-    json_into(v, opts, 0, &mut out)?;
+    json_into(v, opts, state, 0, &mut out)?;
     Ok(out)
 }
 
@@ -324,7 +399,7 @@ mod tests {
             ensure_ascii: false,
         };
         assert_eq!(
-            json_dumps(&v, &compact).unwrap_or_default(),
+            json_dumps(&v, &compact, None).unwrap_or_default(),
             r#"{"a": [1, 2.0, "x'<&>\"é\n"], "b": {}, "c": [], "d": null, "e": true}"#
         );
         let pretty = JsonOpts {
@@ -333,7 +408,7 @@ mod tests {
             ensure_ascii: true,
         };
         assert_eq!(
-            json_dumps(&v, &pretty).unwrap_or_default(),
+            json_dumps(&v, &pretty, None).unwrap_or_default(),
             "{\n  \"a\": [\n    1,\n    2.0,\n    \"x'<&>\\\"\\u00e9\\n\"\n  ],\n  \"b\": {},\n  \"c\": [],\n  \"d\": null,\n  \"e\": true\n}"
         );
     }
@@ -343,7 +418,13 @@ mod tests {
         let v = Value::from(minijinja::value::Serde(
             serde_json::json!({"k": [true, null, "it's", 1.5]}),
         ));
-        assert_eq!(py_str(&v), r#"{'k': [True, None, "it's", 1.5]}"#);
-        assert_eq!(py_str(&Value::from(false)), "False");
+        assert_eq!(
+            py_str(&v, None).ok().as_deref(),
+            Some(r#"{'k': [True, None, "it's", 1.5]}"#)
+        );
+        assert_eq!(
+            py_str(&Value::from(false), None).ok().as_deref(),
+            Some("False")
+        );
     }
 }

@@ -46,6 +46,17 @@ pub struct Tokenizer {
     chat_template: Option<String>,
 }
 
+/// The text of a caught panic's payload (`&str` or `String`; anything else is unnamed).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "no message".into()
+    }
+}
+
 /// Read a special token given in `tokenizer_config.json` either as a string or as an
 /// `AddedToken` object with a `content` field.
 fn config_token(cfg: Option<&serde_json::Value>, key: &str) -> Option<String> {
@@ -100,7 +111,32 @@ impl Tokenizer {
     }
 
     /// Like [`Tokenizer::from_tokenizer_json`], from the file's contents.
+    ///
+    /// A malformed file gives [`TextError::InvalidTokenizer`], never a panic.
     pub fn from_tokenizer_json_bytes(
+        json: &[u8],
+        tokenizer_config: Option<&serde_json::Value>,
+        generation_config: Option<&serde_json::Value>,
+    ) -> Result<Tokenizer, TextError> {
+        // The `tokenizers` crate panics on some malformed files instead of returning an error
+        // (an `expect` in its decoder, normalizer and pre-tokenizer deserialisers, reached by a
+        // syntax error inside those sections), and the per-id decode below runs the file's
+        // decoder. This is the one boundary where file contents reach that crate, so a panic is
+        // contained here and turned into a typed error; nothing escapes half-built (the value is
+        // only returned whole).
+        std::panic::catch_unwind(|| {
+            Self::build_from_json(json, tokenizer_config, generation_config)
+        })
+        .unwrap_or_else(|payload| {
+            Err(TextError::InvalidTokenizer(format!(
+                "tokenizer.json is malformed (the tokenizers library panicked: {})",
+                panic_message(payload.as_ref())
+            )))
+        })
+    }
+
+    /// The body of [`Tokenizer::from_tokenizer_json_bytes`], run under its `catch_unwind`.
+    fn build_from_json(
         json: &[u8],
         tokenizer_config: Option<&serde_json::Value>,
         generation_config: Option<&serde_json::Value>,

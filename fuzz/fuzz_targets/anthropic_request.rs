@@ -1,0 +1,6 @@
+//! Fuzz target `anthropic_request`: see `kapitsa_fuzz_harness::anthropic_request` for the input format and the contract.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(init: kapitsa_fuzz_harness::fuzz_init(), |data: &[u8]| {
+    let _ = kapitsa_fuzz_harness::anthropic_request(data);
+});

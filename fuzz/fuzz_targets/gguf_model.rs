@@ -1,0 +1,6 @@
+//! Fuzz target `gguf_model`: see `kapitsa_fuzz_harness::gguf_model` for the input format and the contract.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(init: kapitsa_fuzz_harness::fuzz_init(), |data: &[u8]| {
+    let _ = kapitsa_fuzz_harness::gguf_model(data);
+});
