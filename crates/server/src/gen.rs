@@ -201,15 +201,36 @@ pub fn submit_all_for(
     reqs: Vec<Request>,
     constraint_param: &str,
 ) -> ApiResult<Merged> {
+    submit_streams(st, reqs, constraint_param, false)
+}
+
+/// [`submit_all_for`], with each choice's stream starting with `Event::Admitted` (see
+/// [`Engine::submit_announced`](crate::engine::Engine::submit_announced); it sets
+/// [`Choice::admitted`]).
+pub fn submit_all_announced(
+    st: &AppState,
+    reqs: Vec<Request>,
+    constraint_param: &str,
+) -> ApiResult<Merged> {
+    submit_streams(st, reqs, constraint_param, true)
+}
+
+fn submit_streams(
+    st: &AppState,
+    reqs: Vec<Request>,
+    constraint_param: &str,
+    announce: bool,
+) -> ApiResult<Merged> {
     let (tx, rx) = mpsc::channel(64);
     let mut streams = Vec::with_capacity(reqs.len());
     for r in reqs {
+        let s = if announce {
+            st.engine.submit_announced(r)
+        } else {
+            st.engine.submit(r)
+        };
         // On error `streams` is dropped, which cancels the earlier choices.
-        streams.push(
-            st.engine
-                .submit(r)
-                .map_err(|e| submit_error_for(e, constraint_param))?,
-        );
+        streams.push(s.map_err(|e| submit_error_for(e, constraint_param))?);
     }
     for (i, s) in streams.into_iter().enumerate() {
         tokio::spawn(forward(i, s, tx.clone(), st.metrics.clone()));
@@ -247,7 +268,7 @@ async fn forward(
                         last = Some(now);
                     }
                 }
-                let end = !matches!(ev, Event::Text { .. });
+                let end = !matches!(ev, Event::Text { .. } | Event::Admitted { .. });
                 if tx.send((i, ev)).await.is_err() || end {
                     break;
                 }
@@ -353,6 +374,9 @@ pub struct Choice {
     pub usage: Usage,
     /// The parsed reply, set by `Done`.
     pub reply: ParsedReply,
+    /// Prompt tokens reused from the prefix cache, set by `Admitted` (only sent to requests
+    /// submitted with [`submit_all_announced`]).
+    pub admitted: Option<usize>,
 }
 
 impl Choice {
@@ -388,6 +412,7 @@ impl Choice {
             finish: None,
             usage: Usage::default(),
             reply: ParsedReply::default(),
+            admitted: None,
         }
     }
 
@@ -470,6 +495,10 @@ impl Choice {
                     self.bare = Bare::Passing;
                 }
                 Ok(out)
+            }
+            Event::Admitted { cached_tokens } => {
+                self.admitted = Some(cached_tokens);
+                Ok(Vec::new())
             }
             Event::Error(m) => Err(engine_error(&m)),
         }

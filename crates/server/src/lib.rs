@@ -10,6 +10,7 @@
 //! | GET | `/v1/models`, `/v1/models/{id}` | OpenAI model list |
 //! | POST | `/v1/messages` | Anthropic Messages, streaming or not |
 //! | POST | `/v1/messages/count_tokens` | Anthropic token counting |
+//! | POST | `/v1/responses` | OpenAI Responses API, streaming or not (stateless) |
 //! | GET | `/health` | `{"status": "ok"}` (503 while shutting down) |
 //! | GET | `/metrics` | Prometheus text |
 //!
@@ -29,6 +30,8 @@ pub mod metrics;
 pub mod openai;
 pub mod params;
 pub mod response_format;
+pub mod responses;
+pub mod responses_stream;
 pub mod tokenize;
 pub mod tool_choice;
 
@@ -69,6 +72,9 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// On shutdown, how long requests in flight may go on before they are cancelled.
     pub shutdown_grace: Duration,
+    /// Anthropic streams send `event: ping` when nothing else was sent for this long
+    /// (default [`anthropic::PING_EVERY`]).
+    pub ping_every: Duration,
 }
 
 impl Default for ServerConfig {
@@ -77,6 +83,7 @@ impl Default for ServerConfig {
             api_key: None,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             shutdown_grace: Duration::from_secs(10),
+            ping_every: anthropic::PING_EVERY,
         }
     }
 }
@@ -95,6 +102,11 @@ pub struct ServedModel {
     pub template_uses_tools: bool,
     /// `created` of `/v1/models` (server start, UNIX seconds).
     pub created: u64,
+    /// Further names `/v1/models` lists (`--alias`); requests naming one are served.
+    pub aliases: Vec<String>,
+    /// Refuse requests naming another model (404 `model_not_found`); by default any name is
+    /// served by the one model, as llama.cpp's server does (`--strict-model-name`).
+    pub strict_name: bool,
 }
 
 impl ServedModel {
@@ -119,7 +131,20 @@ impl ServedModel {
             template,
             tokenizer,
             created: gen::unix_now(),
+            aliases: Vec::new(),
+            strict_name: false,
         })
+    }
+
+    /// Every name the model answers to: its name, then the aliases (duplicates left out).
+    pub fn names(&self) -> Vec<&str> {
+        let mut out = vec![self.name.as_str()];
+        for a in &self.aliases {
+            if !out.contains(&a.as_str()) {
+                out.push(a);
+            }
+        }
+        out
     }
 
     /// The model `opened` serves (opened by [`kapitsa_engine::open_model`], whose
@@ -170,14 +195,15 @@ impl AppState {
         self.cancel.clone()
     }
 
-    /// Check the request's `model` field.
+    /// Check the request's `model` field: required; with
+    /// [`ServedModel::strict_name`], one of [`ServedModel::names`], else any name.
     pub fn check_model(&self, model: Option<&str>) -> ApiResult<()> {
         match model {
             None => Err(ApiError::bad_param(
                 "model",
                 "'model' is a required property",
             )),
-            Some(m) if m == self.model.name => Ok(()),
+            Some(m) if !self.model.strict_name || self.model.names().contains(&m) => Ok(()),
             Some(m) => Err(ApiError::new(
                 ErrorKind::NotFound,
                 format!(
@@ -335,11 +361,12 @@ async fn not_found(req: HttpRequest) -> Response {
 }
 
 /// The POST endpoints, whose bodies are JSON.
-const JSON_POST_PATHS: [&str; 4] = [
+const JSON_POST_PATHS: [&str; 5] = [
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/v1/responses",
 ];
 
 /// The methods a known path accepts (the `Allow` header of a 405).
@@ -418,6 +445,11 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
     .into_response()
 }
 
+/// `GET` / `HEAD /`: 200, for clients that probe the server's root before using it.
+async fn root(State(st): State<Arc<AppState>>) -> Response {
+    Json(json!({"status": "ok", "model": st.model.name})).into_response()
+}
+
 async fn prometheus(State(st): State<Arc<AppState>>) -> Response {
     let text = st.metrics.render(&st.engine.metrics());
     (
@@ -436,9 +468,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models/{id}", get(openai::model))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/v1/responses", post(responses::responses))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/health", get(health))
+        .route("/", get(root))
         .route("/metrics", get(prometheus))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)

@@ -865,9 +865,9 @@ async fn stream_completions(
     let _ = send(&tx, SseEvent::default().data("[DONE]")).await;
 }
 
-fn model_json(st: &AppState) -> Value {
+fn model_json(st: &AppState, id: &str) -> Value {
     json!({
-        "id": st.model.name,
+        "id": id,
         "object": "model",
         "created": st.model.created,
         "owned_by": "kapitsa",
@@ -877,13 +877,19 @@ fn model_json(st: &AppState) -> Value {
 
 /// `GET /v1/models`.
 pub async fn models(State(st): State<Arc<AppState>>) -> Response {
-    Json(json!({"object": "list", "data": [model_json(&st)]})).into_response()
+    let data: Vec<Value> = st
+        .model
+        .names()
+        .into_iter()
+        .map(|n| model_json(&st, n))
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
 }
 
 /// `GET /v1/models/{id}`.
 pub async fn model(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
     match st.check_model(Some(&id)) {
-        Ok(()) => Json(model_json(&st)).into_response(),
+        Ok(()) => Json(model_json(&st, &id)).into_response(),
         Err(e) => e.into_response_for(Api::OpenAi),
     }
 }

@@ -27,7 +27,9 @@ fn engine_cfg() -> EngineConfig {
 }
 
 async fn start(ecfg: EngineConfig, scfg: ServerConfig) -> TestServer {
-    let (loaded, served) = load_tiny(&tiny(), None);
+    let (loaded, mut served) = load_tiny(&tiny(), None);
+    // Unknown model names are 404s here (see `model_names` for the default).
+    served.strict_name = true;
     let engine =
         EngineHandle::start(loaded.model.clone(), served.tokenizer.clone(), ecfg).expect("engine");
     TestServer::start(Arc::new(engine), served, scfg).await
@@ -546,6 +548,32 @@ async fn error_classes() {
         })
         .await
     );
+}
+
+/// By default any model name is served; aliases are listed; `HEAD /` and `GET /` answer 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_names() {
+    let (loaded, mut served) = load_tiny(&tiny(), None);
+    served.aliases = vec!["claude-opus-4-8".into(), "gpt-5".into(), "tiny".into()];
+    let engine = EngineHandle::start(loaded.model.clone(), served.tokenizer.clone(), engine_cfg())
+        .expect("engine");
+    let s = TestServer::start(Arc::new(engine), served, cfg()).await;
+    let r = s.get("/v1/models").await;
+    assert_eq!(r.status, 200);
+    let ids: Vec<String> = r.json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ids, ["tiny", "claude-opus-4-8", "gpt-5"]);
+    let mut b = chat_body("hi", 2);
+    b["model"] = "some-other-model".into();
+    assert_eq!(s.post("/v1/chat/completions", &b).await.status, 200);
+    let r = s.post("/v1/messages", &json!({"model": "claude-haiku-4-5", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(s.req("HEAD", "/", &[], b"").await.status, 200);
+    assert_eq!(s.get("/").await.status, 200);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -31,7 +31,9 @@ const COUNT: &str = "/v1/messages/count_tokens";
 
 /// One slot, one queue place, a context of 4096 and a body limit of 128 KiB, with an API key.
 async fn server() -> TestServer {
-    let (loaded, served) = load_tiny(&tiny(), None);
+    let (loaded, mut served) = load_tiny(&tiny(), None);
+    // Unknown model names are 404s here (see `model_names` for the default).
+    served.strict_name = true;
     let ecfg = EngineConfig {
         max_running: 1,
         max_batch_tokens: 64,
@@ -678,9 +680,28 @@ fn messages_body_cases(path: &'static str, ok: &Value) -> Vec<Case> {
             with(ok, "thinking", json!(true)),
         ),
         Case::json(
-            "system role in messages",
+            "unknown role in messages",
             path,
-            msg(json!([{"role": "system", "content": "hi"}])),
+            msg(json!([{"role": "robot", "content": "hi"}])),
+        ),
+        Case::json(
+            "system message with an image",
+            path,
+            msg(
+                json!([{"role": "system", "content": [{"type": "image", "source": {}}]}, {"role": "user", "content": "hi"}]),
+            ),
+        ),
+        Case::json(
+            "document with a PDF source",
+            path,
+            msg(
+                json!([{"role": "user", "content": [{"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "AA=="}}]}]),
+            ),
+        ),
+        Case::json(
+            "unknown thinking type",
+            path,
+            with(ok, "thinking", json!({"type": "sometimes"})),
         ),
         Case::json("missing: messages", path, without(ok, "messages")),
         Case::json("missing: role", path, msg(json!([{"content": "hi"}]))),

@@ -36,6 +36,8 @@ struct Scripted {
     n_ctx: usize,
     max_queue: usize,
     fail: bool,
+    /// Wait this long before the first token (a long prefill).
+    prefill: Duration,
     counts: Arc<Mutex<Counts>>,
 }
 
@@ -47,6 +49,7 @@ impl Scripted {
             n_ctx: 4096,
             max_queue: 64,
             fail: false,
+            prefill: Duration::ZERO,
             counts: Arc::default(),
         }
     }
@@ -57,38 +60,12 @@ impl Scripted {
     }
 }
 
-struct Stream {
-    rx: mpsc::UnboundedReceiver<Event>,
-    counts: Arc<Mutex<Counts>>,
-    ended: bool,
-}
-
-impl EventStream for Stream {
-    fn recv(&mut self) -> RecvFuture<'_> {
-        Box::pin(async move {
-            let ev = self.rx.recv().await;
-            if !matches!(ev, Some(Event::Text { .. })) {
-                self.ended = true;
-            }
-            ev
-        })
-    }
-}
-
-impl Drop for Stream {
-    fn drop(&mut self) {
-        let mut c = self.counts.lock().unwrap();
-        c.running -= 1;
-        if self.ended {
-            c.finished += 1;
-        } else {
-            c.cancelled += 1;
-        }
-    }
-}
-
-impl Engine for Scripted {
-    fn submit(&self, req: Request) -> Result<Box<dyn EventStream>, SubmitError> {
+impl Scripted {
+    fn submit_with(
+        &self,
+        req: Request,
+        announce: Option<usize>,
+    ) -> Result<Box<dyn EventStream>, SubmitError> {
         if req.prompt.len() >= self.n_ctx {
             return Err(SubmitError::PromptTooLong {
                 n_prompt: req.prompt.len(),
@@ -120,7 +97,12 @@ impl Engine for Scripted {
             finish = FinishReason::Length;
         }
         let (delay, fail, n_prompt) = (self.delay, self.fail, req.prompt.len());
+        let prefill = self.prefill;
         tokio::spawn(async move {
+            if let Some(cached_tokens) = announce {
+                let _ = tx.send(Event::Admitted { cached_tokens });
+            }
+            tokio::time::sleep(prefill).await;
             let mut n = 0;
             while let Some(p) = pieces.pop_front() {
                 if !delay.is_zero() {
@@ -165,6 +147,47 @@ impl Engine for Scripted {
             counts: self.counts.clone(),
             ended: false,
         }))
+    }
+}
+
+struct Stream {
+    rx: mpsc::UnboundedReceiver<Event>,
+    counts: Arc<Mutex<Counts>>,
+    ended: bool,
+}
+
+impl EventStream for Stream {
+    fn recv(&mut self) -> RecvFuture<'_> {
+        Box::pin(async move {
+            let ev = self.rx.recv().await;
+            if !matches!(ev, Some(Event::Text { .. } | Event::Admitted { .. })) {
+                self.ended = true;
+            }
+            ev
+        })
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        let mut c = self.counts.lock().unwrap();
+        c.running -= 1;
+        if self.ended {
+            c.finished += 1;
+        } else {
+            c.cancelled += 1;
+        }
+    }
+}
+
+impl Engine for Scripted {
+    fn submit(&self, req: Request) -> Result<Box<dyn EventStream>, SubmitError> {
+        self.submit_with(req, None)
+    }
+
+    /// Announced with 7 cached tokens.
+    fn submit_announced(&self, req: Request) -> Result<Box<dyn EventStream>, SubmitError> {
+        self.submit_with(req, Some(7))
     }
 
     fn metrics(&self) -> EngineMetrics {
@@ -580,6 +603,70 @@ async fn anthropic_thinking_and_tool_use() {
     assert_eq!(md["delta"]["stop_reason"], "tool_use");
     assert!(md["usage"]["output_tokens"].as_u64().unwrap() > 0);
     assert_eq!(data[0]["message"]["content"], json!([]));
+}
+
+/// Claude Code's request shape: the billing-header block is not in the prompt, `system`
+/// messages inside `messages` are rendered in place (Qwen2.5) or merged into the system prompt
+/// (Qwen3.5's template refuses them later on), `adaptive` thinking is accepted; while the
+/// prompt is computed the stream sends `ping`s, and `message_start` reports the prefix-cache
+/// hit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_claude_code_shape() {
+    let body = json!({
+        "model": "claude-opus-4-8",
+        "max_tokens": 32000,
+        "stream": true,
+        "thinking": {"type": "adaptive"},
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.3; cc_entrypoint=cli; cch=9f3e1;"},
+            {"type": "text", "text": "You are Claude Code, a CLI for coding.", "cache_control": {"type": "ephemeral"}},
+        ],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "<system-reminder>ctx</system-reminder>"}, {"type": "text", "text": "fix the bug", "cache_control": {"type": "ephemeral"}}]},
+            {"role": "system", "content": "The user switched to plan mode."},
+        ],
+        "tools": [{"name": "Bash", "description": "Run a command", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}],
+        "metadata": {"user_id": "u"},
+    });
+    for tmpl in ["qwen2.5.jinja", "qwen3.5.jinja"] {
+        let engine = Scripted::new("Done.");
+        let mut engine = engine.slow(Duration::from_millis(10));
+        engine.prefill = Duration::from_millis(450);
+        let c = ServerConfig {
+            ping_every: Duration::from_millis(100),
+            ..cfg()
+        };
+        let (s, counts) = server_with(engine, tmpl, c).await;
+        let r = s.post("/v1/messages", &body).await;
+        assert_eq!(r.status, 200, "{tmpl}: {}", r.text());
+        let events = r.sse();
+        let names: Vec<&str> = events.iter().map(|e| e.0.as_deref().unwrap()).collect();
+        assert_eq!(names[0], "message_start", "{tmpl}: {names:?}");
+        let start: Value = serde_json::from_str(&events[0].1).unwrap();
+        assert_eq!(start["message"]["usage"]["cache_read_input_tokens"], 7);
+        let first_block = names
+            .iter()
+            .position(|n| *n == "content_block_start")
+            .unwrap();
+        let pings = names[..first_block]
+            .iter()
+            .filter(|n| **n == "ping")
+            .count();
+        assert!(pings >= 3, "{tmpl}: pings while prefilling: {names:?}");
+        assert_eq!(names.last(), Some(&"message_stop"));
+        let prompt = last_prompt(&counts);
+        assert!(!prompt.contains("billing"), "{tmpl}: {prompt}");
+        assert!(prompt.contains("You are Claude Code"), "{tmpl}: {prompt}");
+        assert!(
+            prompt.contains("The user switched to plan mode."),
+            "{tmpl}: {prompt}"
+        );
+        // count_tokens takes the same shape.
+        let r = s.post("/v1/messages/count_tokens", &body).await;
+        assert_eq!(r.status, 200, "{tmpl}: {}", r.text());
+        let n = r.json()["input_tokens"].as_u64().unwrap() as usize;
+        assert_eq!(n, tokenizer().encode(&prompt, true, true).unwrap().len());
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
