@@ -419,12 +419,14 @@ fn reasoning(f: &Fields) -> ApiResult<(Option<Value>, bool)> {
     let summary = match rf.str("summary")?.or(rf.str("generate_summary")?) {
         None | Some("none") => false,
         Some("auto" | "concise" | "detailed") => true,
-        Some(other) => return Err(rf.error(
-            "summary",
-            format!(
+        Some(other) => {
+            return Err(rf.error(
+                "summary",
+                format!(
                 "unknown reasoning.summary '{other}' (expected auto, concise, detailed or none)"
             ),
-        )),
+            ))
+        }
     };
     Ok((extra, summary))
 }

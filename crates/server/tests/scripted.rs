@@ -889,3 +889,145 @@ async fn completions_echo_logprobs_and_stream() {
     assert_eq!(chunks.last().unwrap()["usage"]["prompt_tokens"], 3);
     assert_eq!(r.sse().last().unwrap().1, "[DONE]");
 }
+
+/// `/v1/responses` as Codex CLI uses it: reasoning, text and a tool call come back as output
+/// items, streamed event by event; the history (function calls and outputs) reaches the
+/// prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_codex_shape() {
+    let reply = format!("<think>\nI should call the tool.\n</think>\n\nChecking.\n{CALL}");
+    let (s, counts) = server(&reply, "qwen3.jinja").await;
+    let body = json!({
+        "model": "gpt-5-codex",
+        "instructions": "You are a coding agent.",
+        "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Bern?"}]},
+            {"type": "function_call", "call_id": "call_9", "name": "get_weather", "arguments": "{\"city\": \"Basel\"}"},
+            {"type": "function_call_output", "call_id": "call_9", "output": "rain"},
+        ],
+        "tools": [
+            {"type": "function", "name": "get_weather", "description": "Current weather", "strict": false,
+             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+            {"type": "web_search"},
+        ],
+        "tool_choice": "auto",
+        "parallel_tool_calls": false,
+        "reasoning": {"effort": "medium", "summary": "auto"},
+        "store": false,
+        "include": ["reasoning.encrypted_content"],
+    });
+    let r = s.post("/v1/responses", &body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["object"], "response");
+    assert_eq!(v["status"], "completed");
+    assert!(v["id"].as_str().unwrap().starts_with("resp_"));
+    let out = v["output"].as_array().unwrap();
+    let types: Vec<&str> = out.iter().map(|o| o["type"].as_str().unwrap()).collect();
+    assert_eq!(types, ["reasoning", "message", "function_call"]);
+    assert_eq!(out[0]["content"][0]["text"], "I should call the tool.");
+    assert_eq!(out[0]["summary"][0]["text"], "I should call the tool.");
+    assert_eq!(out[1]["content"][0]["text"], "Checking.");
+    assert_eq!(out[2]["name"], "get_weather");
+    let args: Value = serde_json::from_str(out[2]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Bern"}));
+    assert!(out[2]["call_id"].as_str().unwrap().starts_with("call_"));
+    assert!(v["usage"]["input_tokens"].as_u64().unwrap() > 0);
+    assert_eq!(
+        v["usage"]["output_tokens"],
+        reply.chars().count().div_ceil(3)
+    );
+    let prompt = last_prompt(&counts);
+    assert!(prompt.contains("You are a coding agent."), "{prompt}");
+    assert!(prompt.contains("\"city\": \"Basel\""), "{prompt}");
+    assert!(prompt.contains("rain"), "{prompt}");
+    assert!(!prompt.contains("web_search"), "{prompt}");
+
+    let mut sb = body.clone();
+    sb["stream"] = true.into();
+    let r = s.post("/v1/responses", &sb).await;
+    assert_eq!(r.status, 200);
+    let events = r.sse();
+    // Event names, runs collapsed (the summary deltas, which alternate with the reasoning
+    // deltas, are counted apart).
+    let mut names: Vec<String> = Vec::new();
+    let mut n_summary_deltas = 0;
+    for (i, (name, data)) in events.iter().enumerate() {
+        let name = name.clone().expect("every event is named");
+        let d: Value = serde_json::from_str(data).unwrap();
+        assert_eq!(d["type"], name.as_str());
+        assert_eq!(d["sequence_number"], i, "{name}");
+        if name == "response.reasoning_summary_text.delta" {
+            n_summary_deltas += 1;
+            continue;
+        }
+        if names.last() != Some(&name) {
+            names.push(name);
+        }
+    }
+    assert!(n_summary_deltas > 0);
+    assert_eq!(
+        names,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.reasoning_summary_part.added",
+            "response.reasoning_text.delta",
+            "response.reasoning_text.done",
+            "response.reasoning_summary_text.done",
+            "response.reasoning_summary_part.done",
+            "response.output_item.done",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.output_item.added",
+            "response.function_call_arguments.delta",
+            "response.function_call_arguments.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
+    );
+    let data: Vec<Value> = events
+        .iter()
+        .map(|(_, d)| serde_json::from_str(d).unwrap())
+        .collect();
+    let text: String = data
+        .iter()
+        .filter(|d| d["type"] == "response.output_text.delta")
+        .map(|d| d["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(text, "Checking.");
+    let done = data.last().unwrap();
+    assert_eq!(done["response"]["status"], "completed");
+    assert_eq!(done["response"]["output"].as_array().unwrap().len(), 3);
+    assert_eq!(done["response"]["output"][2]["type"], "function_call");
+    assert_eq!(
+        done["response"]["usage"]["output_tokens"],
+        v["usage"]["output_tokens"]
+    );
+
+    // Cut by max_output_tokens: incomplete.
+    let mut b = body.clone();
+    b["max_output_tokens"] = 2.into();
+    let v = s.post("/v1/responses", &b).await.json();
+    assert_eq!(v["status"], "incomplete");
+    assert_eq!(v["incomplete_details"]["reason"], "max_output_tokens");
+    b["stream"] = true.into();
+    let r = s.post("/v1/responses", &b).await;
+    let last = r.sse().last().unwrap().clone();
+    assert_eq!(last.0.as_deref(), Some("response.incomplete"));
+
+    // Stateless: previous_response_id is a clear 400.
+    let r = s
+        .post(
+            "/v1/responses",
+            &json!({"model": "m", "input": "hi", "previous_response_id": "resp_1"}),
+        )
+        .await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["param"], "previous_response_id");
+}
