@@ -11,6 +11,7 @@
 //! | POST | `/v1/messages` | Anthropic Messages, streaming or not |
 //! | POST | `/v1/messages/count_tokens` | Anthropic token counting |
 //! | POST | `/v1/responses` | OpenAI Responses API, streaming or not (stateless) |
+//! | POST | `/infill` | llama.cpp's fill-in-the-middle endpoint (also `suffix` on `/v1/completions`) |
 //! | GET | `/health` | `{"status": "ok"}` (503 while shutting down) |
 //! | GET | `/metrics` | Prometheus text |
 //!
@@ -25,6 +26,7 @@
 pub mod anthropic;
 pub mod engine;
 pub mod error;
+pub mod fim;
 pub mod gen;
 pub mod metrics;
 pub mod openai;
@@ -361,12 +363,13 @@ async fn not_found(req: HttpRequest) -> Response {
 }
 
 /// The POST endpoints, whose bodies are JSON.
-const JSON_POST_PATHS: [&str; 5] = [
+const JSON_POST_PATHS: [&str; 6] = [
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/v1/responses",
+    "/infill",
 ];
 
 /// The methods a known path accepts (the `Allow` header of a 405).
@@ -469,6 +472,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/responses", post(responses::responses))
+        .route("/infill", post(fim::infill))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/health", get(health))

@@ -684,6 +684,28 @@ fn completion_prompts(st: &AppState, v: &Value) -> ApiResult<Vec<(Vec<u32>, Stri
     }
 }
 
+/// A completions `prompt` (text, or a list of texts) turned into fill-in-the-middle prompts
+/// before `suffix`.
+fn fim_prompt(pv: &Value, fmt: &crate::fim::FimFormat, suffix: &str) -> ApiResult<Value> {
+    let one = |x: &Value| {
+        match x {
+        Value::String(p) => Ok(Value::String(fmt.prompt(p, suffix, &[], ""))),
+        _ => Err(ApiError::bad_param(
+            "prompt",
+            "with 'suffix' (fill-in-the-middle), 'prompt' must be text (a string or a list of strings)",
+        )),
+    }
+    };
+    match pv {
+        Value::Array(a) if !a.is_empty() => a
+            .iter()
+            .map(one)
+            .collect::<ApiResult<Vec<_>>>()
+            .map(Value::Array),
+        x => one(x),
+    }
+}
+
 /// `POST /v1/completions`.
 pub async fn completions(
     State(st): State<Arc<AppState>>,
@@ -705,11 +727,18 @@ async fn completions_inner(
     st.check_model(f.str("model")?)?;
     let o = gen_opts(&f, false, st.model.tokenizer.vocab_size())?;
     let echo = f.bool("echo")?.unwrap_or(false);
-    if let Some(s) = f.str("suffix")? {
-        if !s.is_empty() {
-            return Err(f.error("suffix", "'suffix' (fill-in-the-middle) is not supported"));
+    let mut o = o;
+    let fim = match f.str("suffix")? {
+        Some(s) if !s.is_empty() => {
+            if echo {
+                return Err(f.error("echo", "'echo' cannot be combined with 'suffix'"));
+            }
+            let fmt = crate::fim::format_for(&st, "suffix")?;
+            o.stop.extend(fmt.stops());
+            Some((fmt, s.to_string()))
         }
-    }
+        _ => None,
+    };
     if let Some(b) = f.int_in("best_of", 1, MAX_N)? {
         if b as usize != o.n {
             return Err(f.error("best_of", "'best_of' other than 'n' is not supported"));
@@ -717,7 +746,10 @@ async fn completions_inner(
     }
     let pv = f.required("prompt")?;
     st.check_open()?;
-    let prompts = completion_prompts(&st, pv)?;
+    let prompts = match &fim {
+        Some((fmt, suffix)) => completion_prompts(&st, &fim_prompt(pv, fmt, suffix)?)?,
+        None => completion_prompts(&st, pv)?,
+    };
     let mut reqs = Vec::new();
     for (ids, _) in &prompts {
         let room = st.room(ids.len(), "prompt")?;

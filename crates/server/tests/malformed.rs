@@ -552,7 +552,7 @@ fn completion_cases() -> Vec<Case> {
         .param("prompt")
         .code("context_length_exceeded"),
         Case::json(
-            "suffix (not supported)",
+            "suffix on a model without FIM tokens",
             COMPLETIONS,
             with(&ok, "suffix", json!("x")),
         )

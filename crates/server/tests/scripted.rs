@@ -1031,3 +1031,133 @@ async fn responses_codex_shape() {
     assert_eq!(r.status, 400);
     assert_eq!(r.json()["error"]["param"], "previous_response_id");
 }
+
+/// The tiny tokenizer with Qwen2.5-Coder's FIM and repository tokens added (ids 400..404).
+fn fim_tokenizer() -> Arc<Tokenizer> {
+    let path = tiny().join("tokenizer.json");
+    let mut v: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let names = [
+        "<|fim_prefix|>",
+        "<|fim_middle|>",
+        "<|fim_suffix|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
+    ];
+    let added = v["added_tokens"].as_array_mut().unwrap();
+    for (i, n) in names.iter().enumerate() {
+        added.push(
+            json!({"id": 400 + i, "content": n, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true}),
+        );
+    }
+    let cfg = json!({"eos_token": "<|im_end|>"});
+    Arc::new(
+        Tokenizer::from_tokenizer_json_bytes(v.to_string().as_bytes(), Some(&cfg), None).unwrap(),
+    )
+}
+
+/// Fill-in-the-middle: `suffix` on `/v1/completions` (the openai SDK, Continue) and llama.cpp's
+/// `/infill` (llama.vscode, with repository files) build the prompt from the FIM tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fill_in_the_middle() {
+    let engine = Scripted::new("x + y");
+    let counts = engine.counts.clone();
+    let tok = fim_tokenizer();
+    let model =
+        ServedModel::new("m".into(), tok.clone(), Some(&template("qwen2.5.jinja"))).unwrap();
+    let s = TestServer::start(Arc::new(engine), model, cfg()).await;
+    let prompt_of = |counts: &Mutex<Counts>| {
+        let c = counts.lock().unwrap();
+        c.requests.last().unwrap().clone()
+    };
+    let r = s
+        .post(
+            "/v1/completions",
+            &json!({"model": "m", "prompt": "def add(x, y):\n    return ", "suffix": "\n\nprint(add(1, 2))\n", "max_tokens": 16}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["choices"][0]["text"], "x + y");
+    let req = prompt_of(&counts);
+    assert_eq!(req.prompt[0], 400, "starts with <|fim_prefix|>");
+    assert_eq!(
+        tok.decode(&req.prompt, false).unwrap(),
+        "<|fim_prefix|>def add(x, y):\n    return <|fim_suffix|>\n\nprint(add(1, 2))\n<|fim_middle|>"
+    );
+    assert!(req.stop.contains(&"<|file_sep|>".to_string()));
+
+    // llama.vscode's /infill with repository files, streamed and not.
+    let body = json!({
+        "input_prefix": "def add(x, y):\n    return ",
+        "input_suffix": "\n",
+        "input_extra": [{"filename": "util.py", "text": "ONE = 1\n"}],
+        "prompt": "",
+        "n_predict": 32,
+        "cache_prompt": true,
+        "t_max_prompt_ms": 500,
+        "samplers": ["top_k", "top_p", "infill"],
+    });
+    let r = s.post("/infill", &body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["content"], "x + y");
+    assert_eq!(v["stop"], true);
+    assert_eq!(v["stop_type"], "eos");
+    assert_eq!(
+        tok.decode(&prompt_of(&counts).prompt, false).unwrap(),
+        "<|repo_name|>myproject\n<|file_sep|>util.py\nONE = 1\n<|fim_prefix|>def add(x, y):\n    return <|fim_suffix|>\n<|fim_middle|>"
+    );
+    let mut sb = body.clone();
+    sb["stream"] = true.into();
+    let r = s.post("/infill", &sb).await;
+    let chunks = r.sse_json();
+    let text: String = chunks
+        .iter()
+        .map(|c| c["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(text, "x + y");
+    assert!(chunks[..chunks.len() - 1]
+        .iter()
+        .all(|c| c["stop"] == false));
+    assert_eq!(chunks.last().unwrap()["stop"], true);
+    // Bad input: 400 naming the field.
+    for (bad, param) in [
+        (json!({"input_prefix": 5}), "input_prefix"),
+        (
+            json!({"input_extra": [{"filename": "a"}]}),
+            "input_extra[0].text",
+        ),
+        (json!({"input_extra": "x"}), "input_extra"),
+        (json!({"n_predict": -2}), "n_predict"),
+    ] {
+        let r = s.post("/infill", &bad).await;
+        assert_eq!(r.status, 400, "{bad}");
+        assert_eq!(r.json()["error"]["param"], param, "{bad}");
+    }
+    let r = s
+        .post(
+            "/v1/completions",
+            &json!({"model": "m", "prompt": [1, 2], "suffix": "x"}),
+        )
+        .await;
+    assert_eq!(r.json()["error"]["param"], "prompt");
+}
+
+/// A model without FIM tokens: a clear 400 from `/infill`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn infill_needs_fim_tokens() {
+    let (s, _) = server("x", "qwen2.5.jinja").await;
+    let r = s
+        .post(
+            "/infill",
+            &json!({"input_prefix": "a", "input_suffix": "b"}),
+        )
+        .await;
+    assert_eq!(r.status, 400);
+    let e = r.json();
+    assert_eq!(e["error"]["param"], "input_suffix");
+    assert!(e["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("fill-in-the-middle"));
+}
