@@ -36,4 +36,7 @@ impl CausalLm for Qwen3 {
     fn forward(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
         self.inner.forward(batch, cache)
     }
+    fn forward_hidden(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
+        self.inner.forward_hidden(batch, cache)
+    }
 }

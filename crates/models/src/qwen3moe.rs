@@ -88,4 +88,7 @@ impl CausalLm for Qwen3Moe {
     fn forward(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
         self.inner.forward(batch, cache)
     }
+    fn forward_hidden(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
+        self.inner.forward_hidden(batch, cache)
+    }
 }

@@ -11,6 +11,8 @@
 //! | POST | `/v1/messages` | Anthropic Messages, streaming or not |
 //! | POST | `/v1/messages/count_tokens` | Anthropic token counting |
 //! | POST | `/v1/responses` | OpenAI Responses API, streaming or not (stateless) |
+//! | POST | `/v1/embeddings` | OpenAI embeddings (pooled final hidden states) |
+//! | POST, GET | `/api/chat`, `/api/generate`, `/api/embed`, `/api/show`, `/api/tags`, `/api/version`, ... | Ollama's API ([`ollama`]) |
 //! | POST | `/infill` | llama.cpp's fill-in-the-middle endpoint (also `suffix` on `/v1/completions`) |
 //! | GET | `/health` | `{"status": "ok"}` (503 while shutting down) |
 //! | GET | `/metrics` | Prometheus text |
@@ -24,11 +26,13 @@
 //! so reasoning and tool calls come back as their own fields, never as markup in the text.
 
 pub mod anthropic;
+pub mod embeddings;
 pub mod engine;
 pub mod error;
 pub mod fim;
 pub mod gen;
 pub mod metrics;
+pub mod ollama;
 pub mod openai;
 pub mod params;
 pub mod response_format;
@@ -109,6 +113,12 @@ pub struct ServedModel {
     /// Refuse requests naming another model (404 `model_not_found`); by default any name is
     /// served by the one model, as llama.cpp's server does (`--strict-model-name`).
     pub strict_name: bool,
+    /// Architecture name (`qwen2`, ...; `unknown` when not known).
+    pub arch: String,
+    /// The chat template's source (Ollama's `/api/show` returns it).
+    pub template_source: Option<String>,
+    /// Embeddings with the model's weights (`None`: `/v1/embeddings` answers 400).
+    pub embed: Option<Arc<kapitsa_engine::embed::LazyEmbedder>>,
 }
 
 impl ServedModel {
@@ -135,6 +145,9 @@ impl ServedModel {
             created: gen::unix_now(),
             aliases: Vec::new(),
             strict_name: false,
+            arch: "unknown".into(),
+            template_source: template_src.map(str::to_string),
+            embed: None,
         })
     }
 
@@ -154,11 +167,18 @@ impl ServedModel {
     /// after its path ([`default_model_name`]).
     pub fn from_opened(opened: &OpenedModel, name: Option<String>) -> anyhow::Result<ServedModel> {
         let name = name.unwrap_or_else(|| default_model_name(&opened.path));
-        ServedModel::new(
+        let mut m = ServedModel::new(
             name,
             opened.tokenizer.clone(),
             opened.chat_template_source.as_deref(),
-        )
+        )?;
+        m.arch = opened.arch.clone();
+        let pooling = kapitsa_engine::embed::Pooling::detect(&opened.source);
+        m.embed = Some(Arc::new(kapitsa_engine::embed::LazyEmbedder::new(
+            opened.model.clone(),
+            pooling,
+        )));
+        Ok(m)
     }
 }
 
@@ -295,6 +315,8 @@ pub fn body_bytes(st: &AppState, body: Result<Bytes, BytesRejection>) -> ApiResu
 fn api_for_path(path: &str) -> Api {
     if path.starts_with("/v1/messages") {
         Api::Anthropic
+    } else if path.starts_with("/api/") {
+        Api::Ollama
     } else {
         Api::OpenAi
     }
@@ -363,13 +385,19 @@ async fn not_found(req: HttpRequest) -> Response {
 }
 
 /// The POST endpoints, whose bodies are JSON.
-const JSON_POST_PATHS: [&str; 6] = [
+const JSON_POST_PATHS: [&str; 12] = [
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/v1/responses",
     "/infill",
+    "/v1/embeddings",
+    "/api/chat",
+    "/api/generate",
+    "/api/show",
+    "/api/embed",
+    "/api/embeddings",
 ];
 
 /// The methods a known path accepts (the `Allow` header of a 405).
@@ -473,6 +501,15 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/responses", post(responses::responses))
         .route("/infill", post(fim::infill))
+        .route("/v1/embeddings", post(embeddings::embeddings))
+        .route("/api/chat", post(ollama::chat))
+        .route("/api/generate", post(ollama::generate))
+        .route("/api/show", post(ollama::show))
+        .route("/api/embed", post(ollama::embed))
+        .route("/api/embeddings", post(ollama::embeddings_legacy))
+        .route("/api/tags", get(ollama::tags))
+        .route("/api/ps", get(ollama::ps))
+        .route("/api/version", get(ollama::version))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/health", get(health))

@@ -354,7 +354,7 @@ fn chat_messages(list: &[Value]) -> ApiResult<Vec<Value>> {
 
 /// Check `tools` (OpenAI function tools); returns them (`None` when there are none).
 /// `tool_choice` is read by [`tool_choice::openai`].
-fn chat_tools(f: &Fields) -> ApiResult<Option<Value>> {
+pub(crate) fn chat_tools(f: &Fields) -> ApiResult<Option<Value>> {
     let Some(tools) = f.array("tools")? else {
         return Ok(None);
     };

@@ -231,6 +231,18 @@ impl Decoder {
 
     /// Forward pass over a batch (see [`crate::CausalLm::forward`]).
     pub fn forward(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
+        self.run(batch, cache, false)
+    }
+
+    /// Forward pass returning final-norm hidden rows (see
+    /// [`crate::CausalLm::forward_hidden`]).
+    pub fn forward_hidden(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
+        self.run(batch, cache, true)
+    }
+
+    /// The pass; `hidden`: stop after the final norm (rows `n_embd` wide) instead of
+    /// applying the output head.
+    fn run(&self, batch: &BatchInputs, cache: &mut KvCache, hidden: bool) -> Result<Logits> {
         batch.validate(cache.n_slots())?;
         let be = &*self.backend;
         let n = batch.n_tokens();
@@ -327,6 +339,20 @@ impl Decoder {
         }
 
         let rows = &batch.logit_rows;
+        if hidden {
+            let mut data = vec![0f32; rows.len() * d];
+            if !rows.is_empty() {
+                let mut hr = tensor(be, rows.len() * d)?;
+                be.gather_logit_rows(&x, d, &dev_batch, &mut hr)?;
+                be.rms_norm(&mut hr, d, &self.out_norm, self.rms_eps)?;
+                be.read_f32(&hr, 0, &mut data)?;
+            }
+            return Ok(Logits {
+                n_vocab: d,
+                rows: rows.clone(),
+                data,
+            });
+        }
         let mut data = vec![0f32; rows.len() * n_vocab];
         if !rows.is_empty() {
             let mut hr = tensor(be, rows.len() * d)?;
