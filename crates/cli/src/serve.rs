@@ -69,8 +69,9 @@ pub struct ServeArgs {
     /// RAM, else a memory map), mmap or memory.
     #[arg(long, value_enum, default_value_t = crate::commands::LoadModeArg::Auto)]
     load_mode: crate::commands::LoadModeArg,
-    /// Token positions in the KV block pool shared by all sequences (0 = every sequence
-    /// full at once, capped at a quarter of the available memory, and at least one context).
+    /// Token positions in the KV block pool shared by all sequences (0 = two contexts, at
+    /// least 65536 and at most every sequence full at once, capped at a quarter of the
+    /// available memory, and at least one context).
     /// When the pool runs dry, kept prefixes are evicted, then the newest sequences are
     /// preempted and recomputed later.
     #[arg(long, default_value_t = 0)]
@@ -101,6 +102,9 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 10)]
     shutdown_grace: u64,
 }
+
+/// Smallest default KV pool, in token positions (see `serve`).
+const DEFAULT_POOL_TOKENS: usize = 65536;
 
 /// `4096`, `4KiB`, `4K`, `4MiB`, `1GiB` ... -> bytes.
 fn parse_size(s: &str) -> std::result::Result<usize, String> {
@@ -169,7 +173,10 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         let fits = available_memory()
             .map(|m| (m / 4) / token_bytes.max(1))
             .unwrap_or(full);
-        full.min(fits.max(n_ctx))
+        // Blocks are shared and handed out on demand, so the pool need not hold every slot
+        // full: two contexts, at least DEFAULT_POOL_TOKENS (what 16 slots of 4096 held).
+        let enough = (2 * n_ctx).max(DEFAULT_POOL_TOKENS);
+        full.min(enough).min(fits.max(n_ctx))
     } else if a.cache_tokens < n_ctx {
         bail!(
             "--cache-tokens ({}) must be >= the context ({n_ctx})",

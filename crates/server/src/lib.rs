@@ -17,7 +17,7 @@
 //! | GET | `/health` | `{"status": "ok"}` (503 while shutting down) |
 //! | GET | `/metrics` | Prometheus text |
 //!
-//! With an API key set, every endpoint but `/health` and `/metrics` needs it, as
+//! With an API key set, every endpoint but `/`, `/health` and `/metrics` needs it, as
 //! `Authorization: Bearer KEY` or `x-api-key: KEY`.
 //!
 //! The server talks to the engine through the [`engine::Engine`] trait, implemented by
@@ -351,7 +351,7 @@ fn same_key(a: &str, b: &str) -> bool {
 async fn auth(State(st): State<Arc<AppState>>, req: HttpRequest, next: Next) -> Response {
     if let Some(key) = &st.cfg.api_key {
         let path = req.uri().path();
-        if path != "/health" && path != "/metrics" {
+        if path != "/health" && path != "/metrics" && path != "/" {
             let keys = request_keys(&req);
             if !keys.iter().any(|k| same_key(k, key)) {
                 let msg = if !keys.is_empty() {
