@@ -1,7 +1,9 @@
 //! The streamed form of `/v1/responses` (see [`crate::responses`]): SSE events named by their
 //! `type`, each with a `sequence_number`:
 //!
-//! 1. `response.created`, `response.in_progress` (status `in_progress`, no output);
+//! 1. `response.created`, `response.in_progress` (status `in_progress`, no output; repeated
+//!    whenever nothing else was sent for [`crate::ServerConfig::ping_every`], e.g. during a
+//!    long prefill, so that clients with a stream idle timeout keep the stream);
 //! 2. per output item, in the order the reply produces them:
 //!    - reasoning: `response.output_item.added`, (`response.reasoning_summary_part.added`),
 //!      `response.reasoning_text.delta`s (and `response.reasoning_summary_text.delta`s when a
@@ -81,10 +83,28 @@ pub(crate) async fn stream(
     let mut reasoning_all = String::new();
     let mut cancel = st.cancel_rx();
     loop {
-        let events = match merged
-            .next(std::slice::from_mut(&mut c), &mut cancel, Some(&ev.tx))
-            .await
-        {
+        // `next` is cancel-safe (an event is taken into the choice in the poll that receives
+        // it): on a timeout nothing is lost.
+        let next = tokio::time::timeout(
+            st.cfg.ping_every,
+            merged.next(std::slice::from_mut(&mut c), &mut cancel, Some(&ev.tx)),
+        );
+        let events = match next.await {
+            Err(_) => {
+                // Nothing to say for a while (queueing, a long prefill): repeat the status, so
+                // that clients with a stream idle timeout (Codex CLI) see the stream alive.
+                let v = obj.render("in_progress", Vec::new(), None);
+                if !ev
+                    .send("response.in_progress", json!({"response": v}))
+                    .await
+                {
+                    return;
+                }
+                continue;
+            }
+            Ok(r) => r,
+        };
+        let events = match events {
             Ok(Some((_, events))) => events,
             Ok(None) => break,
             Err(Interrupted::ClientGone) => return,

@@ -1161,3 +1161,33 @@ async fn infill_needs_fim_tokens() {
         .unwrap()
         .contains("fill-in-the-middle"));
 }
+
+/// A long prefill: the Responses stream repeats `response.in_progress` so that clients with a
+/// stream idle timeout (Codex CLI) keep it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_keep_alive_while_prefilling() {
+    let mut engine = Scripted::new("Done.");
+    engine.prefill = Duration::from_millis(450);
+    let c = ServerConfig {
+        ping_every: Duration::from_millis(100),
+        ..cfg()
+    };
+    let (s, _) = server_with(engine, "qwen2.5.jinja", c).await;
+    let r = s
+        .post(
+            "/v1/responses",
+            &json!({"model": "m", "input": "hi", "stream": true}),
+        )
+        .await;
+    let names: Vec<String> = r.sse().into_iter().map(|e| e.0.unwrap()).collect();
+    let first_item = names
+        .iter()
+        .position(|n| n == "response.output_item.added")
+        .unwrap();
+    let alive = names[..first_item]
+        .iter()
+        .filter(|n| *n == "response.in_progress")
+        .count();
+    assert!(alive >= 3, "{names:?}");
+    assert_eq!(names.last().map(String::as_str), Some("response.completed"));
+}
