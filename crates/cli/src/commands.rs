@@ -313,6 +313,7 @@ fn generate(s: &Session, req: Request, on_text: &mut dyn FnMut(&str)) -> Result<
                 })
             }
             Event::Error(e) => bail!("{e}"),
+            Event::Admitted { .. } => {}
         }
     }
     bail!("the engine stopped before the reply was complete")

@@ -34,8 +34,9 @@ pub struct ServeArgs {
     /// Tokens per forward pass (decode tokens plus prefill chunks).
     #[arg(long, default_value_t = 512)]
     max_batch_tokens: usize,
-    /// Context per sequence in tokens (0 = the model's training context, capped at 32768).
-    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    /// Context per sequence in tokens (0 = the model's training context, capped by what a
+    /// quarter of the available memory holds; stderr says the value and why).
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 0)]
     ctx: usize,
     /// Requests waiting for a slot before new ones get 429.
     #[arg(long, default_value_t = 64)]
@@ -50,6 +51,13 @@ pub struct ServeArgs {
     /// `.gguf`).
     #[arg(long)]
     model_name: Option<String>,
+    /// Another name for the model, listed in /v1/models (repeatable).
+    #[arg(long = "alias", value_name = "NAME")]
+    aliases: Vec<String>,
+    /// Refuse requests naming a model other than --model-name or an --alias (404); by
+    /// default any name is served by the one model.
+    #[arg(long)]
+    strict_model_name: bool,
     /// Largest request body (bytes; KiB/MiB/GiB or K/M/G suffixes accepted).
     #[arg(long, default_value = "4MiB", value_parser = parse_size)]
     max_body_bytes: usize,
@@ -61,8 +69,9 @@ pub struct ServeArgs {
     /// RAM, else a memory map), mmap or memory.
     #[arg(long, value_enum, default_value_t = crate::commands::LoadModeArg::Auto)]
     load_mode: crate::commands::LoadModeArg,
-    /// Token positions in the KV block pool shared by all sequences (0 = every sequence
-    /// full at once, capped at a quarter of the available memory, and at least one context).
+    /// Token positions in the KV block pool shared by all sequences (0 = two contexts, at
+    /// least 65536 and at most every sequence full at once, capped at a quarter of the
+    /// available memory, and at least one context).
     /// When the pool runs dry, kept prefixes are evicted, then the newest sequences are
     /// preempted and recomputed later.
     #[arg(long, default_value_t = 0)]
@@ -93,6 +102,9 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 10)]
     shutdown_grace: u64,
 }
+
+/// Smallest default KV pool, in token positions (see `serve`).
+const DEFAULT_POOL_TOKENS: usize = 65536;
 
 /// `4096`, `4KiB`, `4K`, `4MiB`, `1GiB` ... -> bytes.
 fn parse_size(s: &str) -> std::result::Result<usize, String> {
@@ -138,17 +150,33 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             ..OpenOptions::default()
         },
     )?;
-    let served = ServedModel::from_opened(&opened, a.model_name.clone())?;
-    let n_ctx = opened.context_size(a.ctx);
+    let mut served = ServedModel::from_opened(&opened, a.model_name.clone())?;
+    served.aliases = a.aliases.clone();
+    served.strict_name = a.strict_model_name;
     let spec = opened.model.spec();
     let token_bytes =
         2 * spec.n_attention_layers() * kv_type.row_bytes(spec.n_head_kv * spec.head_dim);
+    let n_ctx = if a.ctx == 0 {
+        let (n, why) = default_context(
+            spec.n_ctx_train,
+            token_bytes,
+            available_memory(),
+            a.kv_block_size,
+        );
+        eprintln!("kapitsa: context {n} tokens ({why}; --ctx-size sets it)");
+        n
+    } else {
+        a.ctx
+    };
     let full = a.max_running.saturating_mul(n_ctx);
     let pool = if a.cache_tokens == 0 {
         let fits = available_memory()
             .map(|m| (m / 4) / token_bytes.max(1))
             .unwrap_or(full);
-        full.min(fits.max(n_ctx))
+        // Blocks are shared and handed out on demand, so the pool need not hold every slot
+        // full: two contexts, at least DEFAULT_POOL_TOKENS (what 16 slots of 4096 held).
+        let enough = (2 * n_ctx).max(DEFAULT_POOL_TOKENS);
+        full.min(enough).min(fits.max(n_ctx))
     } else if a.cache_tokens < n_ctx {
         bail!(
             "--cache-tokens ({}) must be >= the context ({n_ctx})",
@@ -194,6 +222,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         api_key: a.api_key.clone(),
         max_body_bytes: a.max_body_bytes,
         shutdown_grace: Duration::from_secs(a.shutdown_grace),
+        ..ServerConfig::default()
     };
     let name = served.name.clone();
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -224,6 +253,42 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     })
 }
 
+/// Context used when none is given: the model's training context (4096 when the model does
+/// not say), capped by what a quarter of `available` bytes of memory holds at `token_bytes`
+/// of KV cache per token (rounded down to whole blocks of `block` tokens, at least 2048);
+/// and the reason, for stderr.
+fn default_context(
+    n_ctx_train: usize,
+    token_bytes: usize,
+    available: Option<usize>,
+    block: usize,
+) -> (usize, String) {
+    const UNKNOWN: usize = 4096;
+    const FLOOR: usize = 2048;
+    let (train, mut why) = if n_ctx_train == 0 {
+        (
+            UNKNOWN,
+            format!("the model does not give its training context: {UNKNOWN}"),
+        )
+    } else {
+        (n_ctx_train, "the model's training context".to_string())
+    };
+    let Some(mem) = available else {
+        return (train, why);
+    };
+    let fits = (mem / 4) / token_bytes.max(1);
+    let fits = (fits / block.max(1)) * block.max(1);
+    if fits < train {
+        let n = fits.max(FLOOR.min(train));
+        why = format!(
+            "the training context of {train} capped by memory: a quarter of the {:.1} GiB available holds {n} tokens of KV cache at {token_bytes} bytes each",
+            mem as f64 / (1u64 << 30) as f64
+        );
+        return (n, why);
+    }
+    (train, why)
+}
+
 /// `MemAvailable` from /proc/meminfo, in bytes (None where that file does not exist).
 fn available_memory() -> Option<usize> {
     let m = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -235,6 +300,20 @@ fn available_memory() -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn default_context_is_the_training_context_within_memory() {
+        // Qwen2.5-Coder-0.5B: 32K context, 12 KiB of f16 KV per token.
+        let (n, why) = default_context(32768, 12288, Some(16 << 30), 16);
+        assert_eq!(n, 32768, "{why}");
+        assert!(why.contains("training context"));
+        // 1 GiB: a quarter holds 21845 tokens, rounded down to blocks.
+        let (n, why) = default_context(32768, 12288, Some(1 << 30), 16);
+        assert_eq!(n, 21840, "{why}");
+        assert!(why.contains("capped by memory"));
+        assert_eq!(default_context(0, 12288, None, 16).0, 4096);
+        assert_eq!(default_context(32768, 12288, Some(1 << 20), 16).0, 2048);
+    }
 
     #[test]
     fn sizes() {

@@ -3,6 +3,7 @@
 //! scheduler and one decode loop ([`service`]).
 
 pub mod device;
+pub mod embed;
 pub mod loader;
 pub mod open;
 pub mod reply;

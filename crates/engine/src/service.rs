@@ -228,9 +228,17 @@ pub struct Timing {
     pub generation: std::time::Duration,
 }
 
-/// What a [`RequestStream`] delivers: any number of `Text`, then exactly one `Done` or `Error`.
+/// What a [`RequestStream`] delivers: any number of `Text`, then exactly one `Done` or `Error`
+/// (and, for a request submitted with [`EngineHandle::submit_announced`], one `Admitted`
+/// before any `Text`).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
+    /// The request got a cache slot for the first time (only sent to requests submitted with
+    /// [`EngineHandle::submit_announced`]); its prompt is computed from here on.
+    Admitted {
+        /// Prompt tokens reused from the prefix cache (as [`Usage::cached_tokens`]).
+        cached_tokens: usize,
+    },
     /// Generated text that is final.
     Text {
         /// The text piece: stop strings (and text that might start one) are held back, and a
@@ -351,6 +359,8 @@ enum Msg {
 struct Submitted {
     id: u64,
     req: Request,
+    /// Send [`Event::Admitted`] at the first admission.
+    announce: bool,
     sampler: Sampler,
     /// `req.constraint`, compiled.
     constraint: Option<ConstraintMatcher>,
@@ -469,6 +479,17 @@ impl EngineHandle {
     /// blocks this thread: ~1 ms, plus 1-2 s to build the token trie at the first
     /// constrained request of a 150k-token vocabulary) and queue it.
     pub fn submit(&self, req: Request) -> Result<RequestStream, SubmitError> {
+        self.submit_with(req, false)
+    }
+
+    /// [`EngineHandle::submit`], and the stream starts with [`Event::Admitted`] once the
+    /// request gets a cache slot (a server uses it to report the prefix-cache hit before the
+    /// first token, and to know that the prompt is being computed).
+    pub fn submit_announced(&self, req: Request) -> Result<RequestStream, SubmitError> {
+        self.submit_with(req, true)
+    }
+
+    fn submit_with(&self, req: Request, announce: bool) -> Result<RequestStream, SubmitError> {
         let inner = &self.inner;
         if inner.shared.shutting_down.load(Ordering::SeqCst) {
             return Err(SubmitError::ShutDown);
@@ -528,6 +549,7 @@ impl EngineHandle {
         let msg = Msg::Submit(Box::new(Submitted {
             id,
             req,
+            announce,
             sampler,
             constraint,
             tx: etx,
@@ -619,6 +641,8 @@ mod engine {
         logprobs: Vec<TokenLogprob>,
         /// Times a failed batch made it recompute (at most once).
         recomputes: u32,
+        /// Send [`Event::Admitted`] at the first admission.
+        announce: bool,
         /// When it first got a slot, and when its first logits came (see [`Timing`]).
         admitted_at: Option<Instant>,
         first_logits_at: Option<Instant>,
@@ -805,6 +829,7 @@ mod engine {
                     let Submitted {
                         id,
                         req,
+                        announce,
                         sampler,
                         constraint,
                         tx,
@@ -835,6 +860,7 @@ mod engine {
                             tokens: Vec::new(),
                             logprobs: Vec::new(),
                             recomputes: 0,
+                            announce,
                             admitted_at: None,
                             first_logits_at: None,
                         },
@@ -920,6 +946,11 @@ mod engine {
                     if let Some(act) = self.active.get_mut(&a.id) {
                         act.admitted_at = Some(Instant::now());
                         act.n_cached = a.reused;
+                        if act.announce {
+                            let _ = act.tx.send(Event::Admitted {
+                                cached_tokens: a.reused,
+                            });
+                        }
                         self.metrics.prompt_tokens_total += act.n_prompt as u64;
                         self.metrics.cached_tokens_total += a.reused as u64;
                     }

@@ -358,6 +358,7 @@ fn check_stress(name: &str) {
                         Event::Text { tokens, .. } => toks.extend(tokens),
                         Event::Done { .. } => break,
                         Event::Error(e) => panic!("{name} request {j}: {e}"),
+                        Event::Admitted { .. } => {}
                     }
                 }
                 assert_eq!(toks, scratch(&model, &tok, &reqs[j]), "{name}: request {j}");

@@ -86,6 +86,7 @@ fn collect(mut s: RequestStream) -> Collected {
                 assert_eq!(c.end, End::Closed, "two ends");
                 c.end = End::Error(m);
             }
+            Event::Admitted { .. } => panic!("Admitted sent to a plain submit"),
         }
     }
     c
@@ -430,6 +431,34 @@ fn prefix_of_a_finished_request_is_reused() {
     assert_eq!(c.tokens, w.tokens);
     let m = assert_idle(&h);
     assert_eq!(m.cached_tokens_total, 104);
+}
+
+/// `submit_announced`: `Admitted` comes first, with the prefix-cache hit `Done` reports.
+#[test]
+fn announced_requests_start_with_admitted() {
+    let (model, tok) = load("qwen2-a");
+    let h = start(model, tok, 2);
+    let first = Request::greedy(prompt(40, 3), 3);
+    collect(h.submit(first.clone()).unwrap());
+    let mut s = h.submit_announced(first).unwrap();
+    let Some(Event::Admitted { cached_tokens }) = s.blocking_recv() else {
+        panic!("the first event is not Admitted")
+    };
+    assert_eq!(
+        cached_tokens, 39,
+        "all but the last prompt token are reused"
+    );
+    let mut n_admitted = 0;
+    let mut done = None;
+    while let Some(ev) = s.blocking_recv() {
+        match ev {
+            Event::Admitted { .. } => n_admitted += 1,
+            Event::Done { usage, .. } => done = Some(usage),
+            _ => {}
+        }
+    }
+    assert_eq!(n_admitted, 0, "Admitted is sent once");
+    assert_eq!(done.map(|u| u.cached_tokens), Some(39));
 }
 
 #[test]

@@ -76,6 +76,7 @@ fn collect(mut s: RequestStream) -> Out {
             }
             Event::Done { finish, .. } => o.finish = Ok(finish),
             Event::Error(m) => o.finish = Err(m),
+            Event::Admitted { .. } => {}
         }
     }
     o

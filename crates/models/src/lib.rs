@@ -87,6 +87,18 @@ pub trait CausalLm: Send + Sync {
     fn step_kernels(&self) -> Option<usize> {
         None
     }
+
+    /// [`CausalLm::forward`] without the output head: for the rows `batch.logit_rows` asks
+    /// for, the hidden state after the final norm (what `transformers` calls the last hidden
+    /// state of the base model), as a [`Logits`] whose rows are `n_embd` wide. For embeddings.
+    /// The cache is written as by `forward`. Default: an error (the model cannot).
+    fn forward_hidden(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
+        let _ = (batch, cache);
+        Err(ModelError::Config(format!(
+            "the {} model does not give hidden states",
+            self.spec().arch
+        )))
+    }
 }
 
 /// A cache for `model` on its backend: `n_slots` sequences of up to `n_ctx` tokens, with

@@ -507,4 +507,8 @@ impl CausalLm for Qwen35 {
     fn step_kernels(&self) -> Option<usize> {
         self.inner.step_kernels()
     }
+
+    fn forward_hidden(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
+        self.inner.forward_hidden(batch, cache)
+    }
 }

@@ -2,6 +2,7 @@
 //! `/v1/messages/count_tokens`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -15,8 +16,8 @@ use serde_json::{json, Map, Value};
 use crate::engine::{FinishReason, Request};
 use crate::error::{Api, ApiError, ApiResult};
 use crate::gen::{
-    new_id, random_u64, send, sse_response, submit_all, submit_all_for, which_stop, Choice,
-    Interrupted, Merged, SseTx,
+    new_id, random_u64, send, sse_response, submit_all_announced, which_stop, Choice, Interrupted,
+    Merged, SseTx,
 };
 use crate::params::{parse_body, type_name, Fields};
 use crate::tool_choice::{self, ToolPolicy};
@@ -40,7 +41,46 @@ impl Conversation {
     }
 }
 
-/// The text of a `tool_result` content or a `system` value: a string or text blocks.
+/// The first text of the system block Claude Code puts before its real system prompt
+/// (`x-anthropic-billing-header: cc_version=...; cch=HASH;`, the hash changing per prompt):
+/// such blocks are left out of the prompt, so that sessions share the prefix cache.
+pub const BILLING_HEADER: &str = "x-anthropic-billing-header:";
+
+/// The text of a `document` block: a `text` source (`data`), or a `content` source of text
+/// blocks, preceded by its `title` and `context` when given.
+fn document_text(bf: &Fields, bp: &str) -> ApiResult<String> {
+    let src = bf
+        .object("source")?
+        .ok_or_else(|| bf.error("source", format!("'{bp}.source' is a required property")))?;
+    let sp = format!("{bp}.source.");
+    let sf = Fields::nested(src, &sp);
+    let body = match sf.str("type")? {
+        Some("text") => sf
+            .str("data")?
+            .ok_or_else(|| sf.error("data", format!("'{bp}.source.data' is a required property")))?
+            .to_string(),
+        Some("content") => block_text(sf.get("content"), &format!("{bp}.source.content"))?,
+        Some(other) => {
+            return Err(sf.error(
+                "type",
+                format!("document sources of type '{other}' are not supported: this server serves a text-only model (use a 'text' or 'content' source)"),
+            ))
+        }
+        None => return Err(sf.error("type", format!("'{bp}.source.type' is a required property"))),
+    };
+    let mut parts = Vec::new();
+    if let Some(t) = bf.str("title")?.filter(|t| !t.is_empty()) {
+        parts.push(t.to_string());
+    }
+    if let Some(c) = bf.str("context")?.filter(|c| !c.is_empty()) {
+        parts.push(c.to_string());
+    }
+    parts.push(body);
+    Ok(parts.join("\n\n"))
+}
+
+/// The text of a `tool_result` content or a `system` value: a string or text blocks (blocks
+/// starting with [`BILLING_HEADER`] left out).
 fn block_text(v: Option<&Value>, param: &str) -> ApiResult<String> {
     match v {
         None | Some(Value::Null) => Ok(String::new()),
@@ -51,6 +91,7 @@ fn block_text(v: Option<&Value>, param: &str) -> ApiResult<String> {
                 let p = format!("{param}[{i}]");
                 let ty = b.get("type").and_then(Value::as_str).unwrap_or("");
                 match (ty, b.get("text")) {
+                    ("text", Some(Value::String(t))) if t.starts_with(BILLING_HEADER) => {}
                     ("text", Some(Value::String(t))) => out.push(t.clone()),
                     ("text", _) => {
                         return Err(ApiError::bad_param(
@@ -97,189 +138,11 @@ fn conversation(f: &Fields) -> ApiResult<Conversation> {
         ));
     }
     for (i, m) in list.iter().enumerate() {
-        let p = format!("messages[{i}]");
-        let Value::Object(obj) = m else {
-            return Err(ApiError::bad_param(&p, format!("'{p}' must be an object")));
-        };
-        let prefix = format!("{p}.");
-        let mf = Fields::nested(obj, &prefix);
-        let role = mf
-            .str("role")?
-            .ok_or_else(|| mf.error("role", format!("'{p}.role' is a required property")))?;
-        if role != "user" && role != "assistant" {
-            return Err(mf.error(
-                "role",
-                format!("unknown role '{role}' (expected 'user' or 'assistant'; use the top-level 'system' for system prompts)"),
-            ));
-        }
-        let content = mf.required("content")?;
-        let blocks: Vec<Value> = match content {
-            Value::String(s) => vec![json!({"type": "text", "text": s})],
-            Value::Array(a) => a.clone(),
-            v => {
-                return Err(mf.error(
-                    "content",
-                    format!(
-                        "'{p}.content' must be a string or an array of content blocks, got {}",
-                        type_name(v)
-                    ),
-                ))
-            }
-        };
-        let mut texts = Vec::new();
-        let mut reasoning = Vec::new();
-        let mut calls = Vec::new();
-        let mut results = Vec::new();
-        for (j, b) in blocks.iter().enumerate() {
-            let bp = format!("{p}.content[{j}]");
-            let Value::Object(bo) = b else {
-                return Err(ApiError::bad_param(
-                    &bp,
-                    format!("'{bp}' must be an object"),
-                ));
-            };
-            let bprefix = format!("{bp}.");
-            let bf = Fields::nested(bo, &bprefix);
-            let ty = bf
-                .str("type")?
-                .ok_or_else(|| bf.error("type", format!("'{bp}.type' is a required property")))?;
-            match (ty, role) {
-                ("text", _) => texts.push(
-                    bf.str("text")?
-                        .ok_or_else(|| bf.error("text", format!("'{bp}.text' is a required property")))?
-                        .to_string(),
-                ),
-                ("thinking", "assistant") => {
-                    reasoning.push(bf.str("thinking")?.unwrap_or("").to_string())
-                }
-                ("redacted_thinking", "assistant") => {}
-                ("tool_use", "assistant") => {
-                    let name = bf
-                        .str("name")?
-                        .ok_or_else(|| bf.error("name", format!("'{bp}.name' is a required property")))?;
-                    let input = bf.object("input")?.cloned().unwrap_or_default();
-                    let mut c = json!({
-                        "type": "function",
-                        "function": {"name": name, "arguments": Value::Object(input)},
-                    });
-                    if let Some(id) = bf.str("id")? {
-                        c["id"] = id.into();
-                    }
-                    calls.push(c);
-                }
-                ("tool_result", "user") => {
-                    let id = bf.str("tool_use_id")?.ok_or_else(|| {
-                        bf.error("tool_use_id", format!("'{bp}.tool_use_id' is a required property"))
-                    })?;
-                    let mut text = block_text(bf.get("content"), &format!("{bp}.content"))?;
-                    if bf.bool("is_error")?.unwrap_or(false) {
-                        text = format!("Error: {text}");
-                    }
-                    results.push(json!({"role": "tool", "tool_call_id": id, "content": text}));
-                }
-                ("image" | "document", _) => {
-                    return Err(ApiError::bad_param(
-                        &bp,
-                        format!("content blocks of type '{ty}' are not supported: this server serves a text-only model"),
-                    ))
-                }
-                _ => {
-                    return Err(ApiError::bad_param(
-                        &bp,
-                        format!("content blocks of type '{ty}' are not allowed in a '{role}' message"),
-                    ))
-                }
-            }
-        }
-        if role == "user" {
-            messages.extend(results);
-            if !texts.is_empty() {
-                messages.push(json!({"role": "user", "content": texts.join("\n")}));
-            }
-        } else {
-            let mut msg = Map::new();
-            msg.insert("role".into(), "assistant".into());
-            msg.insert("content".into(), texts.join("\n").into());
-            if !reasoning.is_empty() {
-                msg.insert("reasoning_content".into(), reasoning.join("\n").into());
-            }
-            if !calls.is_empty() {
-                msg.insert("tool_calls".into(), Value::Array(calls));
-            }
-            messages.push(Value::Object(msg));
-        }
+        convert_message(i, m, &mut messages)?;
     }
-    let mut tools = None;
-    if let Some(list) = f.array("tools")? {
-        let mut conv = Vec::new();
-        for (i, t) in list.iter().enumerate() {
-            let p = format!("tools[{i}]");
-            let Value::Object(to) = t else {
-                return Err(ApiError::bad_param(&p, format!("'{p}' must be an object")));
-            };
-            let prefix = format!("{p}.");
-            let tf = Fields::nested(to, &prefix);
-            if let Some(ty) = tf.str("type")? {
-                if ty != "custom" {
-                    return Err(tf.error(
-                        "type",
-                        format!("tools of type '{ty}' are not supported (only client tools with an input_schema)"),
-                    ));
-                }
-            }
-            let name = tf
-                .str("name")?
-                .filter(|n| !n.is_empty())
-                .ok_or_else(|| tf.error("name", format!("'{p}.name' is a required property")))?;
-            let schema = tf.object("input_schema")?.ok_or_else(|| {
-                tf.error(
-                    "input_schema",
-                    format!("'{p}.input_schema' is a required property"),
-                )
-            })?;
-            // Key order as OpenAI clients send it (the template prints the tools as JSON).
-            let mut func = Map::new();
-            func.insert("name".into(), name.into());
-            if let Some(d) = tf.str("description")? {
-                func.insert("description".into(), d.into());
-            }
-            func.insert("parameters".into(), Value::Object(schema.clone()));
-            let func = Value::Object(func);
-            conv.push(json!({"type": "function", "function": func}));
-        }
-        if !conv.is_empty() {
-            tools = Some(Value::Array(conv));
-        }
-    }
+    let tools = convert_tools(f)?;
     let policy = tool_choice::anthropic(f.object("tool_choice")?, tools.as_ref())?;
-    let mut extra = match f.object("thinking")? {
-        None => None,
-        // The budget is not enforced (the template's switch is all there is), but it must be a
-        // budget: a positive integer.
-        Some(t)
-            if t.get("budget_tokens").is_some_and(|b| {
-                !b.is_null()
-                    && !b
-                        .as_u64()
-                        .is_some_and(|n| (1..=u64::from(u32::MAX)).contains(&n))
-            }) =>
-        {
-            return Err(f.error(
-                "thinking",
-                "'thinking.budget_tokens' must be a positive integer",
-            ))
-        }
-        Some(t) => match t.get("type").and_then(Value::as_str) {
-            Some("enabled") => Some(json!({"enable_thinking": true})),
-            Some("disabled") => Some(json!({"enable_thinking": false})),
-            _ => {
-                return Err(f.error(
-                    "thinking",
-                    "'thinking.type' must be 'enabled' or 'disabled'",
-                ))
-            }
-        },
-    };
+    let mut extra = thinking(f)?;
     if policy.choice.forces_call() {
         response_format::no_thinking(&mut extra);
     }
@@ -291,9 +154,233 @@ fn conversation(f: &Fields) -> ApiResult<Conversation> {
     })
 }
 
-/// Render and tokenize a conversation; returns the prompt text and tokens.
+/// `thinking` -> the template variable `enable_thinking`: `enabled` (with an optional
+/// `budget_tokens` >= 1) sets it, `disabled` clears it, `adaptive` (the model decides) leaves
+/// the template's default.
+fn thinking(f: &Fields) -> ApiResult<Option<Value>> {
+    let Some(t) = f.object("thinking")? else {
+        return Ok(None);
+    };
+    let tf = Fields::nested(t, "thinking.");
+    match tf.str("type")? {
+        Some("enabled") => {
+            tf.int_in("budget_tokens", 1, i64::from(u32::MAX))?;
+            Ok(Some(json!({"enable_thinking": true})))
+        }
+        Some("disabled") => Ok(Some(json!({"enable_thinking": false}))),
+        Some("adaptive") => Ok(None),
+        _ => Err(f.error(
+            "thinking",
+            "'thinking.type' must be 'enabled', 'adaptive' or 'disabled'",
+        )),
+    }
+}
+
+/// Convert `messages[i]` into chat-template messages appended to `out`: a `system` message
+/// (Claude Code sends some inside `messages`) stays where it is (see [`prompt`] for templates
+/// that refuse that), tool results become `tool` messages.
+fn convert_message(i: usize, m: &Value, out: &mut Vec<Value>) -> ApiResult<()> {
+    let p = format!("messages[{i}]");
+    let Value::Object(obj) = m else {
+        return Err(ApiError::bad_param(&p, format!("'{p}' must be an object")));
+    };
+    let prefix = format!("{p}.");
+    let mf = Fields::nested(obj, &prefix);
+    let role = mf
+        .str("role")?
+        .ok_or_else(|| mf.error("role", format!("'{p}.role' is a required property")))?;
+    if role == "system" {
+        let text = block_text(Some(mf.required("content")?), &format!("{p}.content"))?;
+        if !text.is_empty() {
+            out.push(json!({"role": "system", "content": text}));
+        }
+        return Ok(());
+    }
+    if role != "user" && role != "assistant" {
+        return Err(mf.error(
+            "role",
+            format!("unknown role '{role}' (expected 'user', 'assistant' or 'system')"),
+        ));
+    }
+    let content = mf.required("content")?;
+    let blocks: Vec<Value> = match content {
+        Value::String(s) => vec![json!({"type": "text", "text": s})],
+        Value::Array(a) => a.clone(),
+        v => {
+            return Err(mf.error(
+                "content",
+                format!(
+                    "'{p}.content' must be a string or an array of content blocks, got {}",
+                    type_name(v)
+                ),
+            ))
+        }
+    };
+    let mut texts = Vec::new();
+    let mut reasoning = Vec::new();
+    let mut calls = Vec::new();
+    let mut results = Vec::new();
+    for (j, b) in blocks.iter().enumerate() {
+        let bp = format!("{p}.content[{j}]");
+        let Value::Object(bo) = b else {
+            return Err(ApiError::bad_param(
+                &bp,
+                format!("'{bp}' must be an object"),
+            ));
+        };
+        let bprefix = format!("{bp}.");
+        let bf = Fields::nested(bo, &bprefix);
+        let ty = bf
+            .str("type")?
+            .ok_or_else(|| bf.error("type", format!("'{bp}.type' is a required property")))?;
+        match (ty, role) {
+            ("text", _) => texts.push(
+                bf.str("text")?
+                    .ok_or_else(|| bf.error("text", format!("'{bp}.text' is a required property")))?
+                    .to_string(),
+            ),
+            ("document", _) => texts.push(document_text(&bf, &bp)?),
+            ("thinking", "assistant") => {
+                reasoning.push(bf.str("thinking")?.unwrap_or("").to_string())
+            }
+            ("redacted_thinking", "assistant") => {}
+            ("tool_use", "assistant") => {
+                let name = bf
+                    .str("name")?
+                    .ok_or_else(|| bf.error("name", format!("'{bp}.name' is a required property")))?;
+                let input = bf.object("input")?.cloned().unwrap_or_default();
+                let mut c = json!({
+                    "type": "function",
+                    "function": {"name": name, "arguments": Value::Object(input)},
+                });
+                if let Some(id) = bf.str("id")? {
+                    c["id"] = id.into();
+                }
+                calls.push(c);
+            }
+            ("tool_result", "user") => {
+                let id = bf.str("tool_use_id")?.ok_or_else(|| {
+                    bf.error("tool_use_id", format!("'{bp}.tool_use_id' is a required property"))
+                })?;
+                let mut text = block_text(bf.get("content"), &format!("{bp}.content"))?;
+                if bf.bool("is_error")?.unwrap_or(false) {
+                    text = format!("Error: {text}");
+                }
+                results.push(json!({"role": "tool", "tool_call_id": id, "content": text}));
+            }
+            ("image", _) => {
+                return Err(ApiError::bad_param(
+                    &bp,
+                    format!("content blocks of type '{ty}' are not supported: this server serves a text-only model"),
+                ))
+            }
+            _ => {
+                return Err(ApiError::bad_param(
+                    &bp,
+                    format!("content blocks of type '{ty}' are not allowed in a '{role}' message"),
+                ))
+            }
+        }
+    }
+    if role == "user" {
+        out.extend(results);
+        if !texts.is_empty() {
+            out.push(json!({"role": "user", "content": texts.join("\n")}));
+        }
+    } else {
+        let mut msg = Map::new();
+        msg.insert("role".into(), "assistant".into());
+        msg.insert("content".into(), texts.join("\n").into());
+        if !reasoning.is_empty() {
+            msg.insert("reasoning_content".into(), reasoning.join("\n").into());
+        }
+        if !calls.is_empty() {
+            msg.insert("tool_calls".into(), Value::Array(calls));
+        }
+        out.push(Value::Object(msg));
+    }
+    Ok(())
+}
+
+/// `tools` in OpenAI form (`None` when there are none).
+fn convert_tools(f: &Fields) -> ApiResult<Option<Value>> {
+    let Some(list) = f.array("tools")? else {
+        return Ok(None);
+    };
+    let mut conv = Vec::new();
+    for (i, t) in list.iter().enumerate() {
+        let p = format!("tools[{i}]");
+        let Value::Object(to) = t else {
+            return Err(ApiError::bad_param(&p, format!("'{p}' must be an object")));
+        };
+        let prefix = format!("{p}.");
+        let tf = Fields::nested(to, &prefix);
+        if let Some(ty) = tf.str("type")? {
+            if ty != "custom" {
+                return Err(tf.error(
+                    "type",
+                    format!("tools of type '{ty}' are not supported (only client tools with an input_schema)"),
+                ));
+            }
+        }
+        let name = tf
+            .str("name")?
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| tf.error("name", format!("'{p}.name' is a required property")))?;
+        let schema = tf.object("input_schema")?.ok_or_else(|| {
+            tf.error(
+                "input_schema",
+                format!("'{p}.input_schema' is a required property"),
+            )
+        })?;
+        // Key order as OpenAI clients send it (the template prints the tools as JSON).
+        let mut func = Map::new();
+        func.insert("name".into(), name.into());
+        if let Some(d) = tf.str("description")? {
+            func.insert("description".into(), d.into());
+        }
+        func.insert("parameters".into(), Value::Object(schema.clone()));
+        let func = Value::Object(func);
+        conv.push(json!({"type": "function", "function": func}));
+    }
+    Ok((!conv.is_empty()).then_some(Value::Array(conv)))
+}
+
+/// `messages` with every `system` message after the first position merged into the leading
+/// system message (blank-line separated), for templates that only take a system prompt at
+/// the start.
+fn merge_system(messages: &[Value]) -> Vec<Value> {
+    let mut system = Vec::new();
+    let mut rest = Vec::new();
+    for m in messages {
+        if m["role"] == "system" {
+            system.push(m["content"].as_str().unwrap_or("").to_string());
+        } else {
+            rest.push(m.clone());
+        }
+    }
+    let mut out = Vec::with_capacity(rest.len() + 1);
+    if !system.is_empty() {
+        out.push(json!({"role": "system", "content": system.join("\n\n")}));
+    }
+    out.extend(rest);
+    out
+}
+
+/// Render and tokenize a conversation; returns the prompt text and tokens. `system`
+/// messages are rendered where they stand; when the template refuses that (Qwen3.5's raises
+/// "System message must be at the beginning"), they are merged into the leading system
+/// message instead.
 fn prompt(st: &AppState, c: &Conversation) -> ApiResult<(String, Vec<u32>)> {
-    let text = st.render(c.messages.clone(), c.prompt_tools(), c.extra.as_ref())?;
+    let late_system = c.messages.iter().skip(1).any(|m| m["role"] == "system");
+    let text = match st.render(c.messages.clone(), c.prompt_tools(), c.extra.as_ref()) {
+        Err(_) if late_system => st.render(
+            merge_system(&c.messages),
+            c.prompt_tools(),
+            c.extra.as_ref(),
+        )?,
+        r => r?,
+    };
     let ids = st.encode(&text)?;
     Ok((text, ids))
 }
@@ -388,11 +475,13 @@ async fn messages_inner(
     let merged = if req.constraint.is_some() {
         // Compiling the constraint (and, the first time, building the token trie) blocks.
         let st2 = st.clone();
-        tokio::task::spawn_blocking(move || submit_all_for(&st2, vec![req], tool_choice::PARAM))
-            .await
-            .map_err(|e| ApiError::internal(format!("submitting the request failed: {e}")))??
+        tokio::task::spawn_blocking(move || {
+            submit_all_announced(&st2, vec![req], tool_choice::PARAM)
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("submitting the request failed: {e}")))??
     } else {
-        submit_all(&st, vec![req])?
+        submit_all_announced(&st, vec![req], tool_choice::PARAM)?
     };
     let choice = Choice::new(fmt, fmt.starts_in_reasoning(&text), conv.prompt_tools());
     let id = new_id("msg_");
@@ -447,8 +536,15 @@ enum Block {
     Text,
 }
 
-/// Stream a message: `message_start`, `ping`, then per block `content_block_start`,
-/// `content_block_delta`s and `content_block_stop`, then `message_delta` and `message_stop`.
+/// How often (by default, [`crate::ServerConfig::ping_every`]) a stream sends `event: ping`
+/// while nothing else is sent (Claude Code gives up on
+/// a stream that stays silent for long, e.g. during the prefill of a long prompt).
+pub const PING_EVERY: Duration = Duration::from_secs(5);
+
+/// Stream a message: `message_start` (once the request has a cache slot, so that its
+/// `cache_read_input_tokens` is known, or after [`PING_EVERY`] in the queue), `ping`, then per
+/// block `content_block_start`, `content_block_delta`s and `content_block_stop`, then
+/// `message_delta` and `message_stop`; a `ping` whenever nothing was sent for [`PING_EVERY`].
 async fn stream_messages(
     st: Arc<AppState>,
     mut merged: Merged,
@@ -458,24 +554,24 @@ async fn stream_messages(
     stops: Vec<String>,
     tx: SseTx,
 ) {
-    let start = json!({
-        "type": "message_start",
-        "message": {
-            "id": id,
-            "type": "message",
-            "role": "assistant",
-            "model": st.model.name,
-            "content": [],
-            "stop_reason": Value::Null,
-            "stop_sequence": Value::Null,
-            "usage": usage_json(n_prompt, 0, 0),
-        },
-    });
-    if !send(&tx, event("message_start", start)).await
-        || !send(&tx, event("ping", json!({"type": "ping"}))).await
-    {
-        return;
-    }
+    let start = |cached: usize| {
+        let start = json!({
+            "type": "message_start",
+            "message": {
+                "id": id,
+                "type": "message",
+                "role": "assistant",
+                "model": st.model.name,
+                "content": [],
+                "stop_reason": Value::Null,
+                "stop_sequence": Value::Null,
+                "usage": usage_json(n_prompt, 0, cached),
+            },
+        });
+        event("message_start", start)
+    };
+    let ping = || event("ping", json!({"type": "ping"}));
+    let mut started = false;
     let mut open = Block::None;
     let mut index: usize = 0;
     let mut n_calls = 0;
@@ -483,15 +579,43 @@ async fn stream_messages(
     let error = |e: &ApiError| event("error", e.body(Api::Anthropic));
     loop {
         let one = std::slice::from_mut(&mut c);
-        let events = match merged.next(one, &mut cancel, Some(&tx)).await {
-            Ok(Some((_, events))) => events,
-            Ok(None) => break,
-            Err(Interrupted::ClientGone) => return,
-            Err(Interrupted::Failed(e)) => {
+        // `next` is cancel-safe: an event is taken into the choice in the same poll that
+        // receives it.
+        let next =
+            tokio::time::timeout(st.cfg.ping_every, merged.next(one, &mut cancel, Some(&tx)));
+        let events = match next.await {
+            Err(_) => {
+                let mut out = Vec::new();
+                if !started {
+                    started = true;
+                    out.push(start(0));
+                }
+                out.push(ping());
+                for ev in out {
+                    if !send(&tx, ev).await {
+                        return;
+                    }
+                }
+                continue;
+            }
+            Ok(Ok(Some((_, events)))) => events,
+            Ok(Ok(None)) => break,
+            Ok(Err(Interrupted::ClientGone)) => return,
+            Ok(Err(Interrupted::Failed(e))) => {
+                if !started && !send(&tx, start(0)).await {
+                    return;
+                }
                 let _ = send(&tx, error(&e)).await;
                 return;
             }
         };
+        if !started {
+            started = true;
+            let cached = c.admitted.or(c.done().then_some(c.usage.cached_tokens));
+            if !send(&tx, start(cached.unwrap_or(0))).await || !send(&tx, ping()).await {
+                return;
+            }
+        }
         for e in events {
             let mut out = Vec::new();
             let want = match &e {
@@ -561,6 +685,9 @@ async fn stream_messages(
     }
     let Some(finish) = c.finish.clone() else {
         // (Not reached: `next` ends only once the choice is done.)
+        if !started {
+            let _ = send(&tx, start(0)).await;
+        }
         let _ = send(&tx, error(&ApiError::internal("the reply has no end"))).await;
         return;
     };
@@ -635,7 +762,60 @@ mod tests {
             json!({"type": "object"})
         );
         assert_eq!(c.extra.unwrap()["enable_thinking"], true);
-        let bad = json!({"messages": [{"role": "system", "content": "x"}]});
+        let bad = json!({"messages": [{"role": "robot", "content": "x"}]});
         assert!(conversation(&Fields::new(bad.as_object().unwrap())).is_err());
+    }
+
+    /// Claude Code's shapes: the billing-header system block is dropped, `system` messages
+    /// stay in place (or merge into the system prompt), documents become text, `adaptive`
+    /// thinking leaves the template default.
+    #[test]
+    fn claude_code_shapes() {
+        let v = json!({
+            "system": [
+                {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.0; cch=ab12;"},
+                {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+            ],
+            "messages": [
+                {"role": "user", "content": [
+                    {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "file body"}, "title": "a.txt"},
+                    {"type": "text", "text": "summarise"},
+                ]},
+                {"role": "system", "content": "Reminder: be terse."},
+                {"role": "assistant", "content": "ok"},
+            ],
+            "thinking": {"type": "adaptive"},
+        });
+        let c = conversation(&Fields::new(v.as_object().unwrap())).unwrap();
+        assert_eq!(
+            c.messages[0],
+            json!({"role": "system", "content": "You are Claude Code."})
+        );
+        assert_eq!(
+            c.messages[1],
+            json!({"role": "user", "content": "a.txt\n\nfile body\nsummarise"})
+        );
+        assert_eq!(
+            c.messages[2],
+            json!({"role": "system", "content": "Reminder: be terse."})
+        );
+        assert_eq!(c.extra, None);
+        let merged = merge_system(&c.messages);
+        assert_eq!(merged.len(), 3);
+        assert_eq!(
+            merged[0]["content"],
+            "You are Claude Code.\n\nReminder: be terse."
+        );
+        assert_eq!(merged[1]["role"], "user");
+        for bad in [
+            json!({"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "AA=="}}),
+            json!({"type": "document", "source": {"type": "text"}}),
+            json!({"type": "document"}),
+        ] {
+            let v = json!({"messages": [{"role": "user", "content": [bad]}]});
+            assert!(conversation(&Fields::new(v.as_object().unwrap())).is_err());
+        }
+        let v = json!({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled", "budget_tokens": 0}});
+        assert!(conversation(&Fields::new(v.as_object().unwrap())).is_err());
     }
 }

@@ -23,6 +23,11 @@ pub trait EventStream: Send {
 pub trait Engine: Send + Sync + 'static {
     /// Queue a request.
     fn submit(&self, req: Request) -> Result<Box<dyn EventStream>, SubmitError>;
+    /// Queue a request whose stream starts with `Event::Admitted` when it gets a cache slot
+    /// (an engine that cannot tell may leave it out: callers must not wait for it).
+    fn submit_announced(&self, req: Request) -> Result<Box<dyn EventStream>, SubmitError> {
+        self.submit(req)
+    }
     /// Counters.
     fn metrics(&self) -> EngineMetrics;
     /// Context per sequence, in tokens.
@@ -46,6 +51,10 @@ impl EventStream for RequestStream {
 impl Engine for EngineHandle {
     fn submit(&self, req: Request) -> Result<Box<dyn EventStream>, SubmitError> {
         EngineHandle::submit(self, req).map(|s| Box::new(s) as Box<dyn EventStream>)
+    }
+
+    fn submit_announced(&self, req: Request) -> Result<Box<dyn EventStream>, SubmitError> {
+        EngineHandle::submit_announced(self, req).map(|s| Box::new(s) as Box<dyn EventStream>)
     }
 
     fn metrics(&self) -> EngineMetrics {

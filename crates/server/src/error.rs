@@ -23,6 +23,8 @@ pub enum Api {
     OpenAi,
     /// `{"type": "error", "error": {"type", "message"}}`.
     Anthropic,
+    /// Ollama's `{"error": "message"}`.
+    Ollama,
 }
 
 /// The class of an error; decides the status code and the type names.
@@ -170,6 +172,7 @@ impl ApiError {
                 "type": "error",
                 "error": {"type": self.kind.anthropic_type(), "message": self.message},
             }),
+            Api::Ollama => json!({"error": self.message}),
         }
     }
 

@@ -201,6 +201,26 @@ pub fn submit_all_for(
     reqs: Vec<Request>,
     constraint_param: &str,
 ) -> ApiResult<Merged> {
+    submit_streams(st, reqs, constraint_param, false)
+}
+
+/// [`submit_all_for`], with each choice's stream starting with `Event::Admitted` (see
+/// [`Engine::submit_announced`](crate::engine::Engine::submit_announced); it sets
+/// [`Choice::admitted`]).
+pub fn submit_all_announced(
+    st: &AppState,
+    reqs: Vec<Request>,
+    constraint_param: &str,
+) -> ApiResult<Merged> {
+    submit_streams(st, reqs, constraint_param, true)
+}
+
+fn submit_streams(
+    st: &AppState,
+    reqs: Vec<Request>,
+    constraint_param: &str,
+    announce: bool,
+) -> ApiResult<Merged> {
     // Every generation of a request is queued when submitted: a request with more than the
     // queue holds can never be accepted (400, not "try again later"), and one that does not
     // fit the places left now is refused before any of it is queued, so that no half-submitted
@@ -208,7 +228,7 @@ pub fn submit_all_for(
     let max_queue = st.engine.max_queue();
     if reqs.len() > max_queue {
         return Err(ApiError::bad(format!(
-            "this request asks for {} generations (prompts x n) but the server queues at most              {max_queue}; send fewer prompts or a smaller 'n' per request",
+            "this request asks for {} generations (prompts x n) but the server queues at most {max_queue}; send fewer prompts or a smaller 'n' per request",
             reqs.len()
         ))
         .with_code("too_many_generations"));
@@ -219,12 +239,13 @@ pub fn submit_all_for(
     let (tx, rx) = mpsc::channel(64);
     let mut streams = Vec::with_capacity(reqs.len());
     for r in reqs {
+        let s = if announce {
+            st.engine.submit_announced(r)
+        } else {
+            st.engine.submit(r)
+        };
         // On error `streams` is dropped, which cancels the earlier choices.
-        streams.push(
-            st.engine
-                .submit(r)
-                .map_err(|e| submit_error_for(e, constraint_param))?,
-        );
+        streams.push(s.map_err(|e| submit_error_for(e, constraint_param))?);
     }
     for (i, s) in streams.into_iter().enumerate() {
         tokio::spawn(forward(i, s, tx.clone(), st.metrics.clone()));
@@ -262,7 +283,7 @@ async fn forward(
                         last = Some(now);
                     }
                 }
-                let end = !matches!(ev, Event::Text { .. });
+                let end = !matches!(ev, Event::Text { .. } | Event::Admitted { .. });
                 if tx.send((i, ev)).await.is_err() || end {
                     break;
                 }
@@ -368,6 +389,9 @@ pub struct Choice {
     pub usage: Usage,
     /// The parsed reply, set by `Done`.
     pub reply: ParsedReply,
+    /// Prompt tokens reused from the prefix cache, set by `Admitted` (only sent to requests
+    /// submitted with [`submit_all_announced`]).
+    pub admitted: Option<usize>,
 }
 
 impl Choice {
@@ -403,6 +427,7 @@ impl Choice {
             finish: None,
             usage: Usage::default(),
             reply: ParsedReply::default(),
+            admitted: None,
         }
     }
 
@@ -485,6 +510,10 @@ impl Choice {
                     self.bare = Bare::Passing;
                 }
                 Ok(out)
+            }
+            Event::Admitted { cached_tokens } => {
+                self.admitted = Some(cached_tokens);
+                Ok(Vec::new())
             }
             Event::Error(m) => Err(engine_error(&m)),
         }

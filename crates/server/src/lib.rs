@@ -10,10 +10,14 @@
 //! | GET | `/v1/models`, `/v1/models/{id}` | OpenAI model list |
 //! | POST | `/v1/messages` | Anthropic Messages, streaming or not |
 //! | POST | `/v1/messages/count_tokens` | Anthropic token counting |
+//! | POST | `/v1/responses` | OpenAI Responses API, streaming or not (stateless) |
+//! | POST | `/v1/embeddings` | OpenAI embeddings (pooled final hidden states) |
+//! | POST, GET | `/api/chat`, `/api/generate`, `/api/embed`, `/api/show`, `/api/tags`, `/api/version`, ... | Ollama's API ([`ollama`]) |
+//! | POST | `/infill` | llama.cpp's fill-in-the-middle endpoint (also `suffix` on `/v1/completions`) |
 //! | GET | `/health` | `{"status": "ok"}` (503 while shutting down) |
 //! | GET | `/metrics` | Prometheus text |
 //!
-//! With an API key set, every endpoint but `/health` and `/metrics` needs it, as
+//! With an API key set, every endpoint but `/`, `/health` and `/metrics` needs it, as
 //! `Authorization: Bearer KEY` or `x-api-key: KEY`.
 //!
 //! The server talks to the engine through the [`engine::Engine`] trait, implemented by
@@ -22,13 +26,18 @@
 //! so reasoning and tool calls come back as their own fields, never as markup in the text.
 
 pub mod anthropic;
+pub mod embeddings;
 pub mod engine;
 pub mod error;
+pub mod fim;
 pub mod gen;
 pub mod metrics;
+pub mod ollama;
 pub mod openai;
 pub mod params;
 pub mod response_format;
+pub mod responses;
+pub mod responses_stream;
 pub mod tokenize;
 pub mod tool_choice;
 
@@ -69,6 +78,9 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// On shutdown, how long requests in flight may go on before they are cancelled.
     pub shutdown_grace: Duration,
+    /// Anthropic streams send `event: ping` when nothing else was sent for this long
+    /// (default [`anthropic::PING_EVERY`]).
+    pub ping_every: Duration,
 }
 
 impl Default for ServerConfig {
@@ -77,6 +89,7 @@ impl Default for ServerConfig {
             api_key: None,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             shutdown_grace: Duration::from_secs(10),
+            ping_every: anthropic::PING_EVERY,
         }
     }
 }
@@ -95,6 +108,17 @@ pub struct ServedModel {
     pub template_uses_tools: bool,
     /// `created` of `/v1/models` (server start, UNIX seconds).
     pub created: u64,
+    /// Further names `/v1/models` lists (`--alias`); requests naming one are served.
+    pub aliases: Vec<String>,
+    /// Refuse requests naming another model (404 `model_not_found`); by default any name is
+    /// served by the one model, as llama.cpp's server does (`--strict-model-name`).
+    pub strict_name: bool,
+    /// Architecture name (`qwen2`, ...; `unknown` when not known).
+    pub arch: String,
+    /// The chat template's source (Ollama's `/api/show` returns it).
+    pub template_source: Option<String>,
+    /// Embeddings with the model's weights (`None`: `/v1/embeddings` answers 400).
+    pub embed: Option<Arc<kapitsa_engine::embed::LazyEmbedder>>,
 }
 
 impl ServedModel {
@@ -119,7 +143,23 @@ impl ServedModel {
             template,
             tokenizer,
             created: gen::unix_now(),
+            aliases: Vec::new(),
+            strict_name: false,
+            arch: "unknown".into(),
+            template_source: template_src.map(str::to_string),
+            embed: None,
         })
+    }
+
+    /// Every name the model answers to: its name, then the aliases (duplicates left out).
+    pub fn names(&self) -> Vec<&str> {
+        let mut out = vec![self.name.as_str()];
+        for a in &self.aliases {
+            if !out.contains(&a.as_str()) {
+                out.push(a);
+            }
+        }
+        out
     }
 
     /// The model `opened` serves (opened by [`kapitsa_engine::open_model`], whose
@@ -127,11 +167,18 @@ impl ServedModel {
     /// after its path ([`default_model_name`]).
     pub fn from_opened(opened: &OpenedModel, name: Option<String>) -> anyhow::Result<ServedModel> {
         let name = name.unwrap_or_else(|| default_model_name(&opened.path));
-        ServedModel::new(
+        let mut m = ServedModel::new(
             name,
             opened.tokenizer.clone(),
             opened.chat_template_source.as_deref(),
-        )
+        )?;
+        m.arch = opened.arch.clone();
+        let pooling = kapitsa_engine::embed::Pooling::detect(&opened.source);
+        m.embed = Some(Arc::new(kapitsa_engine::embed::LazyEmbedder::new(
+            opened.model.clone(),
+            pooling,
+        )));
+        Ok(m)
     }
 }
 
@@ -170,14 +217,15 @@ impl AppState {
         self.cancel.clone()
     }
 
-    /// Check the request's `model` field.
+    /// Check the request's `model` field: required; with
+    /// [`ServedModel::strict_name`], one of [`ServedModel::names`], else any name.
     pub fn check_model(&self, model: Option<&str>) -> ApiResult<()> {
         match model {
             None => Err(ApiError::bad_param(
                 "model",
                 "'model' is a required property",
             )),
-            Some(m) if m == self.model.name => Ok(()),
+            Some(m) if !self.model.strict_name || self.model.names().contains(&m) => Ok(()),
             Some(m) => Err(ApiError::new(
                 ErrorKind::NotFound,
                 format!(
@@ -267,6 +315,8 @@ pub fn body_bytes(st: &AppState, body: Result<Bytes, BytesRejection>) -> ApiResu
 fn api_for_path(path: &str) -> Api {
     if path.starts_with("/v1/messages") {
         Api::Anthropic
+    } else if path.starts_with("/api/") {
+        Api::Ollama
     } else {
         Api::OpenAi
     }
@@ -301,7 +351,7 @@ fn same_key(a: &str, b: &str) -> bool {
 async fn auth(State(st): State<Arc<AppState>>, req: HttpRequest, next: Next) -> Response {
     if let Some(key) = &st.cfg.api_key {
         let path = req.uri().path();
-        if path != "/health" && path != "/metrics" {
+        if path != "/health" && path != "/metrics" && path != "/" {
             let keys = request_keys(&req);
             if !keys.iter().any(|k| same_key(k, key)) {
                 let msg = if !keys.is_empty() {
@@ -335,11 +385,19 @@ async fn not_found(req: HttpRequest) -> Response {
 }
 
 /// The POST endpoints, whose bodies are JSON.
-const JSON_POST_PATHS: [&str; 4] = [
+const JSON_POST_PATHS: [&str; 12] = [
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/v1/responses",
+    "/infill",
+    "/v1/embeddings",
+    "/api/chat",
+    "/api/generate",
+    "/api/show",
+    "/api/embed",
+    "/api/embeddings",
 ];
 
 /// The methods a known path accepts (the `Allow` header of a 405).
@@ -418,6 +476,11 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
     .into_response()
 }
 
+/// `GET` / `HEAD /`: 200, for clients that probe the server's root before using it.
+async fn root(State(st): State<Arc<AppState>>) -> Response {
+    Json(json!({"status": "ok", "model": st.model.name})).into_response()
+}
+
 async fn prometheus(State(st): State<Arc<AppState>>) -> Response {
     let text = st.metrics.render(&st.engine.metrics());
     (
@@ -436,9 +499,21 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models/{id}", get(openai::model))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/v1/responses", post(responses::responses))
+        .route("/infill", post(fim::infill))
+        .route("/v1/embeddings", post(embeddings::embeddings))
+        .route("/api/chat", post(ollama::chat))
+        .route("/api/generate", post(ollama::generate))
+        .route("/api/show", post(ollama::show))
+        .route("/api/embed", post(ollama::embed))
+        .route("/api/embeddings", post(ollama::embeddings_legacy))
+        .route("/api/tags", get(ollama::tags))
+        .route("/api/ps", get(ollama::ps))
+        .route("/api/version", get(ollama::version))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/health", get(health))
+        .route("/", get(root))
         .route("/metrics", get(prometheus))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)

@@ -355,7 +355,7 @@ fn chat_messages(list: &[Value]) -> ApiResult<Vec<Value>> {
 
 /// Check `tools` (OpenAI function tools); returns them (`None` when there are none).
 /// `tool_choice` is read by [`tool_choice::openai`].
-fn chat_tools(f: &Fields) -> ApiResult<Option<Value>> {
+pub(crate) fn chat_tools(f: &Fields) -> ApiResult<Option<Value>> {
     let Some(tools) = f.array("tools")? else {
         return Ok(None);
     };
@@ -685,6 +685,28 @@ fn completion_prompts(st: &AppState, v: &Value) -> ApiResult<Vec<(Vec<u32>, Stri
     }
 }
 
+/// A completions `prompt` (text, or a list of texts) turned into fill-in-the-middle prompts
+/// before `suffix`.
+fn fim_prompt(pv: &Value, fmt: &crate::fim::FimFormat, suffix: &str) -> ApiResult<Value> {
+    let one = |x: &Value| {
+        match x {
+        Value::String(p) => Ok(Value::String(fmt.prompt(p, suffix, &[], ""))),
+        _ => Err(ApiError::bad_param(
+            "prompt",
+            "with 'suffix' (fill-in-the-middle), 'prompt' must be text (a string or a list of strings)",
+        )),
+    }
+    };
+    match pv {
+        Value::Array(a) if !a.is_empty() => a
+            .iter()
+            .map(one)
+            .collect::<ApiResult<Vec<_>>>()
+            .map(Value::Array),
+        x => one(x),
+    }
+}
+
 /// `POST /v1/completions`.
 pub async fn completions(
     State(st): State<Arc<AppState>>,
@@ -708,11 +730,18 @@ async fn completions_inner(
     // Structured output works as in chat: every completion is constrained from its first token.
     o.constraint = response_format::parse(&f)?;
     let echo = f.bool("echo")?.unwrap_or(false);
-    if let Some(s) = f.str("suffix")? {
-        if !s.is_empty() {
-            return Err(f.error("suffix", "'suffix' (fill-in-the-middle) is not supported"));
+    let mut o = o;
+    let fim = match f.str("suffix")? {
+        Some(s) if !s.is_empty() => {
+            if echo {
+                return Err(f.error("echo", "'echo' cannot be combined with 'suffix'"));
+            }
+            let fmt = crate::fim::format_for(&st, "suffix")?;
+            o.stop.extend(fmt.stops());
+            Some((fmt, s.to_string()))
         }
-    }
+        _ => None,
+    };
     if let Some(b) = f.int_in("best_of", 1, MAX_N)? {
         if b as usize != o.n {
             return Err(f.error("best_of", "'best_of' other than 'n' is not supported"));
@@ -720,7 +749,10 @@ async fn completions_inner(
     }
     let pv = f.required("prompt")?;
     st.check_open()?;
-    let prompts = completion_prompts(&st, pv)?;
+    let prompts = match &fim {
+        Some((fmt, suffix)) => completion_prompts(&st, &fim_prompt(pv, fmt, suffix)?)?,
+        None => completion_prompts(&st, pv)?,
+    };
     let mut reqs = Vec::new();
     for (ids, _) in &prompts {
         let room = st.room(ids.len(), "prompt")?;
@@ -876,9 +908,9 @@ async fn stream_completions(
     let _ = send(&tx, SseEvent::default().data("[DONE]")).await;
 }
 
-fn model_json(st: &AppState) -> Value {
+fn model_json(st: &AppState, id: &str) -> Value {
     json!({
-        "id": st.model.name,
+        "id": id,
         "object": "model",
         "created": st.model.created,
         "owned_by": "kapitsa",
@@ -888,7 +920,13 @@ fn model_json(st: &AppState) -> Value {
 
 /// `GET /v1/models`.
 pub async fn models(State(st): State<Arc<AppState>>) -> Response {
-    Json(json!({"object": "list", "data": [model_json(&st)]})).into_response()
+    let data: Vec<Value> = st
+        .model
+        .names()
+        .into_iter()
+        .map(|n| model_json(&st, n))
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
 }
 
 /// `GET /v1/models/{id}`.
@@ -909,7 +947,7 @@ pub async fn model(
         }
     };
     match st.check_model(Some(&id)) {
-        Ok(()) => Json(model_json(&st)).into_response(),
+        Ok(()) => Json(model_json(&st, &id)).into_response(),
         Err(e) => e.into_response_for(Api::OpenAi),
     }
 }

@@ -27,7 +27,9 @@ fn engine_cfg() -> EngineConfig {
 }
 
 async fn start(ecfg: EngineConfig, scfg: ServerConfig) -> TestServer {
-    let (loaded, served) = load_tiny(&tiny(), None);
+    let (loaded, mut served) = load_tiny(&tiny(), None);
+    // Unknown model names are 404s here (see `model_names` for the default).
+    served.strict_name = true;
     let engine =
         EngineHandle::start(loaded.model.clone(), served.tokenizer.clone(), ecfg).expect("engine");
     TestServer::start(Arc::new(engine), served, scfg).await
@@ -554,6 +556,32 @@ async fn error_classes() {
     );
 }
 
+/// By default any model name is served; aliases are listed; `HEAD /` and `GET /` answer 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_names() {
+    let (loaded, mut served) = load_tiny(&tiny(), None);
+    served.aliases = vec!["claude-opus-4-8".into(), "gpt-5".into(), "tiny".into()];
+    let engine = EngineHandle::start(loaded.model.clone(), served.tokenizer.clone(), engine_cfg())
+        .expect("engine");
+    let s = TestServer::start(Arc::new(engine), served, cfg()).await;
+    let r = s.get("/v1/models").await;
+    assert_eq!(r.status, 200);
+    let ids: Vec<String> = r.json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ids, ["tiny", "claude-opus-4-8", "gpt-5"]);
+    let mut b = chat_body("hi", 2);
+    b["model"] = "some-other-model".into();
+    assert_eq!(s.post("/v1/chat/completions", &b).await.status, 200);
+    let r = s.post("/v1/messages", &json!({"model": "claude-haiku-4-5", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(s.req("HEAD", "/", &[], b"").await.status, 200);
+    assert_eq!(s.get("/").await.status, 200);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_key() {
     let mut c = cfg();
@@ -758,4 +786,197 @@ async fn graceful_shutdown() {
         tokio::net::TcpStream::connect(addr).await.is_err(),
         "still accepting"
     );
+}
+
+/// `/v1/embeddings` and Ollama's `/api/embed` on the real engine: unit vectors of the model's
+/// width, the same alone as in a batch, base64 the same floats, `dimensions` truncating.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings() {
+    let s = default_server().await;
+    let one = |v: &Value| -> Vec<f32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect()
+    };
+    let r = s
+        .post(
+            "/v1/embeddings",
+            &json!({"model": "tiny", "input": ["fn main() {}", "hello world"]}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["object"], "list");
+    let data = v["data"].as_array().unwrap();
+    assert_eq!(data.len(), 2);
+    let e0 = one(&data[0]["embedding"]);
+    assert_eq!(e0.len(), 64, "the tiny model's width");
+    let norm: f32 = e0.iter().map(|x| x * x).sum::<f32>().sqrt();
+    assert!((norm - 1.0).abs() < 1e-4, "{norm}");
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
+    let alone = s
+        .post(
+            "/v1/embeddings",
+            &json!({"model": "tiny", "input": "fn main() {}"}),
+        )
+        .await
+        .json();
+    let a0 = one(&alone["data"][0]["embedding"]);
+    let diff = e0
+        .iter()
+        .zip(&a0)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(diff < 1e-5, "batched vs alone: {diff}");
+    let b64 = s
+        .post(
+            "/v1/embeddings",
+            &json!({"model": "tiny", "input": "fn main() {}", "encoding_format": "base64"}),
+        )
+        .await
+        .json();
+    let text = b64["data"][0]["embedding"].as_str().unwrap();
+    assert_eq!(text.len(), 344, "256 bytes in base64");
+    assert_eq!(
+        text,
+        kapitsa_server::embeddings::base64(
+            &a0.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()
+        )
+    );
+    let short = s
+        .post(
+            "/v1/embeddings",
+            &json!({"model": "tiny", "input": "fn main() {}", "dimensions": 8}),
+        )
+        .await
+        .json();
+    let d8 = one(&short["data"][0]["embedding"]);
+    assert_eq!(d8.len(), 8);
+    assert!((d8.iter().map(|x| x * x).sum::<f32>() - 1.0).abs() < 1e-4);
+    // Ollama's shape.
+    let r = s
+        .post(
+            "/api/embed",
+            &json!({"model": "tiny", "input": "fn main() {}"}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let oe = one(&r.json()["embeddings"][0]);
+    let diff = oe
+        .iter()
+        .zip(&a0)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(diff < 1e-5);
+    // Bad input: 400 in each API's shape.
+    for (body, param) in [
+        (json!({"model": "tiny"}), "input"),
+        (json!({"model": "tiny", "input": []}), "input"),
+        (json!({"model": "tiny", "input": ""}), "input"),
+        (json!({"model": "tiny", "input": [1, 99999]}), "input"),
+        (json!({"model": "tiny", "input": [{}]}), "input[0]"),
+        (
+            json!({"model": "tiny", "input": "x", "encoding_format": "hex"}),
+            "encoding_format",
+        ),
+        (
+            json!({"model": "tiny", "input": "x", "dimensions": 65}),
+            "dimensions",
+        ),
+    ] {
+        let r = s.post("/v1/embeddings", &body).await;
+        assert_eq!(r.status, 400, "{body}: {}", r.text());
+        assert_eq!(r.json()["error"]["param"], param, "{body}");
+    }
+    let r = s.post("/api/embed", &json!({"model": "tiny"})).await;
+    assert_eq!(r.status, 400);
+    assert!(r.json()["error"].is_string(), "Ollama's error shape");
+}
+
+/// Ollama's API as Open WebUI uses it: version, tags, show, chat and generate (NDJSON
+/// streams, one object without streaming), errors as `{"error": "..."}`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ollama_api() {
+    let s = default_server().await;
+    assert!(s.get("/api/version").await.json()["version"].is_string());
+    let tags = s.get("/api/tags").await.json();
+    assert_eq!(tags["models"][0]["name"], "tiny");
+    let show = s.post("/api/show", &json!({"model": "tiny"})).await.json();
+    assert_eq!(show["model_info"]["general.architecture"], "qwen2");
+    assert_eq!(show["model_info"]["qwen2.context_length"], 512);
+    assert!(show["capabilities"]
+        .as_array()
+        .unwrap()
+        .contains(&json!("completion")));
+
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+        "options": {"temperature": 0, "num_predict": 6}});
+    let r = s.post("/api/chat", &body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("content-type"), Some("application/x-ndjson"));
+    let lines: Vec<Value> = r
+        .text()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    let last = lines.last().unwrap();
+    assert_eq!(last["done"], true);
+    assert_eq!(last["done_reason"], "length");
+    assert_eq!(last["eval_count"], 6);
+    assert!(lines[..lines.len() - 1].iter().all(|l| l["done"] == false));
+    let streamed: String = lines
+        .iter()
+        .map(|l| l["message"]["content"].as_str().unwrap())
+        .collect();
+    let mut nb = body.clone();
+    nb["stream"] = false.into();
+    let whole = s.post("/api/chat", &nb).await.json();
+    assert_eq!(whole["done"], true);
+    assert_eq!(whole["message"]["role"], "assistant");
+    assert_eq!(whole["message"]["content"], streamed.as_str());
+
+    let g = json!({"model": "tiny", "prompt": "fn main() {", "raw": true, "stream": false,
+        "options": {"temperature": 0, "num_predict": 4}});
+    let r = s.post("/api/generate", &g).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert!(v["response"].is_string() && v["done"] == true);
+    let same = s
+        .post(
+            "/v1/completions",
+            &json!({"model": "tiny", "prompt": "fn main() {", "max_tokens": 4, "temperature": 0}),
+        )
+        .await
+        .json();
+    assert_eq!(v["response"], same["choices"][0]["text"]);
+    // Errors: Ollama's shape.
+    for (path, body) in [
+        ("/api/chat", json!({"model": "tiny"})),
+        (
+            "/api/chat",
+            json!({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}),
+        ),
+        (
+            "/api/chat",
+            json!({"model": "tiny", "messages": [{"role": "user", "content": "x", "images": ["AA=="]}]}),
+        ),
+        (
+            "/api/chat",
+            json!({"model": "tiny", "messages": [], "format": 5}),
+        ),
+        (
+            "/api/generate",
+            json!({"model": "tiny", "prompt": "x", "options": {"temperature": "hot"}}),
+        ),
+        (
+            "/api/generate",
+            json!({"model": "tiny", "prompt": "x", "suffix": "y"}),
+        ),
+    ] {
+        let r = s.post(path, &body).await;
+        assert_eq!(r.status, 400, "{path} {body}: {}", r.text());
+        assert!(r.json()["error"].is_string(), "{path} {body}: {}", r.text());
+    }
 }

@@ -28,10 +28,13 @@ const CHAT: &str = "/v1/chat/completions";
 const COMPLETIONS: &str = "/v1/completions";
 const MESSAGES: &str = "/v1/messages";
 const COUNT: &str = "/v1/messages/count_tokens";
+const RESPONSES: &str = "/v1/responses";
 
 /// One slot, one queue place, a context of 4096 and a body limit of 128 KiB, with an API key.
 async fn server() -> TestServer {
-    let (loaded, served) = load_tiny(&tiny(), None);
+    let (loaded, mut served) = load_tiny(&tiny(), None);
+    // Unknown model names are 404s here (see `model_names` for the default).
+    served.strict_name = true;
     let ecfg = EngineConfig {
         max_running: 1,
         max_batch_tokens: 64,
@@ -173,6 +176,10 @@ fn messages_ok() -> Value {
     json!({"model": "tiny", "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]})
 }
 
+fn responses_ok() -> Value {
+    json!({"model": "tiny", "input": "hi", "max_output_tokens": 2, "temperature": 0})
+}
+
 fn count_ok() -> Value {
     json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
 }
@@ -228,6 +235,7 @@ fn common_cases(path: &'static str, good: &Value, fmt: Format) -> Vec<Case> {
         CHAT => "/v1/chat/completion",
         COMPLETIONS => "/v1/completion",
         MESSAGES => "/v1/messages/create",
+        RESPONSES => "/v1/response",
         _ => "/v1/messages/count",
     };
     let good_s = good.to_string();
@@ -554,7 +562,7 @@ fn completion_cases() -> Vec<Case> {
         .param("prompt")
         .code("context_length_exceeded"),
         Case::json(
-            "suffix (not supported)",
+            "suffix on a model without FIM tokens",
             COMPLETIONS,
             with(&ok, "suffix", json!("x")),
         )
@@ -711,9 +719,28 @@ fn messages_body_cases(path: &'static str, ok: &Value) -> Vec<Case> {
             with(ok, "thinking", json!(true)),
         ),
         Case::json(
-            "system role in messages",
+            "unknown role in messages",
             path,
-            msg(json!([{"role": "system", "content": "hi"}])),
+            msg(json!([{"role": "robot", "content": "hi"}])),
+        ),
+        Case::json(
+            "system message with an image",
+            path,
+            msg(
+                json!([{"role": "system", "content": [{"type": "image", "source": {}}]}, {"role": "user", "content": "hi"}]),
+            ),
+        ),
+        Case::json(
+            "document with a PDF source",
+            path,
+            msg(
+                json!([{"role": "user", "content": [{"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "AA=="}}]}]),
+            ),
+        ),
+        Case::json(
+            "unknown thinking type",
+            path,
+            with(ok, "thinking", json!({"type": "sometimes"})),
         ),
         Case::json("missing: messages", path, without(ok, "messages")),
         Case::json("missing: role", path, msg(json!([{"content": "hi"}]))),
@@ -942,6 +969,7 @@ async fn good(s: &TestServer, path: &'static str, body: &Value, after: &str) {
         CHAT => v["choices"][0]["finish_reason"].is_string(),
         COMPLETIONS => v["choices"][0]["text"].is_string(),
         MESSAGES => v["stop_reason"].is_string(),
+        RESPONSES => v["status"].is_string() && v["output"].is_array(),
         _ => v["input_tokens"].as_u64().is_some_and(|n| n > 0),
     };
     assert!(fine, "a good request after '{after}': {v}");
@@ -992,6 +1020,104 @@ async fn openai_completions() {
         completion_cases(),
     )
     .await;
+}
+
+fn responses_cases() -> Vec<Case> {
+    let ok = responses_ok();
+    let mut v = common_cases(RESPONSES, &ok, Format::OpenAi);
+    let input = |x: Value| with(&ok, "input", x);
+    v.extend([
+        Case::json("missing: input", RESPONSES, without(&ok, "input")).param("input"),
+        Case::json("wrong type: input", RESPONSES, input(json!(5))).param("input"),
+        Case::json("empty input", RESPONSES, input(json!([]))).param("input"),
+        Case::json(
+            "unknown item type",
+            RESPONSES,
+            input(json!([{"type": "hologram"}])),
+        )
+        .param("input[0].type"),
+        Case::json(
+            "item_reference (needs a store)",
+            RESPONSES,
+            input(json!([{"type": "item_reference", "id": "msg_1"}])),
+        )
+        .param("input[0].type"),
+        Case::json(
+            "function_call without call_id",
+            RESPONSES,
+            input(json!([{"type": "function_call", "name": "f", "arguments": "{}"}])),
+        )
+        .param("input[0].call_id"),
+        Case::json(
+            "image part (text-only model)",
+            RESPONSES,
+            input(
+                json!([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+            ),
+        )
+        .param("input[0].content[0]"),
+        Case::json(
+            "tool without a name",
+            RESPONSES,
+            with(
+                &ok,
+                "tools",
+                json!([{"type": "function", "parameters": {}}]),
+            ),
+        )
+        .param("tools[0].name"),
+        Case::json(
+            "tool schema not an object",
+            RESPONSES,
+            with(
+                &ok,
+                "tools",
+                json!([{"type": "function", "name": "f", "parameters": [1]}]),
+            ),
+        )
+        .param("tools[0].parameters"),
+        Case::json(
+            "unknown tool type",
+            RESPONSES,
+            with(&ok, "tools", json!([{"type": "teleport"}])),
+        )
+        .param("tools[0].type"),
+        Case::json(
+            "previous_response_id (stateless)",
+            RESPONSES,
+            with(&ok, "previous_response_id", json!("resp_1")),
+        )
+        .param("previous_response_id"),
+        Case::json(
+            "unknown text.format",
+            RESPONSES,
+            with(&ok, "text", json!({"format": {"type": "yaml"}})),
+        )
+        .param("text.format"),
+        Case::json(
+            "unknown reasoning.effort",
+            RESPONSES,
+            with(&ok, "reasoning", json!({"effort": "max"})),
+        )
+        .param("reasoning.effort"),
+    ]);
+    v.extend(bad_values(
+        &ok,
+        RESPONSES,
+        &[
+            ("temperature", json!(2.5)),
+            ("top_p", json!(-1)),
+            ("max_output_tokens", json!(0)),
+            ("stream", json!("yes")),
+            ("tool_choice", json!("sometimes")),
+        ],
+    ));
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_responses() {
+    run_table(RESPONSES, Format::OpenAi, responses_ok(), responses_cases()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

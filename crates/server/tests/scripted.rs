@@ -36,6 +36,8 @@ struct Scripted {
     n_ctx: usize,
     max_queue: usize,
     fail: bool,
+    /// Wait this long before the first token (a long prefill).
+    prefill: Duration,
     counts: Arc<Mutex<Counts>>,
 }
 
@@ -47,6 +49,7 @@ impl Scripted {
             n_ctx: 4096,
             max_queue: 64,
             fail: false,
+            prefill: Duration::ZERO,
             counts: Arc::default(),
         }
     }
@@ -57,38 +60,12 @@ impl Scripted {
     }
 }
 
-struct Stream {
-    rx: mpsc::UnboundedReceiver<Event>,
-    counts: Arc<Mutex<Counts>>,
-    ended: bool,
-}
-
-impl EventStream for Stream {
-    fn recv(&mut self) -> RecvFuture<'_> {
-        Box::pin(async move {
-            let ev = self.rx.recv().await;
-            if !matches!(ev, Some(Event::Text { .. })) {
-                self.ended = true;
-            }
-            ev
-        })
-    }
-}
-
-impl Drop for Stream {
-    fn drop(&mut self) {
-        let mut c = self.counts.lock().unwrap();
-        c.running -= 1;
-        if self.ended {
-            c.finished += 1;
-        } else {
-            c.cancelled += 1;
-        }
-    }
-}
-
-impl Engine for Scripted {
-    fn submit(&self, req: Request) -> Result<Box<dyn EventStream>, SubmitError> {
+impl Scripted {
+    fn submit_with(
+        &self,
+        req: Request,
+        announce: Option<usize>,
+    ) -> Result<Box<dyn EventStream>, SubmitError> {
         if req.prompt.len() >= self.n_ctx {
             return Err(SubmitError::PromptTooLong {
                 n_prompt: req.prompt.len(),
@@ -120,7 +97,12 @@ impl Engine for Scripted {
             finish = FinishReason::Length;
         }
         let (delay, fail, n_prompt) = (self.delay, self.fail, req.prompt.len());
+        let prefill = self.prefill;
         tokio::spawn(async move {
+            if let Some(cached_tokens) = announce {
+                let _ = tx.send(Event::Admitted { cached_tokens });
+            }
+            tokio::time::sleep(prefill).await;
             let mut n = 0;
             while let Some(p) = pieces.pop_front() {
                 if !delay.is_zero() {
@@ -165,6 +147,47 @@ impl Engine for Scripted {
             counts: self.counts.clone(),
             ended: false,
         }))
+    }
+}
+
+struct Stream {
+    rx: mpsc::UnboundedReceiver<Event>,
+    counts: Arc<Mutex<Counts>>,
+    ended: bool,
+}
+
+impl EventStream for Stream {
+    fn recv(&mut self) -> RecvFuture<'_> {
+        Box::pin(async move {
+            let ev = self.rx.recv().await;
+            if !matches!(ev, Some(Event::Text { .. } | Event::Admitted { .. })) {
+                self.ended = true;
+            }
+            ev
+        })
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        let mut c = self.counts.lock().unwrap();
+        c.running -= 1;
+        if self.ended {
+            c.finished += 1;
+        } else {
+            c.cancelled += 1;
+        }
+    }
+}
+
+impl Engine for Scripted {
+    fn submit(&self, req: Request) -> Result<Box<dyn EventStream>, SubmitError> {
+        self.submit_with(req, None)
+    }
+
+    /// Announced with 7 cached tokens.
+    fn submit_announced(&self, req: Request) -> Result<Box<dyn EventStream>, SubmitError> {
+        self.submit_with(req, Some(7))
     }
 
     fn metrics(&self) -> EngineMetrics {
@@ -582,6 +605,70 @@ async fn anthropic_thinking_and_tool_use() {
     assert_eq!(data[0]["message"]["content"], json!([]));
 }
 
+/// Claude Code's request shape: the billing-header block is not in the prompt, `system`
+/// messages inside `messages` are rendered in place (Qwen2.5) or merged into the system prompt
+/// (Qwen3.5's template refuses them later on), `adaptive` thinking is accepted; while the
+/// prompt is computed the stream sends `ping`s, and `message_start` reports the prefix-cache
+/// hit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_claude_code_shape() {
+    let body = json!({
+        "model": "claude-opus-4-8",
+        "max_tokens": 32000,
+        "stream": true,
+        "thinking": {"type": "adaptive"},
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.3; cc_entrypoint=cli; cch=9f3e1;"},
+            {"type": "text", "text": "You are Claude Code, a CLI for coding.", "cache_control": {"type": "ephemeral"}},
+        ],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "<system-reminder>ctx</system-reminder>"}, {"type": "text", "text": "fix the bug", "cache_control": {"type": "ephemeral"}}]},
+            {"role": "system", "content": "The user switched to plan mode."},
+        ],
+        "tools": [{"name": "Bash", "description": "Run a command", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}],
+        "metadata": {"user_id": "u"},
+    });
+    for tmpl in ["qwen2.5.jinja", "qwen3.5.jinja"] {
+        let engine = Scripted::new("Done.");
+        let mut engine = engine.slow(Duration::from_millis(10));
+        engine.prefill = Duration::from_millis(450);
+        let c = ServerConfig {
+            ping_every: Duration::from_millis(100),
+            ..cfg()
+        };
+        let (s, counts) = server_with(engine, tmpl, c).await;
+        let r = s.post("/v1/messages", &body).await;
+        assert_eq!(r.status, 200, "{tmpl}: {}", r.text());
+        let events = r.sse();
+        let names: Vec<&str> = events.iter().map(|e| e.0.as_deref().unwrap()).collect();
+        assert_eq!(names[0], "message_start", "{tmpl}: {names:?}");
+        let start: Value = serde_json::from_str(&events[0].1).unwrap();
+        assert_eq!(start["message"]["usage"]["cache_read_input_tokens"], 7);
+        let first_block = names
+            .iter()
+            .position(|n| *n == "content_block_start")
+            .unwrap();
+        let pings = names[..first_block]
+            .iter()
+            .filter(|n| **n == "ping")
+            .count();
+        assert!(pings >= 3, "{tmpl}: pings while prefilling: {names:?}");
+        assert_eq!(names.last(), Some(&"message_stop"));
+        let prompt = last_prompt(&counts);
+        assert!(!prompt.contains("billing"), "{tmpl}: {prompt}");
+        assert!(prompt.contains("You are Claude Code"), "{tmpl}: {prompt}");
+        assert!(
+            prompt.contains("The user switched to plan mode."),
+            "{tmpl}: {prompt}"
+        );
+        // count_tokens takes the same shape.
+        let r = s.post("/v1/messages/count_tokens", &body).await;
+        assert_eq!(r.status, 200, "{tmpl}: {}", r.text());
+        let n = r.json()["input_tokens"].as_u64().unwrap() as usize;
+        assert_eq!(n, tokenizer().encode(&prompt, true, true).unwrap().len());
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn anthropic_history_and_stop_sequences() {
     let (s, counts) = server("one two STOP three", "qwen2.5.jinja").await;
@@ -801,4 +888,306 @@ async fn completions_echo_logprobs_and_stream() {
     assert_eq!(text, "xyz123");
     assert_eq!(chunks.last().unwrap()["usage"]["prompt_tokens"], 3);
     assert_eq!(r.sse().last().unwrap().1, "[DONE]");
+}
+
+/// `/v1/responses` as Codex CLI uses it: reasoning, text and a tool call come back as output
+/// items, streamed event by event; the history (function calls and outputs) reaches the
+/// prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_codex_shape() {
+    let reply = format!("<think>\nI should call the tool.\n</think>\n\nChecking.\n{CALL}");
+    let (s, counts) = server(&reply, "qwen3.jinja").await;
+    let body = json!({
+        "model": "gpt-5-codex",
+        "instructions": "You are a coding agent.",
+        "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Bern?"}]},
+            {"type": "function_call", "call_id": "call_9", "name": "get_weather", "arguments": "{\"city\": \"Basel\"}"},
+            {"type": "function_call_output", "call_id": "call_9", "output": "rain"},
+        ],
+        "tools": [
+            {"type": "function", "name": "get_weather", "description": "Current weather", "strict": false,
+             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+            {"type": "web_search"},
+        ],
+        "tool_choice": "auto",
+        "parallel_tool_calls": false,
+        "reasoning": {"effort": "medium", "summary": "auto"},
+        "store": false,
+        "include": ["reasoning.encrypted_content"],
+    });
+    let r = s.post("/v1/responses", &body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["object"], "response");
+    assert_eq!(v["status"], "completed");
+    assert!(v["id"].as_str().unwrap().starts_with("resp_"));
+    let out = v["output"].as_array().unwrap();
+    let types: Vec<&str> = out.iter().map(|o| o["type"].as_str().unwrap()).collect();
+    assert_eq!(types, ["reasoning", "message", "function_call"]);
+    assert_eq!(out[0]["content"][0]["text"], "I should call the tool.");
+    assert_eq!(out[0]["summary"][0]["text"], "I should call the tool.");
+    assert_eq!(out[1]["content"][0]["text"], "Checking.");
+    assert_eq!(out[2]["name"], "get_weather");
+    let args: Value = serde_json::from_str(out[2]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Bern"}));
+    assert!(out[2]["call_id"].as_str().unwrap().starts_with("call_"));
+    assert!(v["usage"]["input_tokens"].as_u64().unwrap() > 0);
+    assert_eq!(
+        v["usage"]["output_tokens"],
+        reply.chars().count().div_ceil(3)
+    );
+    let prompt = last_prompt(&counts);
+    assert!(prompt.contains("You are a coding agent."), "{prompt}");
+    assert!(prompt.contains("\"city\": \"Basel\""), "{prompt}");
+    assert!(prompt.contains("rain"), "{prompt}");
+    assert!(!prompt.contains("web_search"), "{prompt}");
+
+    let mut sb = body.clone();
+    sb["stream"] = true.into();
+    let r = s.post("/v1/responses", &sb).await;
+    assert_eq!(r.status, 200);
+    let events = r.sse();
+    // Event names, runs collapsed (the summary deltas, which alternate with the reasoning
+    // deltas, are counted apart).
+    let mut names: Vec<String> = Vec::new();
+    let mut n_summary_deltas = 0;
+    for (i, (name, data)) in events.iter().enumerate() {
+        let name = name.clone().expect("every event is named");
+        let d: Value = serde_json::from_str(data).unwrap();
+        assert_eq!(d["type"], name.as_str());
+        assert_eq!(d["sequence_number"], i, "{name}");
+        if name == "response.reasoning_summary_text.delta" {
+            n_summary_deltas += 1;
+            continue;
+        }
+        if names.last() != Some(&name) {
+            names.push(name);
+        }
+    }
+    assert!(n_summary_deltas > 0);
+    assert_eq!(
+        names,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.reasoning_summary_part.added",
+            "response.reasoning_text.delta",
+            "response.reasoning_text.done",
+            "response.reasoning_summary_text.done",
+            "response.reasoning_summary_part.done",
+            "response.output_item.done",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.output_item.added",
+            "response.function_call_arguments.delta",
+            "response.function_call_arguments.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
+    );
+    let data: Vec<Value> = events
+        .iter()
+        .map(|(_, d)| serde_json::from_str(d).unwrap())
+        .collect();
+    let text: String = data
+        .iter()
+        .filter(|d| d["type"] == "response.output_text.delta")
+        .map(|d| d["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(text, "Checking.");
+    let done = data.last().unwrap();
+    assert_eq!(done["response"]["status"], "completed");
+    assert_eq!(done["response"]["output"].as_array().unwrap().len(), 3);
+    assert_eq!(done["response"]["output"][2]["type"], "function_call");
+    assert_eq!(
+        done["response"]["usage"]["output_tokens"],
+        v["usage"]["output_tokens"]
+    );
+
+    // Cut by max_output_tokens: incomplete.
+    let mut b = body.clone();
+    b["max_output_tokens"] = 2.into();
+    let v = s.post("/v1/responses", &b).await.json();
+    assert_eq!(v["status"], "incomplete");
+    assert_eq!(v["incomplete_details"]["reason"], "max_output_tokens");
+    b["stream"] = true.into();
+    let r = s.post("/v1/responses", &b).await;
+    let last = r.sse().last().unwrap().clone();
+    assert_eq!(last.0.as_deref(), Some("response.incomplete"));
+
+    // Stateless: previous_response_id is a clear 400.
+    let r = s
+        .post(
+            "/v1/responses",
+            &json!({"model": "m", "input": "hi", "previous_response_id": "resp_1"}),
+        )
+        .await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["param"], "previous_response_id");
+}
+
+/// The tiny tokenizer with Qwen2.5-Coder's FIM and repository tokens added (ids 400..404).
+fn fim_tokenizer() -> Arc<Tokenizer> {
+    let path = tiny().join("tokenizer.json");
+    let mut v: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let names = [
+        "<|fim_prefix|>",
+        "<|fim_middle|>",
+        "<|fim_suffix|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
+    ];
+    let added = v["added_tokens"].as_array_mut().unwrap();
+    for (i, n) in names.iter().enumerate() {
+        added.push(
+            json!({"id": 400 + i, "content": n, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true}),
+        );
+    }
+    let cfg = json!({"eos_token": "<|im_end|>"});
+    Arc::new(
+        Tokenizer::from_tokenizer_json_bytes(v.to_string().as_bytes(), Some(&cfg), None).unwrap(),
+    )
+}
+
+/// Fill-in-the-middle: `suffix` on `/v1/completions` (the openai SDK, Continue) and llama.cpp's
+/// `/infill` (llama.vscode, with repository files) build the prompt from the FIM tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fill_in_the_middle() {
+    let engine = Scripted::new("x + y");
+    let counts = engine.counts.clone();
+    let tok = fim_tokenizer();
+    let model =
+        ServedModel::new("m".into(), tok.clone(), Some(&template("qwen2.5.jinja"))).unwrap();
+    let s = TestServer::start(Arc::new(engine), model, cfg()).await;
+    let prompt_of = |counts: &Mutex<Counts>| {
+        let c = counts.lock().unwrap();
+        c.requests.last().unwrap().clone()
+    };
+    let r = s
+        .post(
+            "/v1/completions",
+            &json!({"model": "m", "prompt": "def add(x, y):\n    return ", "suffix": "\n\nprint(add(1, 2))\n", "max_tokens": 16}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["choices"][0]["text"], "x + y");
+    let req = prompt_of(&counts);
+    assert_eq!(req.prompt[0], 400, "starts with <|fim_prefix|>");
+    assert_eq!(
+        tok.decode(&req.prompt, false).unwrap(),
+        "<|fim_prefix|>def add(x, y):\n    return <|fim_suffix|>\n\nprint(add(1, 2))\n<|fim_middle|>"
+    );
+    assert!(req.stop.contains(&"<|file_sep|>".to_string()));
+
+    // llama.vscode's /infill with repository files, streamed and not.
+    let body = json!({
+        "input_prefix": "def add(x, y):\n    return ",
+        "input_suffix": "\n",
+        "input_extra": [{"filename": "util.py", "text": "ONE = 1\n"}],
+        "prompt": "",
+        "n_predict": 32,
+        "cache_prompt": true,
+        "t_max_prompt_ms": 500,
+        "samplers": ["top_k", "top_p", "infill"],
+    });
+    let r = s.post("/infill", &body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["content"], "x + y");
+    assert_eq!(v["stop"], true);
+    assert_eq!(v["stop_type"], "eos");
+    assert_eq!(
+        tok.decode(&prompt_of(&counts).prompt, false).unwrap(),
+        "<|repo_name|>myproject\n<|file_sep|>util.py\nONE = 1\n<|fim_prefix|>def add(x, y):\n    return <|fim_suffix|>\n<|fim_middle|>"
+    );
+    let mut sb = body.clone();
+    sb["stream"] = true.into();
+    let r = s.post("/infill", &sb).await;
+    let chunks = r.sse_json();
+    let text: String = chunks
+        .iter()
+        .map(|c| c["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(text, "x + y");
+    assert!(chunks[..chunks.len() - 1]
+        .iter()
+        .all(|c| c["stop"] == false));
+    assert_eq!(chunks.last().unwrap()["stop"], true);
+    // Bad input: 400 naming the field.
+    for (bad, param) in [
+        (json!({"input_prefix": 5}), "input_prefix"),
+        (
+            json!({"input_extra": [{"filename": "a"}]}),
+            "input_extra[0].text",
+        ),
+        (json!({"input_extra": "x"}), "input_extra"),
+        (json!({"n_predict": -2}), "n_predict"),
+    ] {
+        let r = s.post("/infill", &bad).await;
+        assert_eq!(r.status, 400, "{bad}");
+        assert_eq!(r.json()["error"]["param"], param, "{bad}");
+    }
+    let r = s
+        .post(
+            "/v1/completions",
+            &json!({"model": "m", "prompt": [1, 2], "suffix": "x"}),
+        )
+        .await;
+    assert_eq!(r.json()["error"]["param"], "prompt");
+}
+
+/// A model without FIM tokens: a clear 400 from `/infill`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn infill_needs_fim_tokens() {
+    let (s, _) = server("x", "qwen2.5.jinja").await;
+    let r = s
+        .post(
+            "/infill",
+            &json!({"input_prefix": "a", "input_suffix": "b"}),
+        )
+        .await;
+    assert_eq!(r.status, 400);
+    let e = r.json();
+    assert_eq!(e["error"]["param"], "input_suffix");
+    assert!(e["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("fill-in-the-middle"));
+}
+
+/// A long prefill: the Responses stream repeats `response.in_progress` so that clients with a
+/// stream idle timeout (Codex CLI) keep it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_keep_alive_while_prefilling() {
+    let mut engine = Scripted::new("Done.");
+    engine.prefill = Duration::from_millis(450);
+    let c = ServerConfig {
+        ping_every: Duration::from_millis(100),
+        ..cfg()
+    };
+    let (s, _) = server_with(engine, "qwen2.5.jinja", c).await;
+    let r = s
+        .post(
+            "/v1/responses",
+            &json!({"model": "m", "input": "hi", "stream": true}),
+        )
+        .await;
+    let names: Vec<String> = r.sse().into_iter().map(|e| e.0.unwrap()).collect();
+    let first_item = names
+        .iter()
+        .position(|n| n == "response.output_item.added")
+        .unwrap();
+    let alive = names[..first_item]
+        .iter()
+        .filter(|n| *n == "response.in_progress")
+        .count();
+    assert!(alive >= 3, "{names:?}");
+    assert_eq!(names.last().map(String::as_str), Some("response.completed"));
 }

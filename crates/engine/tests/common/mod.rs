@@ -50,6 +50,7 @@ pub fn run_to_end(h: &EngineHandle, req: Request) -> Finished {
                 }
             }
             Event::Error(e) => panic!("request failed: {e}"),
+            Event::Admitted { .. } => {}
         }
     }
     panic!("stream closed without an end")

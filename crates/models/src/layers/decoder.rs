@@ -246,6 +246,18 @@ impl Decoder {
 
     /// Forward pass over a batch (see [`crate::CausalLm::forward`]).
     pub fn forward(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
+        self.run(batch, cache, false)
+    }
+
+    /// Forward pass returning final-norm hidden rows (see
+    /// [`crate::CausalLm::forward_hidden`]).
+    pub fn forward_hidden(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
+        self.run(batch, cache, true)
+    }
+
+    /// The pass; `hidden`: stop after the final norm (rows `n_embd` wide) instead of
+    /// applying the output head.
+    fn run(&self, batch: &BatchInputs, cache: &mut KvCache, hidden: bool) -> Result<Logits> {
         batch.validate(cache.n_slots())?;
         let be = &*self.backend;
         let n_vocab = self.spec.n_vocab;
@@ -316,8 +328,9 @@ impl Decoder {
         }
 
         let rows = &batch.logit_rows;
-        let mut data = vec![0f32; rows.len() * n_vocab];
-        if !self.host_sync && recorded::recordable(be, batch) {
+        let width = if hidden { self.n_embd } else { n_vocab };
+        let mut data = vec![0f32; rows.len() * width];
+        if !hidden && !self.host_sync && recorded::recordable(be, batch) {
             let table_capacity = if cache.has_kv() {
                 cache.n_ctx().div_ceil(cache.block_size())
             } else {
@@ -333,15 +346,15 @@ impl Decoder {
                 desc,
                 table_capacity,
                 n_vocab,
-                |dev_batch, logits| self.run_step(batch, dev_batch, cache, logits),
+                |dev_batch, logits| self.run_step(batch, dev_batch, cache, logits, false),
                 &mut data,
             )?;
         } else {
             let dev_batch = be.prepare_batch(desc)?;
-            let mut logits = tensor(be, rows.len() * n_vocab)?;
-            self.run_step(batch, &dev_batch, cache, &mut logits)?;
+            let mut out = tensor(be, rows.len() * width)?;
+            self.run_step(batch, &dev_batch, cache, &mut out, hidden)?;
             if !rows.is_empty() {
-                be.read_f32(&logits, 0, &mut data)?;
+                be.read_f32(&out, 0, &mut data)?;
             }
         }
         if cache.has_recurrent() {
@@ -351,21 +364,23 @@ impl Decoder {
             }
         }
         Ok(Logits {
-            n_vocab,
+            n_vocab: width,
             rows: rows.clone(),
             data,
         })
     }
 
-    /// A step's device work: embedding, every block, and the logits of the batch's logit rows
-    /// into `logits` (`[rows, n_vocab]`; untouched when no row is asked for). Queues ops
-    /// only (nothing is read back), so it can be recorded.
+    /// A step's device work: embedding, every block, and for the batch's logit rows the
+    /// logits into `out` (`[rows, n_vocab]`), or with `hidden` the final-norm hidden states
+    /// (`[rows, n_embd]`); `out` is untouched when no row is asked for. Queues ops only
+    /// (nothing is read back), so it can be recorded.
     fn run_step(
         &self,
         batch: &BatchInputs,
         dev_batch: &Batch,
         cache: &mut KvCache,
-        logits: &mut Tensor,
+        out: &mut Tensor,
+        hidden: bool,
     ) -> Result<()> {
         let be = &*self.backend;
         let n = batch.n_tokens();
@@ -391,12 +406,15 @@ impl Decoder {
             }
         }
         let rows = batch.logit_rows.len();
-        if rows > 0 {
+        if rows > 0 && hidden {
+            be.gather_logit_rows(&x, d, dev_batch, out)?;
+            be.rms_norm(out, d, &self.out_norm, self.rms_eps)?;
+        } else if rows > 0 {
             let mut hr = tensor(be, rows * d)?;
             be.gather_logit_rows(&x, d, dev_batch, &mut hr)?;
             be.rms_norm(&mut hr, d, &self.out_norm, self.rms_eps)?;
             let out_w = self.output.as_ref().unwrap_or(&self.tok_embd);
-            be.matmul(out_w, &hr, rows, logits)?;
+            be.matmul(out_w, &hr, rows, out)?;
         }
         Ok(())
     }
