@@ -42,6 +42,8 @@ impl Serve {
                 "4",
                 "--model-name",
                 "m",
+                // a wrong (here: huge) model name must stay an error
+                "--strict-model-name",
             ])
             .args(["--max-body-bytes", "8MiB"])
             .stdin(Stdio::null())
