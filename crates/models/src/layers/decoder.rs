@@ -330,7 +330,9 @@ impl Decoder {
         let rows = &batch.logit_rows;
         let width = if hidden { self.n_embd } else { n_vocab };
         let mut data = vec![0f32; rows.len() * width];
-        if !hidden && !self.host_sync && recorded::recordable(be, batch) {
+        // Recorded steps are checked on the GPU for attention models only so far; hybrids
+        // (recurrent states) run op by op until that check exists (the hybrid CUDA issue).
+        if !hidden && !self.host_sync && !cache.has_recurrent() && recorded::recordable(be, batch) {
             let table_capacity = if cache.has_kv() {
                 cache.n_ctx().div_ceil(cache.block_size())
             } else {

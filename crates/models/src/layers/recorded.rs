@@ -8,7 +8,8 @@
 //! attention split) or another cache comes along; it is then recorded again, which costs about
 //! one op-by-op step. Only what replays exactly is recorded: decode batches (one token per
 //! sequence) of at most [`MAX_RECORDED_TOKENS`] tokens on models without MoE blocks (the MoE
-//! op reads the routing back to the host).
+//! op reads the routing back to the host) and, until recorded hybrid steps are checked on a
+//! GPU, without recurrent layers.
 
 use kapitsa_backend::{Backend, Batch, BatchDesc, DType, Recording, Tensor};
 
