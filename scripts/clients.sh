@@ -132,19 +132,20 @@ model_list:
   - model_name: via-anthropic
     litellm_params: {model: "anthropic/claude-opus-4-8", api_base: "$base", api_key: "$key"}
 EOF
-  LITELLM_TELEMETRY=False "$cache/litellm-venv/bin/litellm" --config "$work/litellm.yaml" --port "$lport" >"$logs/litellm.log" 2>&1 &
+  local master="sk-clients-$RANDOM$RANDOM"
+  LITELLM_MASTER_KEY="$master" LITELLM_TELEMETRY=False "$cache/litellm-venv/bin/litellm" --config "$work/litellm.yaml" --port "$lport" >"$logs/litellm.log" 2>&1 &
   pids+=("$!")
   for _ in $(seq 1 120); do curl -sf "http://127.0.0.1:$lport/health/liveliness" >/dev/null && break; sleep 1; done
   local out=""
   for m in via-openai via-vllm via-anthropic; do
     local code
     code=$(curl -s -o "$logs/litellm-$m.json" -w '%{http_code}' "http://127.0.0.1:$lport/v1/chat/completions" \
-      -H 'content-type: application/json' -d "{\"model\": \"$m\", \"messages\": [{\"role\": \"user\", \"content\": \"Say hi.\"}], \"max_tokens\": 16}")
+      -H "Authorization: Bearer $master" -H 'content-type: application/json' -d "{\"model\": \"$m\", \"messages\": [{\"role\": \"user\", \"content\": \"Say hi.\"}], \"max_tokens\": 16}")
     out="$out $m=$code"
   done
   local code
   code=$(curl -s -o "$logs/litellm-responses.json" -w '%{http_code}' "http://127.0.0.1:$lport/v1/responses" \
-    -H 'content-type: application/json' -d '{"model": "via-openai", "input": "Say hi.", "max_output_tokens": 16}')
+    -H "Authorization: Bearer $master" -H 'content-type: application/json' -d '{"model": "via-openai", "input": "Say hi.", "max_output_tokens": 16}')
   out="$out responses=$code"
   case "$out" in
     *=[!2]*) record litellm "FAILED (HTTP status per route:$out; see $logs/litellm*.json)" ;;

@@ -160,6 +160,13 @@ impl Embedder {
             }
             let hidden = r.map_err(EngineError::from)?;
             let d = hidden.n_vocab;
+            if hidden.data.len() != batch.logit_rows.len() * d {
+                return Err(EngineError::BadRequest(format!(
+                    "the model gave {} values for {} rows of {d}",
+                    hidden.data.len(),
+                    batch.logit_rows.len()
+                )));
+            }
             let mut row = 0;
             for t in group {
                 let n = if self.pooling == Pooling::Mean {

@@ -132,6 +132,7 @@ pub fn base64(bytes: &[u8]) -> String {
     const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
     for c in bytes.chunks(3) {
+        // `chunks` never yields an empty slice, so `c[0]` exists.
         let n = (u32::from(c[0]) << 16)
             | (u32::from(c.get(1).copied().unwrap_or(0)) << 8)
             | u32::from(c.get(2).copied().unwrap_or(0));

@@ -440,9 +440,13 @@ fn is_json_content_type(v: &str) -> bool {
 /// 415 for a POST to a JSON endpoint whose `Content-Type` is present but not JSON (a form or
 /// text body: a client mistake, or a browser's cross-site form post). Without the header the
 /// body is read as JSON, for raw clients that send none.
+///
+/// Ollama's routes and llama.cpp's `/infill` read any body as JSON, as those servers do (their
+/// documented examples use `curl -d`, which sends a form content type).
 async fn require_json(req: HttpRequest, next: Next) -> Response {
     let path = req.uri().path();
-    if req.method() == Method::POST && JSON_POST_PATHS.contains(&path) {
+    let lenient = path.starts_with("/api/") || path == "/infill";
+    if req.method() == Method::POST && JSON_POST_PATHS.contains(&path) && !lenient {
         if let Some(ct) = req.headers().get(header::CONTENT_TYPE) {
             if !ct.to_str().is_ok_and(is_json_content_type) {
                 let shown = String::from_utf8_lossy(ct.as_bytes()).into_owned();

@@ -951,6 +951,16 @@ async fn ollama_api() {
         .await
         .json();
     assert_eq!(v["response"], same["choices"][0]["text"]);
+    // `curl -d` (a form content type), as Ollama's own examples send it.
+    let r = s
+        .req(
+            "POST",
+            "/api/generate",
+            &[("Content-Type", "application/x-www-form-urlencoded")],
+            g.to_string().as_bytes(),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
     // Errors: Ollama's shape.
     for (path, body) in [
         ("/api/chat", json!({"model": "tiny"})),
