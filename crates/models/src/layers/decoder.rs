@@ -97,7 +97,10 @@ pub struct Decoder {
     output: Option<kapitsa_backend::Weight>,
     /// Some block reads results back mid-step (MoE routing): steps are never recorded.
     host_sync: bool,
-    /// Recorded decode steps (layers/recorded.rs), used by one forward pass at a time.
+    /// Recorded decode steps (layers/recorded.rs). Every forward pass holds this lock from
+    /// start to end: passes from several threads (the engine, the embeddings endpoint) must
+    /// not interleave their ops on a device backend's one stream, least of all while a step
+    /// is being recorded.
     recordings: Mutex<Recordings>,
 }
 
@@ -259,6 +262,10 @@ impl Decoder {
     /// applying the output head.
     fn run(&self, batch: &BatchInputs, cache: &mut KvCache, hidden: bool) -> Result<Logits> {
         batch.validate(cache.n_slots())?;
+        let mut recordings = self
+            .recordings
+            .lock()
+            .map_err(|_| ModelError::Batch("an earlier forward pass panicked".into()))?;
         let be = &*self.backend;
         let n_vocab = self.spec.n_vocab;
         for c in &batch.seqs {
@@ -338,10 +345,6 @@ impl Decoder {
             } else {
                 0
             };
-            let mut recordings = self
-                .recordings
-                .lock()
-                .map_err(|_| ModelError::Batch("an earlier step panicked".into()))?;
             recordings.step(
                 be,
                 cache.id(),
