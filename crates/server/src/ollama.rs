@@ -174,30 +174,7 @@ fn opts(f: &Fields) -> ApiResult<Opts> {
     let mut stop = Vec::new();
     if let Some(o) = f.object("options")? {
         let of = Fields::nested(o, "options.");
-        if let Some(t) = of.f32_in("temperature", 0.0, 2.0)? {
-            s.temperature = t;
-        }
-        if let Some(p) = of.f32_in("top_p", 0.0, 1.0)? {
-            s.top_p = p.max(1e-6);
-        }
-        if let Some(k) = of.int_in("top_k", -1, i64::from(u32::MAX))? {
-            s.top_k = k.max(0) as usize;
-        }
-        if let Some(p) = of.f32_in("min_p", 0.0, 1.0)? {
-            s.min_p = p;
-        }
-        if let Some(p) = of.f32_in("presence_penalty", -2.0, 2.0)? {
-            s.presence_penalty = p;
-        }
-        if let Some(p) = of.f32_in("frequency_penalty", -2.0, 2.0)? {
-            s.frequency_penalty = p;
-        }
-        if let Some(p) = of.f32("repeat_penalty")? {
-            if p <= 0.0 {
-                return Err(of.error("repeat_penalty", "'options.repeat_penalty' must be > 0"));
-            }
-            s.repetition_penalty = p;
-        }
+        crate::openai::sampling_fields(&of, "repeat_penalty", &mut s)?;
         s.seed = match of.i64("seed")? {
             Some(x) if x >= 0 => x as u64,
             _ => random_u64(),

@@ -51,11 +51,10 @@ pub struct GenOpts {
     pub constraint: Option<Constraint>,
 }
 
-/// Read the sampling and generation fields common to OpenAI requests. `chat`: logprobs is a
-/// boolean plus `top_logprobs` (chat), else an integer (completions). `n_vocab`: the
-/// tokenizer's vocabulary size (`logit_bias` keys must be below it).
-pub fn gen_opts(f: &Fields, chat: bool, n_vocab: usize) -> ApiResult<GenOpts> {
-    let mut s = SamplingParams::default();
+/// The sampling fields OpenAI-style and Ollama requests share (`temperature`, `top_p`,
+/// `top_k`, `min_p`, `presence_penalty`, `frequency_penalty` and the repetition penalty under
+/// `rep_key`) into `s`, each range-checked.
+pub fn sampling_fields(f: &Fields, rep_key: &str, s: &mut SamplingParams) -> ApiResult<()> {
     if let Some(t) = f.f32_in("temperature", 0.0, 2.0)? {
         s.temperature = t;
     }
@@ -75,12 +74,21 @@ pub fn gen_opts(f: &Fields, chat: bool, n_vocab: usize) -> ApiResult<GenOpts> {
     if let Some(p) = f.f32_in("frequency_penalty", -2.0, 2.0)? {
         s.frequency_penalty = p;
     }
-    if let Some(p) = f.f32("repetition_penalty")? {
+    if let Some(p) = f.f32(rep_key)? {
         if p <= 0.0 {
-            return Err(f.error("repetition_penalty", "'repetition_penalty' must be > 0"));
+            return Err(f.error(rep_key, format!("'{}' must be > 0", f.param(rep_key))));
         }
         s.repetition_penalty = p;
     }
+    Ok(())
+}
+
+/// Read the sampling and generation fields common to OpenAI requests. `chat`: logprobs is a
+/// boolean plus `top_logprobs` (chat), else an integer (completions). `n_vocab`: the
+/// tokenizer's vocabulary size (`logit_bias` keys must be below it).
+pub fn gen_opts(f: &Fields, chat: bool, n_vocab: usize) -> ApiResult<GenOpts> {
+    let mut s = SamplingParams::default();
+    sampling_fields(f, "repetition_penalty", &mut s)?;
     s.seed = match f.i64("seed")? {
         Some(x) => x as u64,
         None => random_u64(),

@@ -68,7 +68,8 @@ impl<'a> Fields<'a> {
         Fields { map, prefix }
     }
 
-    fn param(&self, key: &str) -> String {
+    /// The name a field has in errors: `prefix` + key.
+    pub fn param(&self, key: &str) -> String {
         format!("{}{key}", self.prefix)
     }
 
