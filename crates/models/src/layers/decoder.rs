@@ -339,22 +339,26 @@ impl Decoder {
         let mut data = vec![0f32; rows.len() * width];
         // Recorded steps are checked on the GPU for attention models only so far; hybrids
         // (recurrent states) run op by op until that check exists (the hybrid CUDA issue).
-        if !hidden && !self.host_sync && !cache.has_recurrent() && recorded::recordable(be, batch) {
+        let record =
+            !hidden && !self.host_sync && !cache.has_recurrent() && recorded::recordable(be, batch);
+        let mut done = false;
+        if record {
             let table_capacity = if cache.has_kv() {
                 cache.n_ctx().div_ceil(cache.block_size())
             } else {
                 0
             };
-            recordings.step(
+            done = recordings.step(
                 be,
                 cache.id(),
-                desc,
+                desc.clone(),
                 table_capacity,
                 n_vocab,
                 |dev_batch, logits| self.run_step(batch, dev_batch, cache, logits, false),
                 &mut data,
             )?;
-        } else {
+        }
+        if !done {
             let dev_batch = be.prepare_batch(desc)?;
             let mut out = tensor(be, rows.len() * width)?;
             self.run_step(batch, &dev_batch, cache, &mut out, hidden)?;

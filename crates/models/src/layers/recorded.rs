@@ -38,6 +38,9 @@ struct Entry {
 #[derive(Default)]
 pub struct Recordings {
     entries: Vec<Entry>,
+    /// Why recording failed once (then the model runs every step op by op; kept for
+    /// debugging).
+    failed: Option<String>,
 }
 
 impl std::fmt::Debug for Recordings {
@@ -62,6 +65,11 @@ impl Recordings {
     /// (the step's device work on the given batch, writing the logits tensor) and replay
     /// it; then read the logits into `out` (`[n_logits, n_vocab]`, host memory).
     ///
+    /// `Ok(false)`: nothing ran, the caller runs the step op by op. That is the answer from
+    /// the first time recording fails on (a capture the device refuses: nothing is executed
+    /// while recording, so running the step again op by op is safe; a real error of the step
+    /// then shows there).
+    ///
     /// `table_capacity` is the longest block table a sequence of `cache_id`'s cache can have.
     #[allow(clippy::too_many_arguments)]
     pub fn step(
@@ -73,7 +81,10 @@ impl Recordings {
         n_vocab: usize,
         run: impl FnOnce(&Batch, &mut Tensor) -> Result<()>,
         out: &mut [f32],
-    ) -> Result<()> {
+    ) -> Result<bool> {
+        if self.failed.is_some() {
+            return Ok(false);
+        }
         let (n_tokens, n_logits) = (desc.n_tokens(), desc.logit_rows.len());
         self.entries.retain(|e| e.cache_id == cache_id);
         let hit = self
@@ -86,18 +97,30 @@ impl Recordings {
                 be.replay(&e.rec)?;
                 be.read_f32(&e.logits, 0, out)?;
                 self.entries.push(e);
-                return Ok(());
+                return Ok(true);
             }
             // the batch outgrew the recording: record again
         }
         let batch = be.prepare_batch_for_recording(desc, table_capacity)?;
         let mut logits = be.alloc_scratch(DType::F32, n_logits * n_vocab)?;
-        be.begin_recording()?;
+        if let Err(e) = be.begin_recording() {
+            self.failed = Some(e.to_string());
+            return Ok(false);
+        }
         let ran = run(&batch, &mut logits);
         // always leave recording mode, also after an error in `run`
         let rec = be.end_recording();
-        ran?;
-        let rec = rec?;
+        let rec = match (ran, rec) {
+            (Ok(()), Ok(rec)) => rec,
+            (Err(e), _) => {
+                self.failed = Some(e.to_string());
+                return Ok(false);
+            }
+            (_, Err(e)) => {
+                self.failed = Some(e.to_string());
+                return Ok(false);
+            }
+        };
         be.replay(&rec)?;
         be.read_f32(&logits, 0, out)?;
         if self.entries.len() >= MAX_RECORDINGS {
@@ -111,7 +134,7 @@ impl Recordings {
             logits,
             rec,
         });
-        Ok(())
+        Ok(true)
     }
 
     /// Kernel launches of the most recently used recording (`None`: nothing recorded).
