@@ -99,9 +99,10 @@ unsafe fn count_kernels(graph: sys::CUgraph) -> Result<usize> {
 }
 
 impl CudaBackend {
-    /// Graphs are on unless `KAPITSA_CUDA_GRAPHS=0`.
+    /// Graphs are on unless `KAPITSA_CUDA_GRAPHS=0` (read once: this is asked every step).
     pub(crate) fn can_record_impl(&self) -> bool {
-        std::env::var("KAPITSA_CUDA_GRAPHS").map_or(true, |v| v != "0")
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| std::env::var("KAPITSA_CUDA_GRAPHS").map_or(true, |v| v != "0"))
     }
 
     pub(crate) fn begin_recording_impl(&self) -> Result<()> {

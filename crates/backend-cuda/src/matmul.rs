@@ -727,7 +727,6 @@ impl MatmulKernels {
 
     /// One GEMV launch (`n_tok <= 8`, rows of whole chunks).
     #[allow(clippy::too_many_arguments)]
-    #[allow(clippy::too_many_arguments)]
     fn gemv(
         &self,
         stream: &Arc<CudaStream>,
