@@ -8,6 +8,6 @@ NVCC="$(scripts/install-nvcc.sh)"
 export NVCC
 cargo build --release -p kapitsa-cli --features cuda
 mkdir -p bench/.cache
-strip -o bench/.cache/kapitsa target/release/kapitsa
+strip -o bench/.cache/kapitsa "${CARGO_TARGET_DIR:-target}/release/kapitsa"
 xz -9e -T2 -f bench/.cache/kapitsa
 ls -l bench/.cache/kapitsa.xz
