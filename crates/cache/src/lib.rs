@@ -230,6 +230,16 @@ impl SlotCache {
         n
     }
 
+    /// Forget what `slot` holds from position `n` on (tokens and KV blocks): speculative
+    /// tokens that were rejected. Recurrent states are not touched (they cannot drop
+    /// positions; the engine restores a copy and recomputes).
+    pub fn rewind(&mut self, slot: usize, n: usize) {
+        if let Some(Some(t)) = self.slots.get_mut(slot) {
+            t.truncate(n);
+        }
+        self.kv.truncate(slot, n);
+    }
+
     /// Get `slot` ready to compute positions `start..end`: what it holds past `start` is
     /// dropped (tokens and KV blocks), and KV blocks for `start..end` are taken from the pool.
     /// `false` (and only the drop done) when the pool has too few free blocks.

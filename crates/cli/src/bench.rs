@@ -79,6 +79,23 @@ pub struct BenchArgs {
     /// Size of each --membw buffer in MiB (keep it well above the last-level cache).
     #[arg(long, default_value_t = 1024, value_name = "MIB")]
     membw_mib: usize,
+    /// Instead of pp/tg: generate through the engine over the prompts of FILE (JSON lines,
+    /// `{"prompt": TEXT}` or `{"chat": TEXT}`, optional `"max_tokens"`; default the first
+    /// -n), greedy, with the --spec options; reports generated tokens/s and acceptance.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["membw", "verify_cost"])]
+    prompts: Option<PathBuf>,
+    /// Instead of pp/tg: the time of one forward pass over K new tokens (verifying K - 1
+    /// proposals) relative to a one-token step, for each K (comma-separated), at the first
+    /// -d depth, over the first -n passes.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "K",
+        conflicts_with = "membw"
+    )]
+    verify_cost: Vec<usize>,
+    #[command(flatten)]
+    spec: crate::spec_args::SpecArgs,
 }
 
 /// Tokens per forward pass when filling the cache to a depth.
@@ -194,6 +211,67 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let model = &*opened.model;
     let spec = model.spec();
     let info = model_info(&path, &opened.source, &opened.arch);
+    let backend = match opened.backend.device() {
+        kapitsa_backend::Device::Cpu => format!("CPU ({})", CpuFeatures::get().describe()),
+        _ => format!("CUDA ({})", opened.backend.describe()),
+    };
+    let first_n = a.n_gen.first().copied().unwrap_or(128).max(1);
+    if let Some(file) = &a.prompts {
+        let cfg = a.spec.config(&opened, a.load_mode.into())?;
+        let r = crate::bench_spec::generate(&opened, file, first_n, kvt, cfg)?;
+        match a.output {
+            Format::Md => {
+                println!("| model | backend | spec | prompts | tokens | t/s |");
+                println!("| --- | --- | --- | ---: | ---: | ---: |");
+                println!(
+                    "| {} | {backend} | {} | {} | {} | {:.2} |",
+                    info.filename,
+                    r.mode,
+                    r.prompts,
+                    r.tokens,
+                    r.tokens_per_sec()
+                );
+                if let Some(line) = crate::spec_args::summary(&r.metrics) {
+                    println!("\n{line}");
+                }
+            }
+            Format::Json => {
+                let v = r.json(&info.filename, &backend);
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            }
+        }
+        return Ok(());
+    }
+    if !a.verify_cost.is_empty() {
+        let depth = a.n_depth.first().copied().unwrap_or(0);
+        let rows = crate::bench_spec::verify_cost(&opened, &a.verify_cost, depth, first_n, kvt)?;
+        match a.output {
+            Format::Md => {
+                println!("| model | backend | depth | k | ms/pass | cost vs 1 token |");
+                println!("| --- | --- | ---: | ---: | ---: | ---: |");
+                for (k, ms, rel) in &rows {
+                    println!(
+                        "| {} | {backend} | {depth} | {k} | {ms:.2} | {rel:.2} |",
+                        info.filename
+                    );
+                }
+            }
+            Format::Json => {
+                let v: Vec<serde_json::Value> = rows
+                    .iter()
+                    .map(|(k, ms, rel)| {
+                        serde_json::json!({
+                            "model_filename": info.filename, "backends": backend,
+                            "test": format!("verify{k}"), "n_depth": depth, "k": k,
+                            "ms_per_pass": ms, "verify_cost": rel,
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            }
+        }
+        return Ok(());
+    }
 
     let max_ctx = tests.iter().map(Test::n_ctx).max().unwrap_or(1);
     if max_ctx > spec.n_ctx_train {
@@ -249,10 +327,6 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         results.push((*t, samples_ns, kernels));
     }
 
-    let backend = match opened.backend.device() {
-        kapitsa_backend::Device::Cpu => format!("CPU ({})", CpuFeatures::get().describe()),
-        _ => format!("CUDA ({})", opened.backend.describe()),
-    };
     match a.output {
         Format::Md => print!("{}", markdown(&info, &backend, n_threads, &results)),
         Format::Json => {

@@ -128,6 +128,8 @@ pub struct RunArgs {
     model: ModelArgs,
     #[command(flatten)]
     sample: SampleArgs,
+    #[command(flatten)]
+    spec: crate::spec_args::SpecArgs,
     /// Raw prompt text (special tokens like <|im_start|> are parsed).
     #[arg(short, long, conflicts_with = "chat")]
     prompt: Option<String>,
@@ -149,6 +151,8 @@ pub struct ChatArgs {
     model: ModelArgs,
     #[command(flatten)]
     sample: SampleArgs,
+    #[command(flatten)]
+    spec: crate::spec_args::SpecArgs,
     /// System prompt.
     #[arg(long)]
     system: Option<String>,
@@ -264,14 +268,15 @@ fn open(a: &ModelArgs) -> Result<OpenedModel> {
 
 /// Open the model and start the engine: one sequence of `--ctx-size` tokens, with the
 /// prefix cache so that a chat's next turn resumes from the previous one.
-fn session(a: &ModelArgs) -> Result<Session> {
+fn session(a: &ModelArgs, spec: &crate::spec_args::SpecArgs) -> Result<Session> {
     let opened = open(a)?;
     let n_ctx = opened.context_size(a.ctx);
     let prefix = PrefixCacheConfig {
         model_id: opened.identity.clone(),
         ..PrefixCacheConfig::default()
     };
-    let cfg = EngineConfig::single_sequence(n_ctx, kv_type(&a.kv_type)?, Some(prefix));
+    let mut cfg = EngineConfig::single_sequence(n_ctx, kv_type(&a.kv_type)?, Some(prefix));
+    cfg.spec = spec.config(&opened, a.load_mode.into())?;
     let engine = EngineHandle::start(opened.model.clone(), opened.tokenizer.clone(), cfg)
         .context("starting the engine")?;
     Ok(Session { opened, engine })
@@ -322,7 +327,7 @@ fn generate(s: &Session, req: Request, on_text: &mut dyn FnMut(&str)) -> Result<
 /// `kapitsa run`.
 pub fn run(a: RunArgs) -> Result<()> {
     a.sample.params().validate()?; // reject bad sampling options before the slow load
-    let s = session(&a.model)?;
+    let s = session(&a.model, &a.spec)?;
     let text = match (&a.prompt, &a.chat) {
         (Some(p), None) => p.clone(),
         (None, Some(c)) => {
@@ -348,6 +353,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         ignore_eos: a.sample.ignore_eos,
         top_logprobs: None,
         constraint: None,
+        spec: Default::default(),
     };
     let mut stdout = std::io::stdout().lock();
     let out = if a.n_predict == 0 {
@@ -382,6 +388,9 @@ pub fn run(a: RunArgs) -> Result<()> {
         rate(u.completion_tokens, gen_secs),
         out.finish
     );
+    if let Some(line) = crate::spec_args::summary(&s.engine.metrics()) {
+        eprintln!("{line}");
+    }
     Ok(())
 }
 
@@ -591,6 +600,7 @@ fn chat_turn(
         ignore_eos: false,
         top_logprobs: None,
         constraint: None,
+        spec: Default::default(),
     };
     let mut parser = ReplyParser::new(c.fmt, c.fmt.starts_in_reasoning(&text));
     if let Some(t) = c.tools {
@@ -627,7 +637,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
         (_, true) => Some(serde_json::json!({"enable_thinking": false})),
         _ => None,
     };
-    let s = session(&a.model)?;
+    let s = session(&a.model, &a.spec)?;
     let tmpl = template(&s)?;
     let src = s.opened.chat_template_source.clone().unwrap_or_default();
     let fmt = ReplyFormat::from_template(&src);

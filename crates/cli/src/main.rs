@@ -1,10 +1,12 @@
 //! `kapitsa`: run, chat with, inspect and probe models from the command line.
 
 mod bench;
+mod bench_spec;
 mod commands;
 mod inspect;
 mod selftest;
 mod serve;
+mod spec_args;
 mod synth;
 
 use std::process::ExitCode;

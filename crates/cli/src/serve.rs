@@ -17,6 +17,8 @@ pub struct ServeArgs {
     /// Model: a GGUF file, or a Hugging Face / MLX model directory.
     #[arg(short, long)]
     model: PathBuf,
+    #[command(flatten)]
+    spec: crate::spec_args::SpecArgs,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -215,6 +217,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             kv_pool_tokens: Some(pool),
             kv_block_size: a.kv_block_size,
             prefix_cache: prefix,
+            spec: a.spec.config(&opened, a.load_mode.into())?,
         },
     )
     .context("starting the engine")?;

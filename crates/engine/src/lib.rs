@@ -11,19 +11,21 @@ pub mod rng;
 pub mod sampler;
 pub mod scheduler;
 pub mod service;
+pub mod spec;
 pub mod stop;
 pub mod structured;
 
 pub use device::{Device, DeviceChoice};
 pub use kapitsa_models::{KvType, LoadMode};
-pub use open::{make_backend, open_model, OpenOptions, OpenedModel};
+pub use open::{make_backend, open_draft_model, open_model, OpenOptions, OpenedModel};
 pub use reply::{ParsedReply, ReplyEvent, ReplyFormat, ReplyParser, ToolCall, ToolCallFormat};
-pub use sampler::{Sampler, SamplingParams};
+pub use sampler::{Dist, Sampler, SamplingParams};
 pub use scheduler::{FinishReason, Scheduler, SchedulerConfig, SeqId, StepPlan};
 pub use service::{
     EngineConfig, EngineHandle, EngineMetrics, Event, PrefixCacheConfig, Request, RequestStream,
     SubmitError, Timing, TokenLogprob, Usage,
 };
+pub use spec::{SpecConfig, SpecMetrics, SpecMode, SpecRequest};
 pub use stop::StopChecker;
 pub use structured::{Constraint, ConstraintMatcher, StructuredEnv, StructuredError};
 

@@ -192,6 +192,46 @@ pub fn open_model(path: &Path, opts: &OpenOptions<'_>) -> Result<OpenedModel> {
     })
 }
 
+/// Open a draft model for speculative decoding beside `target`: on the target's backend (so
+/// both compute on the same device and threads), checked to tokenize like the target (the
+/// draft's proposals are the target's token ids). The engine checks the rest (vocabulary
+/// size, attention-only layers) when it starts.
+pub fn open_draft_model(
+    path: &Path,
+    target: &OpenedModel,
+    load_mode: LoadMode,
+) -> Result<Arc<dyn CausalLm>> {
+    let loaded = kapitsa_models::load_model(
+        path,
+        target.backend.clone(),
+        &LoadOptions {
+            progress: None,
+            load_mode,
+        },
+    )
+    .map_err(context(format!(
+        "loading the draft model {}",
+        path.display()
+    )))?;
+    let tok = tokenizer_for(&loaded.source).map_err(context(format!(
+        "building the tokenizer of the draft model {}",
+        path.display()
+    )))?;
+    let probe = "def main():\n    print(\"Hello, world\") # 12345 ünïcode 語";
+    let same = tok.vocab_size() == target.tokenizer.vocab_size()
+        && matches!(
+            (tok.encode(probe, false, false), target.tokenizer.encode(probe, false, false)),
+            (Ok(a), Ok(b)) if a == b
+        );
+    if !same {
+        return Err(EngineError::BadRequest(format!(
+            "the draft model {} does not share the model's tokenizer",
+            path.display()
+        )));
+    }
+    Ok(loaded.model)
+}
+
 /// `qwen35moe (40 layers: 10 attention, 30 recurrent, +1 MTP kept; vocab 248320) on <backend>`.
 fn describe(model: &dyn CausalLm, arch: &str, backend: &dyn Backend) -> String {
     let spec = model.spec();

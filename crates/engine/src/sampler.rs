@@ -105,8 +105,16 @@ impl Sampler {
     }
 
     /// Pick the next token from `logits` (`[n_vocab]`), given the tokens so far (`history`,
-    /// prompt included) for the penalties.
+    /// prompt included) for the penalties: [`Sampler::dist`], then [`Sampler::draw`].
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        let d = self.dist(logits, history);
+        self.draw(&d)
+    }
+
+    /// The distribution the next token is drawn from at this position: the whole chain
+    /// (bias, penalties, top-k, top-p, min-p, temperature) applied to `logits` (`[n_vocab]`)
+    /// after `history`. Uses no randomness.
+    pub fn dist(&self, logits: &[f32], history: &[u32]) -> Dist {
         let p = &self.params;
         let mut l = logits.to_vec();
         for &(t, b) in &p.logit_bias {
@@ -116,10 +124,8 @@ impl Sampler {
         }
         apply_penalties(&mut l, history, p);
         if p.temperature <= 0.0 {
-            return argmax(&l) as u32;
+            return Dist::Greedy(argmax(&l) as u32);
         }
-        // candidates sorted by logit, descending; `-inf` (masked out by a constraint) never
-        // is one, so no fallback below can pick it
         let mut c: Vec<(u32, f32)> = l
             .iter()
             .enumerate()
@@ -127,7 +133,7 @@ impl Sampler {
             .map(|(i, &v)| (i as u32, v))
             .collect();
         if c.is_empty() {
-            return 0;
+            return Dist::Greedy(0);
         }
         let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if p.top_k > 0 && p.top_k < c.len() {
@@ -153,17 +159,82 @@ impl Sampler {
             keep = keep.min(n_min);
         }
         c.truncate(keep.max(1));
-        let probs = softmax(&c, p.temperature);
-        let u = self.rng.next_f64();
-        let mut cum = 0.0;
-        for (i, pr) in probs.iter().enumerate() {
-            cum += pr;
-            if u < cum {
-                return c[i].0;
+        let p = softmax(&c, p.temperature);
+        Dist::Probs {
+            ids: c.into_iter().map(|(t, _)| t).collect(),
+            p,
+        }
+    }
+
+    /// Draw a token from `d` (one uniform number for [`Dist::Probs`], none for greedy).
+    pub fn draw(&mut self, d: &Dist) -> u32 {
+        match d {
+            Dist::Greedy(t) => *t,
+            Dist::Probs { ids, p } => {
+                let u = self.rng.next_f64();
+                pick(ids, p, u, None)
             }
         }
-        c[c.len() - 1].0
     }
+
+    /// Speculative verification of a proposed token: `(token, accepted)` where `token` is
+    /// distributed exactly as [`Sampler::draw`]`(d)` would be (the proposal puts all its mass
+    /// on `draft`, so this is rejection sampling with a one-hot proposal).
+    /// - greedy: the argmax, accepted when it is `draft`;
+    /// - sampled: `draft` is accepted with probability `p(draft)`; otherwise the token is
+    ///   drawn from `p` with `draft` removed and renormalised (`p(t) / (1 - p(draft))`).
+    ///   Together: `P(t) = p(t)` for every t.
+    pub fn verify(&mut self, d: &Dist, draft: u32) -> (u32, bool) {
+        match d {
+            Dist::Greedy(t) => (*t, *t == draft),
+            Dist::Probs { ids, p } => {
+                let pd = ids.iter().position(|&t| t == draft).map_or(0.0, |i| p[i]);
+                let u = self.rng.next_f64();
+                if u < pd {
+                    return (draft, true);
+                }
+                let rest = 1.0 - pd;
+                if rest <= 0.0 {
+                    // p(draft) == 1 and u == 1 cannot happen (u < 1); stay safe anyway.
+                    return (draft, true);
+                }
+                let u2 = self.rng.next_f64() * rest;
+                (pick(ids, p, u2, Some(draft)), false)
+            }
+        }
+    }
+}
+
+/// What the next token is drawn from ([`Sampler::dist`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Dist {
+    /// Temperature 0: this token, always.
+    Greedy(u32),
+    /// Token ids, most likely first, and their probabilities (summing to 1).
+    Probs {
+        /// Candidate ids.
+        ids: Vec<u32>,
+        /// Their probabilities.
+        p: Vec<f64>,
+    },
+}
+
+/// The token where the running sum of `p` (over `ids`, skipping `skip`) first exceeds `u`
+/// (the last candidate when rounding leaves `u` past the end).
+fn pick(ids: &[u32], p: &[f64], u: f64, skip: Option<u32>) -> u32 {
+    let mut cum = 0.0;
+    let mut last = ids.first().copied().unwrap_or(0);
+    for (&t, &pr) in ids.iter().zip(p) {
+        if Some(t) == skip {
+            continue;
+        }
+        last = t;
+        cum += pr;
+        if u < cum {
+            return t;
+        }
+    }
+    last
 }
 
 fn softmax(c: &[(u32, f32)], temp: f32) -> Vec<f64> {
@@ -389,5 +460,77 @@ mod tests {
             ..Default::default()
         })
         .is_err());
+    }
+    /// Rejection sampling with a one-hot proposal draws exactly from the target distribution
+    /// whatever the proposal: chi-squared of 100k verified draws against the probabilities.
+    #[test]
+    fn verify_draws_from_the_target_distribution() {
+        let p = SamplingParams {
+            temperature: 1.3,
+            top_k: 0,
+            top_p: 0.97,
+            min_p: 0.0,
+            seed: 11,
+            ..Default::default()
+        };
+        let mut s = Sampler::new(p).unwrap();
+        let d = s.dist(&logits(), &[]);
+        let Dist::Probs { ids, p: probs } = d.clone() else {
+            panic!("sampled distribution expected")
+        };
+        // proposals: the likeliest, an unlikely one, one outside the support
+        for draft in [1u32, 3, 5] {
+            let n = 100_000;
+            let mut counts = vec![0usize; 6];
+            let mut accepted = 0;
+            for _ in 0..n {
+                let (t, a) = s.verify(&d, draft);
+                counts[t as usize] += 1;
+                accepted += a as usize;
+                assert_eq!(a, t == draft && ids.contains(&draft));
+            }
+            let mut chi2 = 0.0;
+            for (&t, &pr) in ids.iter().zip(&probs) {
+                let e = pr * n as f64;
+                let o = counts[t as usize] as f64;
+                chi2 += (o - e) * (o - e) / e;
+            }
+            // tokens outside the support are never drawn
+            let outside: usize = (0..6)
+                .filter(|t| !ids.contains(&(*t as u32)))
+                .map(|t| counts[t])
+                .sum();
+            assert_eq!(outside, 0);
+            // df = support - 1 (<= 5): the 0.999 quantile of chi2(5) is 20.5
+            assert!(chi2 < 20.5, "draft {draft}: chi2 {chi2}, counts {counts:?}");
+            let pd = ids
+                .iter()
+                .position(|&t| t == draft)
+                .map_or(0.0, |i| probs[i]);
+            let rate = accepted as f64 / n as f64;
+            assert!((rate - pd).abs() < 0.01, "acceptance {rate} vs p {pd}");
+        }
+        // greedy: accept exactly the argmax
+        let mut g = Sampler::new(SamplingParams::greedy()).unwrap();
+        let d = g.dist(&logits(), &[]);
+        assert_eq!(g.verify(&d, 1), (1, true));
+        assert_eq!(g.verify(&d, 4), (1, false));
+    }
+
+    /// `sample` is `dist` then `draw`, consuming the same randomness as before the split.
+    #[test]
+    fn sample_is_dist_then_draw() {
+        let p = SamplingParams {
+            temperature: 0.9,
+            seed: 3,
+            ..Default::default()
+        };
+        let mut a = Sampler::new(p.clone()).unwrap();
+        let mut b = Sampler::new(p).unwrap();
+        for i in 0..50 {
+            let h = [i % 6];
+            let d = b.dist(&logits(), &h);
+            assert_eq!(a.sample(&logits(), &h), b.draw(&d));
+        }
     }
 }

@@ -26,7 +26,16 @@
 //! makes the choice matter. Models with recurrent layers reuse only what their caches can
 //! resume from (a checkpoint, or a slot whose whole contents are a prefix).
 //!
-//! **Finishing.** The engine samples and reports [`Outcome::Token`] (the scheduler then ends
+//! **Speculative decoding.** Before a step the engine may propose tokens that follow a
+//! decoding sequence ([`Scheduler::set_draft`], within [`Scheduler::draft_room`]). The plan
+//! then runs the sequence's last token followed by the proposals
+//! ([`ScheduledSeq::n_draft`]) with logits for each, if the token budget (after one token
+//! for every decode) and free memory allow; otherwise the proposals are dropped, never
+//! evicting or preempting anything for them. The engine verifies them and reports the
+//! accepted ones plus one sampled token ([`Outcome::Tokens`]); the sequence's cached
+//! length advances past the accepted proposals only.
+//!
+//! **Finishing.** The engine samples and reports [`Outcome::Tokens`] (the scheduler then ends
 //! the sequence at `max_tokens` ([`FinishReason::Length`]) or when its tokens fill the context
 //! ([`FinishReason::ContextFull`]: no room is left for the sampled token)), or
 //! [`Outcome::Finish`] for conditions the engine detects (end-of-generation token, stop
@@ -115,6 +124,22 @@ pub struct ScheduledSeq {
     /// Whether the last token's logits are needed (the chunk reaches the end of the
     /// sequence): the engine samples the next token from them.
     pub want_logits: bool,
+    /// Speculative decoding: the last `n_draft` of `tokens` are proposed tokens (not yet part
+    /// of the sequence) after its last sampled one, and logits are wanted for each of the
+    /// last `n_draft + 1` tokens (to verify the proposals and sample one more). 0 for plain
+    /// decode and prefill chunks.
+    pub n_draft: usize,
+}
+
+impl ScheduledSeq {
+    /// Logit rows this chunk needs: `n_draft + 1` when it wants logits, else 0.
+    pub fn n_logit_rows(&self) -> usize {
+        if self.want_logits {
+            self.n_draft + 1
+        } else {
+            0
+        }
+    }
 }
 
 /// A sequence that got a slot in this step.
@@ -227,8 +252,13 @@ impl StepPlan {
 pub enum Outcome {
     /// The chunk is in the cache; no token was sampled (a prefill chunk without logits).
     Computed,
-    /// The chunk is in the cache and `token` was sampled and appended.
-    Token(u32),
+    /// Tokens were sampled and appended (at least one). For a chunk with proposals
+    /// ([`ScheduledSeq::n_draft`]) these are the accepted proposals followed by one token
+    /// sampled by the model, so `1..=n_draft + 1` of them: the cache keeps the chunk's
+    /// positions up to the last accepted proposal, the rest of the chunk is dropped (the
+    /// engine rewinds the slot to match). Without proposals exactly one token, and the whole
+    /// chunk is in the cache.
+    Tokens(Vec<u32>),
     /// The chunk is in the cache and the sequence ends (end-of-generation token, stop string).
     Finish(FinishReason),
     /// The forward pass failed for this sequence: it is removed and its slot freed (the
@@ -250,6 +280,8 @@ struct Seq {
     since: u64,
     /// Positions where a prefill chunk must end (ascending; see [`Scheduler::set_breaks`]).
     breaks: Vec<usize>,
+    /// Proposed tokens for the next step ([`Scheduler::set_draft`]; used once).
+    draft: Vec<u32>,
 }
 
 impl Seq {
@@ -278,8 +310,8 @@ pub struct Scheduler {
     /// In admission order.
     running: Vec<SeqId>,
     slots: Vec<Slot>,
-    /// The last plan's chunks not yet reported: id -> (tokens, want_logits).
-    inflight: HashMap<SeqId, (usize, bool)>,
+    /// The last plan's chunks not yet reported: id -> (tokens, want_logits, n_draft).
+    inflight: HashMap<SeqId, (usize, bool, usize)>,
     step: u64,
 }
 
@@ -351,6 +383,7 @@ impl Scheduler {
                 admitted_once: false,
                 since: self.step,
                 breaks: Vec::new(),
+                draft: Vec::new(),
             },
         );
         self.waiting.push_back(id);
@@ -365,6 +398,33 @@ impl Scheduler {
             breaks.sort_unstable();
             breaks.dedup();
             s.breaks = breaks;
+        }
+    }
+
+    /// How many proposed tokens the next step could verify for `id`: 0 unless it is running
+    /// and decoding (exactly one of its tokens is not in the cache); else capped so that
+    /// even if every proposal is accepted, `max_tokens` and the context are not exceeded
+    /// (`min(max_tokens - generated, n_ctx - len) - 1`).
+    pub fn draft_room(&self, id: SeqId) -> usize {
+        let Some(s) = self.seqs.get(&id) else {
+            return 0;
+        };
+        if s.slot.is_none() || s.tokens.len() - s.computed != 1 {
+            return 0;
+        }
+        let gen_left = s.max_tokens.saturating_sub(s.n_generated);
+        let ctx_left = self.cfg.n_ctx.saturating_sub(s.tokens.len());
+        gen_left.min(ctx_left).saturating_sub(1)
+    }
+
+    /// Propose `draft` as the tokens following `id`'s last one, to be verified in the next
+    /// step (speculative decoding). Cut to [`Scheduler::draft_room`]; the next plan may
+    /// shorten it further (token budget, memory) or drop it. Used by one step only.
+    pub fn set_draft(&mut self, id: SeqId, mut draft: Vec<u32>) {
+        let room = self.draft_room(id);
+        if let Some(s) = self.seqs.get_mut(&id) {
+            draft.truncate(room);
+            s.draft = draft;
         }
     }
 
@@ -477,19 +537,45 @@ impl Scheduler {
         let mut budget = self.cfg.max_batch_tokens;
         let mut short = false;
 
-        // 1. decodes, oldest first
+        // 1. decodes, oldest first. Proposals take what the budget leaves after one token
+        // for every decode, and only memory that is free: a short pool drops them rather than
+        // evicting or preempting anything.
         let order = self.running.clone();
+        let n_decoding = order
+            .iter()
+            .filter(|id| {
+                self.seqs
+                    .get(id)
+                    .is_some_and(|s| s.slot.is_some() && s.tokens.len() - s.computed == 1)
+            })
+            .count();
+        let mut spare = budget.saturating_sub(n_decoding);
         for &id in &order {
-            let Some(s) = self.seqs.get(&id).filter(|s| s.slot.is_some()) else {
+            let Some(s) = self.seqs.get_mut(&id) else {
+                continue;
+            };
+            let Some(slot) = s.slot else {
                 continue; // preempted earlier in this step
             };
+            let mut draft = std::mem::take(&mut s.draft);
             if s.tokens.len() - s.computed == 1 {
-                if !self.make_room(space, id, 1, &mut plan) {
+                draft.truncate(spare);
+                if !draft.is_empty() {
+                    let start = s.computed;
+                    if !space.reserve(slot, start, start + 1 + draft.len()) {
+                        draft.clear();
+                    }
+                }
+                if draft.is_empty() && !self.make_room(space, id, 1, &mut plan) {
                     short = true;
                     continue;
                 }
-                plan.seqs.push(chunk(id, &self.seqs[&id], 1));
-                budget -= 1;
+                spare -= draft.len();
+                let mut c = chunk(id, &self.seqs[&id], 1);
+                c.n_draft = draft.len();
+                c.tokens.extend_from_slice(&draft);
+                budget -= c.tokens.len();
+                plan.seqs.push(c);
             }
         }
         // 2. running prefills, oldest first
@@ -565,7 +651,8 @@ impl Scheduler {
             budget -= n;
         }
         for c in &plan.seqs {
-            self.inflight.insert(c.id, (c.tokens.len(), c.want_logits));
+            self.inflight
+                .insert(c.id, (c.tokens.len(), c.want_logits, c.n_draft));
         }
         plan
     }
@@ -688,26 +775,33 @@ impl Scheduler {
         let mut done = Vec::new();
         let mut inflight = std::mem::take(&mut self.inflight);
         for (id, out) in outcomes {
-            let Some((n, _)) = inflight.remove(id) else {
+            let Some((n, _, n_draft)) = inflight.remove(id) else {
                 continue;
             };
-            self.apply(*id, n, out.clone(), &mut done);
+            self.apply(*id, n, n_draft, out.clone(), &mut done);
         }
         let mut rest: Vec<_> = inflight.into_iter().collect();
         rest.sort_unstable_by_key(|(id, _)| *id);
-        for (id, (n, want)) in rest {
+        for (id, (n, want, n_draft)) in rest {
             debug_assert!(!want, "no outcome reported for sequence {id}");
             let out = if want {
                 Outcome::Failed
             } else {
                 Outcome::Computed
             };
-            self.apply(id, n, out, &mut done);
+            self.apply(id, n, n_draft, out, &mut done);
         }
         done
     }
 
-    fn apply(&mut self, id: SeqId, n: usize, out: Outcome, done: &mut Vec<(SeqId, FinishReason)>) {
+    fn apply(
+        &mut self,
+        id: SeqId,
+        n: usize,
+        n_draft: usize,
+        out: Outcome,
+        done: &mut Vec<(SeqId, FinishReason)>,
+    ) {
         let n_ctx = self.cfg.n_ctx;
         let Some(s) = self.seqs.get_mut(&id) else {
             return;
@@ -717,13 +811,16 @@ impl Scheduler {
         }
         let finish = match out {
             Outcome::Computed => {
-                s.computed += n;
+                s.computed += n - n_draft;
                 None
             }
-            Outcome::Token(t) => {
-                s.computed += n;
-                s.tokens.push(t);
-                s.n_generated += 1;
+            Outcome::Tokens(ts) => {
+                // The chunk's tokens before its proposals, plus the accepted proposals
+                // (all but the last of `ts`) are in the cache.
+                let accepted = ts.len().saturating_sub(1).min(n_draft);
+                s.computed += n - n_draft + accepted;
+                s.tokens.extend_from_slice(&ts);
+                s.n_generated += ts.len();
                 if s.n_generated >= s.max_tokens {
                     Some(FinishReason::Length)
                 } else if s.tokens.len() >= n_ctx {
@@ -755,5 +852,6 @@ fn chunk(id: SeqId, s: &Seq, n: usize) -> ScheduledSeq {
         tokens: s.tokens[start..start + n].to_vec(),
         start_pos: start,
         want_logits: start + n == s.tokens.len(),
+        n_draft: 0,
     }
 }

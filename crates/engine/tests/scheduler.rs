@@ -41,7 +41,7 @@ fn tokens_out(p: &StepPlan, t: u32) -> Vec<(SeqId, Outcome)> {
         .iter()
         .map(|s| {
             let o = if s.want_logits {
-                Outcome::Token(t)
+                Outcome::Tokens(vec![t])
             } else {
                 Outcome::Computed
             };
@@ -151,7 +151,7 @@ fn admission_is_fifo_and_waits_for_a_free_slot() {
     assert_eq!(s.waiting().collect::<Vec<_>>(), [3, 4]);
     // 2 finishes (end of generation) at once, 1 goes on.
     let done = s.update(&[
-        (1, Outcome::Token(5)),
+        (1, Outcome::Tokens(vec![5])),
         (2, Outcome::Finish(FinishReason::EndOfGeneration)),
     ]);
     assert_eq!(done, [(2, FinishReason::EndOfGeneration)]);
@@ -207,7 +207,7 @@ fn failure_removes_the_sequence() {
     s.add(1, prompt(4, 1), 5).unwrap();
     s.add(2, prompt(4, 2), 5).unwrap();
     let p = s.schedule(no_reuse);
-    let done = s.update(&[(1, Outcome::Failed), (2, Outcome::Token(3))]);
+    let done = s.update(&[(1, Outcome::Failed), (2, Outcome::Tokens(vec![3]))]);
     assert!(done.is_empty());
     assert!(!s.contains(1));
     assert_eq!(s.running(), [2]);
@@ -590,7 +590,7 @@ fn simulate(
                 } else {
                     history.get_mut(&c.id).unwrap().push(t);
                     generated.entry(c.id).or_default().push(t);
-                    Outcome::Token(t)
+                    Outcome::Tokens(vec![t])
                 }
             } else {
                 Outcome::Computed
@@ -709,4 +709,77 @@ fn memory_preempts_the_newest_and_admission_never_preempts() {
     assert!(!p.admitted[0].first);
     assert_eq!(c.blocks, [0, 2]);
     c.check();
+}
+
+/// Proposals: capped by max_tokens, the context and the budget left after one token per
+/// decode; the accepted ones advance the cache, the rejected ones do not.
+#[test]
+fn drafts_ride_on_decodes_within_the_limits() {
+    let mut s = sched(2, 12, 32);
+    s.add(1, prompt(5, 1), 6).unwrap();
+    s.add(2, prompt(5, 2), 30).unwrap();
+    let p = s.schedule(no_reuse);
+    assert_eq!(s.draft_room(1), 0, "still in prefill");
+    s.update(&tokens_out(&p, 7));
+    // both decode now: 10 tokens of budget are spare
+    assert_eq!(
+        s.draft_room(1),
+        4,
+        "max_tokens 6, one generated: at most 4 + 1 more"
+    );
+    s.set_draft(1, vec![1, 2, 3, 4, 5, 6]);
+    s.set_draft(2, vec![9; 10]);
+    let p = s.schedule(no_reuse);
+    let d: Vec<(SeqId, usize, usize)> = p
+        .seqs
+        .iter()
+        .map(|c| (c.id, c.tokens.len(), c.n_draft))
+        .collect();
+    // seq 1 gets its 4 (cut to the room), seq 2 the 6 the budget leaves (12 - 2 - 4)
+    assert_eq!(d, vec![(1, 5, 4), (2, 7, 6)]);
+    assert_eq!(p.seqs[0].tokens[1..], [1, 2, 3, 4]);
+    assert_eq!(p.seqs[0].n_logit_rows(), 5);
+    // seq 1: two accepted + one sampled; seq 2: none accepted
+    s.update(&[
+        (1, Outcome::Tokens(vec![1, 2, 8])),
+        (2, Outcome::Tokens(vec![5])),
+    ]);
+    let p = s.schedule(no_reuse);
+    // each has exactly one token not in the cache again
+    assert_eq!(shape(&p), vec![(1, 1, 5 + 3, true), (2, 1, 5 + 1, true)]);
+    // proposals are used once
+    assert!(p.seqs.iter().all(|c| c.n_draft == 0));
+    s.update(&tokens_out(&p, 3));
+    // seq 1 has 5 of 6 tokens: no room for proposals
+    assert_eq!(s.draft_room(1), 0);
+    s.set_draft(1, vec![1]);
+    let p = s.schedule(no_reuse);
+    assert_eq!(p.seqs[0].n_draft, 0);
+    let done = s.update(&tokens_out(&p, 3));
+    assert_eq!(done, vec![(1, FinishReason::Length)]);
+}
+
+/// Proposals never evict or preempt: with too little memory they are dropped.
+#[test]
+fn drafts_are_dropped_when_memory_is_short() {
+    let mut cache = MockCache {
+        slots: vec![Vec::new(); 2],
+        blocks: vec![0; 2],
+        free: 3, // 3 blocks of 4 positions
+        total: 3,
+        bs: 4,
+        recurrent: false,
+    };
+    let mut s = sched(2, 16, 32);
+    s.add(1, prompt(7, 1), 10).unwrap();
+    let p = s.schedule_with(&mut cache);
+    s.update(&tokens_out(&p, 5)); // 8 tokens, 7 cached: blocks 0..2 held
+    s.set_draft(1, vec![1, 2, 3, 4, 5, 6]); // positions 7..14 would need 4 blocks
+    let p = s.schedule_with(&mut cache);
+    assert_eq!((p.seqs[0].tokens.len(), p.seqs[0].n_draft), (1, 0));
+    assert!(p.preempted.is_empty() && p.out_of_memory.is_empty());
+    s.update(&tokens_out(&p, 5));
+    s.set_draft(1, vec![1, 2]); // positions 8..10 fit the third block
+    let p = s.schedule_with(&mut cache);
+    assert_eq!(p.seqs[0].n_draft, 2);
 }

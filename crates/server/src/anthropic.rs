@@ -471,6 +471,7 @@ async fn messages_inner(
         ignore_eos: false,
         top_logprobs: None,
         constraint,
+        spec: crate::params::spec_field(&f)?,
     };
     let merged = if req.constraint.is_some() {
         // Compiling the constraint (and, the first time, building the token trie) blocks.

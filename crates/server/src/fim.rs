@@ -269,6 +269,7 @@ async fn infill_inner(
         ignore_eos: false,
         top_logprobs: None,
         constraint: None,
+        spec: crate::params::spec_field(&f)?,
     };
     let merged = submit_all(&st, vec![req])?;
     let choice = Choice::new(ReplyFormat::plain(), false, None);

@@ -344,6 +344,30 @@ impl Metrics {
             "kapitsa_inter_token_latency_seconds",
             "Time between generated tokens.",
         );
+        // Speculative decoding, labelled by proposer.
+        for (name, help, get) in [
+            (
+                "kapitsa_spec_rounds_total",
+                "Verification rounds (steps in which a sequence had proposed tokens).",
+                (|c: &kapitsa_engine::spec::SpecCounters| c.rounds) as fn(&_) -> u64,
+            ),
+            (
+                "kapitsa_spec_draft_tokens_total",
+                "Proposed tokens verified.",
+                |c| c.drafted,
+            ),
+            (
+                "kapitsa_spec_accepted_tokens_total",
+                "Proposed tokens accepted.",
+                |c| c.accepted,
+            ),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} counter");
+            for (label, c) in [("ngram", &e.spec.ngram), ("draft", &e.spec.draft)] {
+                let _ = writeln!(out, "{name}{{proposer=\"{label}\"}} {}", get(c));
+            }
+        }
         out
     }
 }

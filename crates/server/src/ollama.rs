@@ -511,6 +511,7 @@ async fn chat_inner(st: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> A
         ignore_eos: false,
         top_logprobs: None,
         constraint: o.format,
+        spec: Default::default(),
     };
     let choice = Choice::new(fmt, sir, tools.as_ref());
     run(st, Shape::Chat, req, choice, o.stream, "format").await
@@ -581,6 +582,7 @@ async fn generate_inner(
         ignore_eos: false,
         top_logprobs: None,
         constraint: o.format,
+        spec: Default::default(),
     };
     let choice = Choice::new(fmt, sir, None);
     run(st, Shape::Generate, req, choice, o.stream, "format").await

@@ -49,6 +49,8 @@ pub struct GenOpts {
     /// Structured output (`response_format`, or a forced tool call in chat); `None` here, set
     /// by the endpoints.
     pub constraint: Option<Constraint>,
+    /// The `speculative` extension field.
+    pub spec: kapitsa_engine::SpecRequest,
 }
 
 /// The sampling fields OpenAI-style and Ollama requests share (`temperature`, `top_p`,
@@ -143,6 +145,7 @@ pub fn gen_opts(f: &Fields, chat: bool, n_vocab: usize) -> ApiResult<GenOpts> {
         stream,
         include_usage,
         constraint: None,
+        spec: crate::params::spec_field(f)?,
     })
 }
 
@@ -200,6 +203,7 @@ fn requests(o: &GenOpts, prompt: &[u32], room: usize, default_max: usize) -> Vec
                 ignore_eos: o.ignore_eos,
                 top_logprobs: o.top_logprobs,
                 constraint: o.constraint.clone(),
+                spec: o.spec,
             }
         })
         .collect()

@@ -228,6 +228,41 @@ impl<'a> Fields<'a> {
     }
 }
 
+/// The `speculative` extension field of the generation endpoints (Kapitsa's own): a mode name
+/// (`"auto"`, `"off"`, `"ngram"`, `"draft"`, `"mtp"`, `"dflash"`) or an object `{"mode":
+/// ..., "max_draft": N}` (both optional). Absent: the server's settings.
+pub fn spec_field(f: &Fields) -> ApiResult<kapitsa_engine::SpecRequest> {
+    let mut r = kapitsa_engine::SpecRequest::default();
+    let mode = |f: &Fields, key: &str, v: &str| -> ApiResult<kapitsa_engine::SpecMode> {
+        v.parse().map_err(|e: String| f.error(key, e))
+    };
+    match f.get("speculative") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(m)) => r.mode = Some(mode(f, "speculative", m)?),
+        Some(Value::Object(o)) => {
+            let prefix = f.param("speculative.");
+            let of = Fields::nested(o, &prefix);
+            if let Some(m) = of.str("mode")? {
+                r.mode = Some(mode(&of, "mode", m)?);
+            }
+            if let Some(n) = of.int_in("max_draft", 0, kapitsa_engine::spec::MAX_DRAFT as i64)? {
+                r.max_draft = Some(n as usize);
+            }
+        }
+        Some(v) => {
+            return Err(f.error(
+                "speculative",
+                format!(
+                    "'{}' must be a string or an object, not {}",
+                    f.param("speculative"),
+                    type_name(v)
+                ),
+            ))
+        }
+    }
+    Ok(r)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

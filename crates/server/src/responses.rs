@@ -77,6 +77,8 @@ pub(crate) struct ResponsesRequest {
     pub sampling: SamplingParams,
     /// `max_output_tokens`.
     pub max_tokens: Option<usize>,
+    /// The `speculative` extension field.
+    pub spec: kapitsa_engine::SpecRequest,
     /// `stream`.
     pub stream: bool,
     /// Request fields echoed in the response object.
@@ -511,6 +513,7 @@ pub(crate) fn parse(map: &Map<String, Value>) -> ApiResult<ResponsesRequest> {
         summary,
         sampling: s,
         max_tokens,
+        spec: crate::params::spec_field(&f)?,
         stream,
         echo,
     })
@@ -699,6 +702,7 @@ async fn responses_inner(
         ignore_eos: false,
         top_logprobs: None,
         constraint,
+        spec: r.spec,
     };
     let merged = if req.constraint.is_some() {
         let st2 = st.clone();

@@ -1,0 +1,81 @@
+//! The speculative-decoding options `run`, `chat`, `serve` and `bench` share, and the
+//! summary line they print.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use kapitsa_engine::{EngineMetrics, OpenedModel, SpecConfig, SpecMode};
+use kapitsa_models::LoadMode;
+
+/// Speculative decoding (`--spec`, `--draft-model`, `--spec-max`).
+#[derive(Args, Clone, Debug)]
+pub struct SpecArgs {
+    /// Speculative decoding: off, auto (the engine picks n-gram matching or the draft model
+    /// per request and step, and stops when it does not pay), ngram (prompt lookup and
+    /// recent requests), draft (needs --draft-model); mtp and dflash are not available yet.
+    /// The output is the same as without.
+    #[arg(long = "spec", default_value = "off", value_parser = parse_mode)]
+    pub mode: SpecMode,
+    /// A small model with the same tokenizer that proposes tokens (e.g. Qwen2.5-Coder-0.5B
+    /// for the 1.5B); attention-only architectures (qwen2, qwen3, qwen3moe).
+    #[arg(long, value_name = "PATH")]
+    pub draft_model: Option<PathBuf>,
+    /// Most proposed tokens per sequence and step (0 = 8).
+    #[arg(long, default_value_t = 0)]
+    pub spec_max: usize,
+}
+
+fn parse_mode(s: &str) -> std::result::Result<SpecMode, String> {
+    s.parse()
+}
+
+impl SpecArgs {
+    /// The engine settings, loading the draft model beside `target`. Refuses a mode that
+    /// cannot run (draft without --draft-model, mtp, dflash) before anything is loaded
+    /// beyond the target.
+    pub fn config(&self, target: &OpenedModel, load_mode: LoadMode) -> Result<SpecConfig> {
+        let draft_model = match &self.draft_model {
+            Some(p) => {
+                let m = kapitsa_engine::open_draft_model(p, target, load_mode)?;
+                eprintln!(
+                    "draft model: {} ({} layers, vocab {})",
+                    p.display(),
+                    m.spec().layers.len(),
+                    m.spec().n_vocab
+                );
+                Some(m)
+            }
+            None => None,
+        };
+        let cfg = SpecConfig {
+            mode: self.mode,
+            max_draft: self.spec_max,
+            draft_model,
+            suffix_tokens: 0,
+        };
+        cfg.check_mode(self.mode)
+            .map_err(anyhow::Error::msg)
+            .context("--spec")?;
+        Ok(cfg)
+    }
+}
+
+/// `speculative: ngram 12 rounds, 30/48 accepted (3.5 tokens/round) | draft ...`, or `None`
+/// when nothing was proposed.
+pub fn summary(m: &EngineMetrics) -> Option<String> {
+    let parts: Vec<String> = [("ngram", &m.spec.ngram), ("draft", &m.spec.draft)]
+        .into_iter()
+        .filter(|(_, c)| c.rounds > 0)
+        .map(|(name, c)| {
+            format!(
+                "{name} {} rounds, {}/{} accepted ({:.2} tokens/round)",
+                c.rounds,
+                c.accepted,
+                c.drafted,
+                c.mean_accepted_length()
+            )
+        })
+        .collect();
+    (!parts.is_empty()).then(|| format!("speculative: {}", parts.join(" | ")))
+}

@@ -1,0 +1,445 @@
+//! Speculative decoding: proposers, settings, counters and the per-request controller.
+//!
+//! A proposer guesses the tokens that follow a decoding sequence; the engine runs the
+//! sequence's last token and the guesses in one forward pass with logits for each
+//! ([`crate::scheduler::ScheduledSeq::n_draft`]) and keeps the guesses the model itself would
+//! have produced ([`crate::Sampler::verify`]: the argmax at temperature 0, exact rejection
+//! sampling above), plus one token sampled by the model. The output is the output of plain
+//! decoding: greedy token for token, sampled in distribution.
+//!
+//! Proposers ([`Proposer`]):
+//! - **n-gram** ([`ngram`]): the longest earlier occurrence of the sequence's last tokens, in
+//!   its own prompt and output, or in recent requests (a server-wide [`ngram::SuffixIndex`]);
+//!   proposes what followed it. Costs nothing but a lookup.
+//! - **draft model** ([`draft::DraftRunner`]): a small model with the target's vocabulary and
+//!   its own cache, run greedily for `k` steps over every drafting sequence at once.
+//!
+//! The controller ([`SpecState`]) picks the proposer and the number of proposals per request
+//! and step. With [`SpecMode::Auto`] it speculates only where it is expected to pay: not
+//! when many sequences decode at once ([`AUTO_MAX_DECODING`]), and a proposer whose recent
+//! acceptance is low pauses for a while (the n-gram lookup still runs; the draft model's
+//! cache catches up when it resumes).
+
+pub mod draft;
+pub mod ngram;
+
+use std::str::FromStr;
+use std::sync::Arc;
+
+use kapitsa_models::CausalLm;
+
+/// Which proposer, if any, speculates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SpecMode {
+    /// Plain decoding.
+    #[default]
+    Off,
+    /// The engine chooses per request and step (n-gram when the sequence repeats itself or a
+    /// recent request, else the draft model if one is loaded), and steps down when it does
+    /// not pay.
+    Auto,
+    /// n-gram / suffix matching only.
+    Ngram,
+    /// The draft model only (`--draft-model`).
+    Draft,
+    /// The model's own multi-token-prediction head (not available yet).
+    Mtp,
+    /// A DFlash / DFlash2 block drafter (not available yet).
+    Dflash,
+}
+
+impl SpecMode {
+    /// The name as the command line and the APIs spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            SpecMode::Off => "off",
+            SpecMode::Auto => "auto",
+            SpecMode::Ngram => "ngram",
+            SpecMode::Draft => "draft",
+            SpecMode::Mtp => "mtp",
+            SpecMode::Dflash => "dflash",
+        }
+    }
+}
+
+impl FromStr for SpecMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "off" | "none" => SpecMode::Off,
+            "auto" => SpecMode::Auto,
+            "ngram" => SpecMode::Ngram,
+            "draft" => SpecMode::Draft,
+            "mtp" => SpecMode::Mtp,
+            "dflash" => SpecMode::Dflash,
+            _ => {
+                return Err(format!(
+                    "unknown speculative mode {s:?} (expected auto, off, ngram, draft, mtp or \
+                     dflash)"
+                ))
+            }
+        })
+    }
+}
+
+/// Most proposals verified in one step ([`SpecConfig::max_draft`] is capped here).
+pub const MAX_DRAFT: usize = 32;
+
+/// With [`SpecMode::Auto`], no speculation in a step where more sequences than this decode
+/// (the batch already uses the compute that verification would take).
+pub const AUTO_MAX_DECODING: usize = 4;
+
+/// Speculative-decoding settings of an engine.
+#[derive(Clone, Default)]
+pub struct SpecConfig {
+    /// Default mode of requests (a request may override it, [`SpecRequest`]).
+    pub mode: SpecMode,
+    /// Most proposals per sequence and step (0: the default, 8; capped at [`MAX_DRAFT`]).
+    pub max_draft: usize,
+    /// The draft model for [`SpecMode::Draft`] (and [`SpecMode::Auto`]): same vocabulary as
+    /// the target, attention layers only.
+    pub draft_model: Option<Arc<dyn CausalLm>>,
+    /// Tokens of recent requests the server-wide suffix index keeps (0: the default, 1M).
+    pub suffix_tokens: usize,
+}
+
+impl std::fmt::Debug for SpecConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpecConfig")
+            .field("mode", &self.mode)
+            .field("max_draft", &self.max_draft)
+            .field(
+                "draft_model",
+                &self.draft_model.as_ref().map(|m| m.spec().arch.clone()),
+            )
+            .field("suffix_tokens", &self.suffix_tokens)
+            .finish()
+    }
+}
+
+impl SpecConfig {
+    /// The proposal cap in effect.
+    pub fn max_draft(&self) -> usize {
+        match self.max_draft {
+            0 => 8,
+            n => n.min(MAX_DRAFT),
+        }
+    }
+
+    /// Check that `mode` can run with these settings: a draft model for `draft`; `mtp` and
+    /// `dflash` are not available yet.
+    pub fn check_mode(&self, mode: SpecMode) -> Result<(), String> {
+        match mode {
+            SpecMode::Draft if self.draft_model.is_none() => {
+                Err("speculative mode \"draft\" needs a draft model (--draft-model PATH)".into())
+            }
+            SpecMode::Mtp | SpecMode::Dflash => Err(format!(
+                "speculative mode \"{}\" is not available yet (use auto, ngram or draft)",
+                mode.name()
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A request's own speculative settings (API extension field); `None` fields take the
+/// engine's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SpecRequest {
+    /// Mode for this request.
+    pub mode: Option<SpecMode>,
+    /// Proposal cap for this request (capped by [`MAX_DRAFT`]).
+    pub max_draft: Option<usize>,
+}
+
+/// The proposers (for counters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Proposer {
+    /// n-gram / suffix matching.
+    Ngram,
+    /// The draft model.
+    Draft,
+}
+
+/// Counters of one proposer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SpecCounters {
+    /// Verification rounds (steps in which a sequence had proposals).
+    pub rounds: u64,
+    /// Tokens proposed and verified.
+    pub drafted: u64,
+    /// Proposals accepted.
+    pub accepted: u64,
+}
+
+impl SpecCounters {
+    /// Mean tokens a round produced: accepted proposals plus the model's own token.
+    pub fn mean_accepted_length(&self) -> f64 {
+        if self.rounds == 0 {
+            0.0
+        } else {
+            (self.accepted + self.rounds) as f64 / self.rounds as f64
+        }
+    }
+
+    /// Accepted share of the proposals.
+    pub fn acceptance(&self) -> f64 {
+        if self.drafted == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafted as f64
+        }
+    }
+
+    fn add(&mut self, drafted: usize, accepted: usize) {
+        self.rounds += 1;
+        self.drafted += drafted as u64;
+        self.accepted += accepted as u64;
+    }
+}
+
+/// Counters of every proposer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SpecMetrics {
+    /// n-gram / suffix matching.
+    pub ngram: SpecCounters,
+    /// The draft model.
+    pub draft: SpecCounters,
+}
+
+impl SpecMetrics {
+    /// The counters of `p`.
+    pub fn of(&self, p: Proposer) -> &SpecCounters {
+        match p {
+            Proposer::Ngram => &self.ngram,
+            Proposer::Draft => &self.draft,
+        }
+    }
+
+    /// Count a verification round of `p`.
+    pub fn record(&mut self, p: Proposer, drafted: usize, accepted: usize) {
+        match p {
+            Proposer::Ngram => self.ngram.add(drafted, accepted),
+            Proposer::Draft => self.draft.add(drafted, accepted),
+        }
+    }
+}
+
+/// Acceptance below which an [`SpecMode::Auto`] proposer pauses.
+const LOW_ACCEPTANCE: f64 = 0.25;
+/// Steps of the first pause (doubling while acceptance stays low, up to [`MAX_PAUSE`]).
+const FIRST_PAUSE: u64 = 8;
+const MAX_PAUSE: u64 = 256;
+
+/// Running acceptance of one proposer for one request, and its pause.
+#[derive(Debug, Clone, Copy)]
+struct Gate {
+    /// Exponential moving average of the accepted share of proposals (starts hopeful).
+    ema: f64,
+    /// No proposals from it before this step.
+    paused_until: u64,
+    /// Length of the next pause.
+    pause: u64,
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Gate {
+            ema: 0.6,
+            paused_until: 0,
+            pause: FIRST_PAUSE,
+        }
+    }
+}
+
+impl Gate {
+    fn observe(&mut self, drafted: usize, accepted: usize, step: u64, auto: bool) {
+        if drafted == 0 {
+            return;
+        }
+        let r = accepted as f64 / drafted as f64;
+        self.ema = 0.7 * self.ema + 0.3 * r;
+        if auto && self.ema < LOW_ACCEPTANCE {
+            self.paused_until = step + self.pause;
+            self.pause = (self.pause * 2).min(MAX_PAUSE);
+            self.ema = 0.5; // a fresh start after the pause
+        } else if self.ema >= 0.5 {
+            self.pause = FIRST_PAUSE;
+        }
+    }
+
+    fn open(&self, step: u64) -> bool {
+        step >= self.paused_until
+    }
+}
+
+/// What the controller wants for one sequence in one step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plan {
+    /// No proposals.
+    None,
+    /// Up to this many n-gram proposals (the lookup decides how many it has).
+    Ngram(usize),
+    /// This many draft-model proposals.
+    Draft(usize),
+}
+
+/// The per-request controller (module docs).
+#[derive(Debug, Clone)]
+pub struct SpecState {
+    mode: SpecMode,
+    max: usize,
+    /// Adaptive draft-model length: grows after a fully accepted round, shrinks after a
+    /// round that accepted less than half.
+    draft_len: usize,
+    ngram: Gate,
+    draft: Gate,
+    /// The proposer of the proposals in flight.
+    pub in_flight: Option<Proposer>,
+}
+
+impl SpecState {
+    /// A controller for a request in `mode` (already checked) with at most `max` proposals.
+    pub fn new(mode: SpecMode, max: usize) -> SpecState {
+        SpecState {
+            mode,
+            max: max.min(MAX_DRAFT),
+            draft_len: max.clamp(1, 4),
+            ngram: Gate::default(),
+            draft: Gate::default(),
+            in_flight: None,
+        }
+    }
+
+    /// The request's mode.
+    pub fn mode(&self) -> SpecMode {
+        self.mode
+    }
+
+    /// What to try in `step` with `n_decoding` sequences decoding and a draft model
+    /// present or not. The n-gram lookup result decides between n-gram and draft model in
+    /// auto mode, so this returns the n-gram plan first when n-gram may run; the caller falls
+    /// back to [`SpecState::draft_plan`] when the lookup finds nothing.
+    pub fn plan(&self, step: u64, n_decoding: usize, have_draft: bool) -> Plan {
+        if self.max == 0 {
+            return Plan::None;
+        }
+        match self.mode {
+            SpecMode::Ngram => Plan::Ngram(self.max),
+            SpecMode::Draft if have_draft => Plan::Draft(self.draft_len.min(self.max)),
+            SpecMode::Auto if n_decoding <= AUTO_MAX_DECODING => {
+                if self.ngram.open(step) {
+                    Plan::Ngram(self.max)
+                } else {
+                    self.draft_plan(step, have_draft)
+                }
+            }
+            _ => Plan::None,
+        }
+    }
+
+    /// The draft-model plan when the n-gram lookup found nothing (auto mode only).
+    pub fn draft_plan(&self, step: u64, have_draft: bool) -> Plan {
+        if self.mode == SpecMode::Auto && have_draft && self.draft.open(step) {
+            Plan::Draft(self.draft_len.min(self.max))
+        } else {
+            Plan::None
+        }
+    }
+
+    /// How many of `available` n-gram proposals (after a match of `match_len` tokens) to
+    /// use, capped at `cap`: twice the match length, halved while acceptance is poor.
+    pub fn ngram_len(&self, match_len: usize, available: usize, cap: usize) -> usize {
+        let mut k = (2 * match_len).min(cap).min(available);
+        if self.ngram.ema < 0.5 {
+            k = k.div_ceil(2);
+        }
+        k
+    }
+
+    /// Learn from a verified round of `p`: `accepted` of `drafted` proposals.
+    pub fn observe(&mut self, p: Proposer, drafted: usize, accepted: usize, step: u64) {
+        let auto = self.mode == SpecMode::Auto;
+        match p {
+            Proposer::Ngram => self.ngram.observe(drafted, accepted, step, auto),
+            Proposer::Draft => {
+                self.draft.observe(drafted, accepted, step, auto);
+                if accepted == drafted {
+                    self.draft_len = (self.draft_len + 1).min(self.max.max(1));
+                } else if 2 * accepted < drafted {
+                    self.draft_len = self.draft_len.saturating_sub(1).max(1);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_parse_and_name() {
+        for m in [
+            SpecMode::Off,
+            SpecMode::Auto,
+            SpecMode::Ngram,
+            SpecMode::Draft,
+            SpecMode::Mtp,
+            SpecMode::Dflash,
+        ] {
+            assert_eq!(m.name().parse::<SpecMode>(), Ok(m));
+        }
+        assert!("eagle".parse::<SpecMode>().is_err());
+    }
+
+    #[test]
+    fn auto_pauses_a_poor_proposer_and_steps_down_under_load() {
+        let mut s = SpecState::new(SpecMode::Auto, 8);
+        assert_eq!(s.plan(1, 1, false), Plan::Ngram(8));
+        assert_eq!(s.plan(1, AUTO_MAX_DECODING + 1, true), Plan::None);
+        for step in 1..=4 {
+            s.observe(Proposer::Ngram, 8, 0, step);
+        }
+        // paused: falls to the draft model if there is one
+        assert_eq!(s.plan(5, 1, false), Plan::None);
+        assert!(matches!(s.plan(5, 1, true), Plan::Draft(_)));
+        assert_eq!(s.plan(5 + MAX_PAUSE, 1, false), Plan::Ngram(8));
+        // an explicit mode never pauses
+        let mut s = SpecState::new(SpecMode::Ngram, 4);
+        for step in 1..=10 {
+            s.observe(Proposer::Ngram, 4, 0, step);
+        }
+        assert_eq!(s.plan(11, 100, false), Plan::Ngram(4));
+    }
+
+    #[test]
+    fn draft_length_adapts() {
+        let mut s = SpecState::new(SpecMode::Draft, 8);
+        let Plan::Draft(k0) = s.plan(1, 1, true) else {
+            panic!("draft plan expected")
+        };
+        s.observe(Proposer::Draft, k0, k0, 1);
+        let Plan::Draft(k1) = s.plan(2, 1, true) else {
+            panic!("draft plan expected")
+        };
+        assert_eq!(k1, k0 + 1);
+        s.observe(Proposer::Draft, k1, 0, 2);
+        assert_eq!(s.plan(3, 1, true), Plan::Draft(k0));
+        assert_eq!(
+            SpecState::new(SpecMode::Draft, 8).plan(1, 1, false),
+            Plan::None
+        );
+    }
+
+    #[test]
+    fn counters() {
+        let mut m = SpecMetrics::default();
+        m.record(Proposer::Ngram, 4, 3);
+        m.record(Proposer::Ngram, 4, 1);
+        assert_eq!(m.ngram.rounds, 2);
+        assert!((m.ngram.mean_accepted_length() - 3.0).abs() < 1e-12);
+        assert!((m.ngram.acceptance() - 0.5).abs() < 1e-12);
+        assert_eq!(m.of(Proposer::Draft).rounds, 0);
+    }
+}
