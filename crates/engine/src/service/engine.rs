@@ -81,6 +81,8 @@ pub(super) struct Engine {
     suffix: SuffixIndex,
     /// Requests speculate unless they say otherwise (finished requests then feed `suffix`).
     spec_default_on: bool,
+    /// Time of a forward pass against its size (for speculation in auto mode).
+    step_cost: crate::spec::cost::StepCost,
 }
 
 impl Engine {
@@ -158,6 +160,7 @@ impl Engine {
             drafter,
             suffix: SuffixIndex::new(suffix_cap),
             spec_default_on: cfg.spec.mode != crate::spec::SpecMode::Off,
+            step_cost: crate::spec::cost::StepCost::new(),
             model,
             tok,
             cache,
@@ -387,7 +390,10 @@ impl Engine {
             push_chunk(&mut batch, s);
         }
         let snapshots = self.snapshot_drafting(&plan.seqs);
+        let started = Instant::now();
         let res = self.forward(&batch);
+        self.step_cost
+            .observe(batch.n_tokens(), started.elapsed().as_secs_f64());
         self.metrics.steps += 1;
         let mut outcomes = Vec::with_capacity(plan.seqs.len());
         match res {

@@ -15,11 +15,15 @@
 //!   its own cache, run greedily for `k` steps over every drafting sequence at once.
 //!
 //! The controller ([`SpecState`]) picks the proposer and the number of proposals per request
-//! and step. With [`SpecMode::Auto`] it speculates only where it is expected to pay: not
-//! when many sequences decode at once ([`AUTO_MAX_DECODING`]), and a proposer whose recent
-//! acceptance is low pauses for a while (the n-gram lookup still runs; the draft model's
-//! cache catches up when it resumes).
+//! and step. With [`SpecMode::Auto`] it speculates only where it is expected to pay: the
+//! number of proposals comes from the measured cost of a pass against its size and each
+//! request's recent acceptance ([`cost`]: proposals are added while expected tokens per
+//! second grow), not when many sequences decode at once ([`AUTO_MAX_DECODING`]), and a
+//! proposer whose recent acceptance is low pauses for a while (the draft model's cache
+//! catches up when it resumes). The explicit modes propose whenever they can: n-gram up to
+//! twice the match length, the draft model an adaptive length.
 
+pub mod cost;
 pub mod draft;
 pub mod ngram;
 
@@ -314,6 +318,20 @@ impl SpecState {
     /// The request's mode.
     pub fn mode(&self) -> SpecMode {
         self.mode
+    }
+
+    /// The most proposals per step for this request.
+    pub fn max_draft(&self) -> usize {
+        self.max
+    }
+
+    /// Recent acceptance of `p`'s proposals for this request (a moving average; starts at
+    /// 0.6).
+    pub fn acceptance(&self, p: Proposer) -> f64 {
+        match p {
+            Proposer::Ngram => self.ngram.ema,
+            Proposer::Draft => self.draft.ema,
+        }
     }
 
     /// What to try in `step` with `n_decoding` sequences decoding and a draft model

@@ -17,13 +17,28 @@ use kapitsa_models::{BatchInputs, RecurrentSnapshot};
 
 use super::Engine;
 use crate::scheduler::{Outcome, ScheduledSeq, SeqId};
+use crate::spec::cost::{Offer, SpecAllocator};
 use crate::spec::draft::DraftAsk;
 use crate::spec::ngram;
-use crate::spec::{Plan, Proposer};
+use crate::spec::{Plan, Proposer, SpecMode};
+
+/// A sequence's possible proposals in one step.
+struct Candidate {
+    id: SeqId,
+    proposer: Proposer,
+    /// n-gram: the continuation (draft model: computed later).
+    tokens: Vec<u32>,
+    /// Proposals to make (auto: at most this many, until allocated).
+    k: usize,
+    acceptance: f64,
+    auto: bool,
+}
 
 impl Engine {
     /// Ask each decoding request's controller what to propose and hand the proposals to the
-    /// scheduler ([`crate::Scheduler::set_draft`]).
+    /// scheduler ([`crate::Scheduler::set_draft`]). Requests in an explicit mode propose what
+    /// their controller says; requests in auto mode share what the cost model allows
+    /// ([`SpecAllocator`]).
     pub(super) fn propose_drafts(&mut self) {
         let step = self.metrics.steps;
         let decoding: Vec<(SeqId, usize)> = self
@@ -35,14 +50,14 @@ impl Engine {
             .collect();
         let n_decoding = decoding.len();
         let have_draft = self.drafter.is_some();
-        // (id, slot, k) for the draft model
-        let mut asks: Vec<(SeqId, usize, usize)> = Vec::new();
+        let mut cands: Vec<Candidate> = Vec::new();
         for &(id, room) in &decoding {
             let Some(a) = self.active.get_mut(&id) else {
                 continue;
             };
             let Some(st) = &mut a.spec else { continue };
             st.in_flight = None;
+            let auto = st.mode() == SpecMode::Auto;
             let mut plan = st.plan(step, n_decoding, have_draft);
             if let Plan::Ngram(cap) = plan {
                 let cap = cap.min(room);
@@ -56,19 +71,65 @@ impl Engine {
                 };
                 plan = match best {
                     Some(f) => {
-                        let k = st.ngram_len(f.len, f.next.len(), cap);
-                        if k > 0 {
-                            st.in_flight = Some(Proposer::Ngram);
-                            self.sched.set_draft(id, f.next[..k].to_vec());
-                        }
+                        let k = if auto {
+                            f.next.len()
+                        } else {
+                            st.ngram_len(f.len, f.next.len(), cap)
+                        };
+                        cands.push(Candidate {
+                            id,
+                            proposer: Proposer::Ngram,
+                            tokens: f.next,
+                            k,
+                            acceptance: st.acceptance(Proposer::Ngram),
+                            auto,
+                        });
                         Plan::None
                     }
                     None => st.draft_plan(step, have_draft),
                 };
             }
             if let Plan::Draft(k) = plan {
-                if let Some(slot) = self.sched.slot_of(id) {
-                    asks.push((id, slot, k.min(room)));
+                cands.push(Candidate {
+                    id,
+                    proposer: Proposer::Draft,
+                    tokens: Vec::new(),
+                    k: if auto {
+                        room.min(st.max_draft())
+                    } else {
+                        k.min(room)
+                    },
+                    acceptance: st.acceptance(Proposer::Draft),
+                    auto,
+                });
+            }
+        }
+        // Auto: as many proposals as the measured cost says pay.
+        let autos: Vec<usize> = (0..cands.len()).filter(|&i| cands[i].auto).collect();
+        if !autos.is_empty() {
+            let model = self.step_cost.coeffs().unwrap_or((1.0, 0.05));
+            let offers: Vec<Offer> = autos
+                .iter()
+                .map(|&i| Offer {
+                    available: cands[i].k,
+                    acceptance: cands[i].acceptance,
+                })
+                .collect();
+            let ks = SpecAllocator::allocate(&offers, n_decoding, model);
+            for (&i, k) in autos.iter().zip(ks) {
+                cands[i].k = k;
+            }
+        }
+        let mut asks: Vec<(SeqId, usize, usize)> = Vec::new();
+        for c in cands.iter().filter(|c| c.k > 0) {
+            match c.proposer {
+                Proposer::Ngram => {
+                    self.set_proposals(c.id, Proposer::Ngram, c.tokens[..c.k].to_vec());
+                }
+                Proposer::Draft => {
+                    if let Some(slot) = self.sched.slot_of(c.id) {
+                        asks.push((c.id, slot, c.k));
+                    }
                 }
             }
         }
@@ -94,14 +155,19 @@ impl Engine {
             return;
         };
         for ((id, _, _), d) in asks.into_iter().zip(drafts) {
-            if d.is_empty() {
-                continue;
-            }
-            if let Some(st) = self.active.get_mut(&id).and_then(|a| a.spec.as_mut()) {
-                st.in_flight = Some(Proposer::Draft);
-            }
-            self.sched.set_draft(id, d);
+            self.set_proposals(id, Proposer::Draft, d);
         }
+    }
+
+    /// Hand `id`'s proposals (if any) to the scheduler and remember who made them.
+    fn set_proposals(&mut self, id: SeqId, p: Proposer, tokens: Vec<u32>) {
+        if tokens.is_empty() {
+            return;
+        }
+        if let Some(st) = self.active.get_mut(&id).and_then(|a| a.spec.as_mut()) {
+            st.in_flight = Some(p);
+        }
+        self.sched.set_draft(id, tokens);
     }
 
     /// Copies of the recurrent states of the slots that verify proposals in this step (empty
