@@ -263,6 +263,15 @@ pub fn selftest(a: SelftestArgs) -> Result<()> {
                 );
             }
         }
+        let ids: Vec<Vec<u32>> = prompts.iter().map(|p| p.ids.clone()).collect();
+        for (what, same) in speculative_matches_plain(&m, &ids)? {
+            check(
+                &mut rows,
+                format!("{name} speculative {what} == plain"),
+                if same { "equal" } else { "differs" }.into(),
+                same,
+            );
+        }
         if prompts.len() >= 3 {
             let ps: Vec<&[u32]> = prompts.iter().take(3).map(|p| p.ids.as_slice()).collect();
             let together = batched_last(model, &ps)?;
@@ -293,6 +302,68 @@ pub fn selftest(a: SelftestArgs) -> Result<()> {
         bail!("{failed} selftest checks failed on {}", be.describe());
     }
     Ok(())
+}
+
+/// Greedy output through the engine on the model's device, with speculative decoding
+/// (n-gram; the model drafting for itself, so every proposal is accepted) and without, 24
+/// tokens after each prompt, all prompts at once: `(mode, outputs equal)`.
+fn speculative_matches_plain(
+    m: &kapitsa_models::LoadedModel,
+    prompts: &[Vec<u32>],
+) -> Result<Vec<(&'static str, bool)>> {
+    use kapitsa_engine::{EngineConfig, EngineHandle, Event, Request, SpecConfig, SpecMode};
+    let tok = Arc::new(kapitsa_engine::loader::tokenizer_for(&m.source)?);
+    let run = |spec: SpecConfig| -> Result<Vec<Vec<u32>>> {
+        let cfg = EngineConfig {
+            max_running: prompts.len().max(1),
+            max_batch_tokens: 64,
+            n_ctx: 256,
+            kv_type: KvType::F32,
+            prefix_cache: None,
+            spec,
+            ..EngineConfig::default()
+        };
+        let h = EngineHandle::start(m.model.clone(), tok.clone(), cfg)?;
+        let mut streams = Vec::new();
+        for p in prompts {
+            let mut r = Request::greedy(p.clone(), 24);
+            r.ignore_eos = true;
+            streams.push(h.submit(r)?);
+        }
+        let mut out = Vec::new();
+        for mut s in streams {
+            let mut toks = Vec::new();
+            loop {
+                match s.blocking_recv() {
+                    Some(Event::Text { tokens, .. }) => toks.extend(tokens),
+                    Some(Event::Done { .. }) => break,
+                    Some(Event::Error(e)) => bail!("speculative check: {e}"),
+                    Some(Event::Admitted { .. }) => {}
+                    None => bail!("speculative check: the engine stopped"),
+                }
+            }
+            out.push(toks);
+        }
+        h.shutdown();
+        Ok(out)
+    };
+    let plain = run(SpecConfig::default())?;
+    let ngram = run(SpecConfig {
+        mode: SpecMode::Ngram,
+        max_draft: 6,
+        ..SpecConfig::default()
+    })?;
+    let mut out = vec![("ngram", ngram == plain)];
+    if m.model.spec().n_recurrent_layers() == 0 {
+        let drafted = run(SpecConfig {
+            mode: SpecMode::Draft,
+            max_draft: 5,
+            draft_model: Some(m.model.clone()),
+            ..SpecConfig::default()
+        })?;
+        out.push(("self-draft", drafted == plain));
+    }
+    Ok(out)
 }
 
 /// Logits of a 64-token prompt at every position on `be` and on the CPU: the largest

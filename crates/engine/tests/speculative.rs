@@ -279,6 +279,41 @@ fn stop_strings_and_grammars_with_proposals() {
     }
 }
 
+/// An end-of-generation token inside a round of proposals ends the request where plain
+/// decoding ends it (a logit bias on it, strong enough that greedy decoding picks it after a
+/// few tokens).
+#[test]
+fn end_of_generation_inside_a_round() {
+    let (model, tok) = load("qwen2-a");
+    let eos = *tok.eog_ids().first().expect("an end-of-generation token");
+    let p = prompts(3)[0].clone();
+    let solo = common::solo_engine(&model, &tok, N_CTX, 64, KvType::F32);
+    let mut found = None;
+    for tenths in 0..200 {
+        let mut r = Request::greedy(p.clone(), 40);
+        r.sampling.logit_bias = vec![(eos, tenths as f32 / 10.0)];
+        let f = common::run_to_end(&solo, r.clone());
+        if f.finish == kapitsa_engine::FinishReason::EndOfGeneration && f.tokens.len() >= 4 {
+            found = Some((r, f));
+            break;
+        }
+    }
+    solo.shutdown();
+    let (req, want) = found.expect("a bias that ends generation after a few tokens");
+    for cfg in [
+        spec(SpecMode::Ngram, 8, None),
+        spec(SpecMode::Draft, 6, Some(&model)),
+    ] {
+        let h = engine(&model, &tok, cfg, 2, None);
+        let got = common::run_to_end(&h, req.clone());
+        assert_eq!(
+            (&got.tokens, &got.finish, &got.text),
+            (&want.tokens, &want.finish, &want.text)
+        );
+        h.shutdown();
+    }
+}
+
 /// A pool too small for every sequence: speculating sequences get preempted and recomputed,
 /// and still give the plain output.
 #[test]
