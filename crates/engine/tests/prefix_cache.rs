@@ -8,14 +8,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kapitsa_backend::Backend;
-use kapitsa_backend_cpu::CpuBackend;
-use kapitsa_base::pool::RayonPool;
-use kapitsa_engine::loader::tokenizer_for;
 use kapitsa_engine::{
     EngineConfig, EngineHandle, EngineMetrics, Event, PrefixCacheConfig, Request,
 };
-use kapitsa_models::{load_model, CausalLm, KvType, LoadOptions};
+use kapitsa_models::{CausalLm, KvType};
 use kapitsa_text::Tokenizer;
 
 mod common;
@@ -24,14 +20,7 @@ const N_CTX: usize = 512;
 const N_GEN: usize = 12;
 
 fn load(name: &str) -> (Arc<dyn CausalLm>, Arc<Tokenizer>) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
-    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(Box::new(
-        RayonPool::new(2).expect("thread pool"),
-    )));
-    let m = load_model(&dir.join(name), backend, &LoadOptions::default())
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
-    let tok = tokenizer_for(&m.source).unwrap();
-    (m.model, Arc::new(tok))
+    common::load_tiny(name)
 }
 
 /// Deterministic prompt tokens outside the fixtures' special ids.

@@ -7,18 +7,13 @@
 //! (chi-squared).
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::Arc;
 
-use kapitsa_backend::Backend;
-use kapitsa_backend_cpu::CpuBackend;
-use kapitsa_base::pool::RayonPool;
-use kapitsa_engine::loader::tokenizer_for;
 use kapitsa_engine::{
     EngineConfig, EngineHandle, EngineMetrics, PrefixCacheConfig, Request, SamplingParams,
     SpecConfig, SpecMode, SpecRequest,
 };
-use kapitsa_models::{load_model, CausalLm, KvType, LoadOptions};
+use kapitsa_models::{CausalLm, KvType};
 use kapitsa_text::Tokenizer;
 
 mod common;
@@ -26,14 +21,7 @@ mod common;
 const N_CTX: usize = 256;
 
 fn load(name: &str) -> (Arc<dyn CausalLm>, Arc<Tokenizer>) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
-    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(Box::new(
-        RayonPool::new(2).expect("thread pool"),
-    )));
-    let m = load_model(&dir.join(name), backend, &LoadOptions::default())
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
-    let tok = tokenizer_for(&m.source).unwrap();
-    (m.model, Arc::new(tok))
+    common::load_tiny(name)
 }
 
 /// Prompts that repeat themselves (so the n-gram proposer finds matches, some right and
@@ -269,11 +257,7 @@ fn stop_strings_and_grammars_with_proposals() {
     for mode in [SpecMode::Ngram, SpecMode::Auto] {
         let h = engine(&model, &tok, spec(mode, 8, None), 4, None);
         for (r, w) in reqs.iter().zip(&want) {
-            let got = common::run_to_end(&h, r.clone());
-            assert_eq!(
-                (&got.text, &got.tokens, &got.finish),
-                (&w.text, &w.tokens, &w.finish)
-            );
+            assert_same_end(&h, r, w);
         }
         h.shutdown();
     }
@@ -305,13 +289,18 @@ fn end_of_generation_inside_a_round() {
         spec(SpecMode::Draft, 6, Some(&model)),
     ] {
         let h = engine(&model, &tok, cfg, 2, None);
-        let got = common::run_to_end(&h, req.clone());
-        assert_eq!(
-            (&got.tokens, &got.finish, &got.text),
-            (&want.tokens, &want.finish, &want.text)
-        );
+        assert_same_end(&h, &req, &want);
         h.shutdown();
     }
+}
+
+/// `req` on `h` ends as `want` did: text, tokens and finish reason.
+fn assert_same_end(h: &EngineHandle, req: &Request, want: &common::Finished) {
+    let got = common::run_to_end(h, req.clone());
+    assert_eq!(
+        (&got.text, &got.tokens, &got.finish),
+        (&want.text, &want.tokens, &want.finish)
+    );
 }
 
 /// A pool too small for every sequence: speculating sequences get preempted and recomputed,

@@ -4,9 +4,26 @@
 
 use std::sync::Arc;
 
+use kapitsa_backend::Backend;
+use kapitsa_backend_cpu::CpuBackend;
+use kapitsa_base::pool::RayonPool;
+use kapitsa_engine::loader::tokenizer_for;
 use kapitsa_engine::{EngineConfig, EngineHandle, Event, FinishReason, Request, Timing, Usage};
-use kapitsa_models::{CausalLm, KvType};
+use kapitsa_models::{load_model, CausalLm, KvType, LoadOptions};
 use kapitsa_text::Tokenizer;
+
+/// The tiny fixture `name` (`tests/fixtures/tiny/<name>`) on a 2-thread CPU backend, with
+/// its tokenizer.
+pub fn load_tiny(name: &str) -> (Arc<dyn CausalLm>, Arc<Tokenizer>) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
+    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(Box::new(
+        RayonPool::new(2).expect("thread pool"),
+    )));
+    let m = load_model(&dir.join(name), backend, &LoadOptions::default())
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let tok = tokenizer_for(&m.source).unwrap();
+    (m.model, Arc::new(tok))
+}
 
 /// The end of a request that finished normally.
 #[derive(Debug, Clone)]
