@@ -6,6 +6,7 @@
 pub mod batch;
 pub mod common;
 pub mod config;
+pub mod dflash;
 pub mod error;
 pub mod layers;
 pub mod nemotron_h;
