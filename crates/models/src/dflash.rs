@@ -753,6 +753,7 @@ impl Drafter {
             )));
         }
         let m = taps.len() / w;
+        check_positions(start_pos, m)?;
         let (be, d, kv) = (&*self.backend, self.cfg.n_embd, self.kv_dim());
         let hd = self.cfg.head_dim;
         self.reserve(state, state.len() + m)?;
@@ -851,6 +852,7 @@ impl Drafter {
                 state.next_pos()
             )));
         }
+        check_positions(anchor_pos, n + 1)?;
         let hidden = self.block_hidden(target, state, anchor, anchor_pos, n + 1)?;
         let be = &*self.backend;
         let v = self.cfg.n_vocab;
@@ -1069,6 +1071,16 @@ impl Drafter {
         let mut out = tensor(be, x.len())?;
         be.dynamic_conv(x, self.cfg.n_embd, base, dynamic, group, len, &mut out)?;
         Ok(out)
+    }
+}
+
+/// `Err` unless positions `pos .. pos + n` fit in a `u32`.
+fn check_positions(pos: u32, n: usize) -> Result<()> {
+    match u32::try_from(n).ok().and_then(|n| pos.checked_add(n)) {
+        Some(_) => Ok(()),
+        None => Err(ModelError::Batch(format!(
+            "{n} positions from {pos} overflow"
+        ))),
     }
 }
 

@@ -334,6 +334,20 @@ fn sampled_dflash2_draft_is_a_distribution_over_candidates() {
     assert!(drafter
         .draft_sampled(&*t, &mut state, seq[24], 24, 3, sampling(0.0, &mut zero))
         .is_err());
+    // near T = 0 both drafters sample their greedy draft
+    for name in ["dflash", "dflash2"] {
+        let drafter = Drafter::load(&dir().join(name), &*t).unwrap();
+        let mut state = drafter.new_state();
+        drafter
+            .append_context(&mut state, f.rows(0, 24), 0)
+            .unwrap();
+        let greedy = drafter.draft(&*t, &mut state, seq[24], 24, 3).unwrap();
+        let mut half = || 0.5f32;
+        let cold = drafter
+            .draft_sampled(&*t, &mut state, seq[24], 24, 3, sampling(1e-4, &mut half))
+            .unwrap();
+        assert_eq!(cold.tokens, greedy.tokens, "{name}");
+    }
 }
 
 #[test]
