@@ -408,6 +408,46 @@ impl Backend for CpuBackend {
     fn argmax_rows(&self, x: &Tensor, width: usize) -> Result<Vec<u32>> {
         ops::argmax_rows(x, width)
     }
+
+    // The drafter ops run their plain-loop definitions on the tensors in place.
+    fn attention_spans(
+        &self,
+        shape: AttnShape,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        spans: &[(u32, u32)],
+        out: &mut Tensor,
+    ) -> Result<()> {
+        const OP: &str = "attention_spans";
+        let (q, k, v) = (
+            buffers::f32s(OP, "q", q)?,
+            buffers::f32s(OP, "k", k)?,
+            buffers::f32s(OP, "v", v)?,
+        );
+        let out = buffers::f32s_mut(OP, "out", out)?;
+        kapitsa_backend::reference::attention_spans(shape, q, k, v, spans, out)
+    }
+
+    fn dynamic_conv(
+        &self,
+        x: &Tensor,
+        width: usize,
+        base: &Tensor,
+        dynamic: &Tensor,
+        group: usize,
+        block_len: usize,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        const OP: &str = "dynamic_conv";
+        let (x, base, dynamic) = (
+            buffers::f32s(OP, "x", x)?,
+            buffers::f32s(OP, "base", base)?,
+            buffers::f32s(OP, "dynamic", dynamic)?,
+        );
+        let out = buffers::f32s_mut(OP, "out", out)?;
+        kapitsa_backend::reference::dynamic_conv(x, width, base, dynamic, group, block_len, out)
+    }
 }
 
 #[cfg(test)]

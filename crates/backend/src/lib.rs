@@ -25,6 +25,7 @@
 pub mod desc;
 pub mod device;
 pub mod error;
+pub mod reference;
 pub mod tensor;
 pub mod testing;
 
@@ -60,6 +61,13 @@ pub fn matmul_with_composed<B: Backend + ?Sized>(
         be.add_bias(&mut t, b)?;
     }
     be.add(y, &t)
+}
+
+/// A host copy of a whole f32 tensor (the host fallbacks of the drafter ops).
+fn read_all<B: Backend + ?Sized>(be: &B, t: &Tensor) -> Result<Vec<f32>> {
+    let mut h = vec![0f32; t.len()];
+    be.read_f32(t, 0, &mut h)?;
+    Ok(h)
 }
 
 /// The ops a model forward pass needs. All activations are row-major f32 tensors; every
@@ -482,6 +490,68 @@ pub trait Backend: Send + Sync {
         batch: &Batch,
         y: &mut Tensor,
     ) -> Result<()>;
+
+    // ---- block drafters (DFlash, DFlash2) -------------------------------------------------
+
+    /// Attention over dense K/V rows (not the paged cache) with one contiguous key span per
+    /// query: query row `i` of `q` `[spans.len(), n_head * head_dim]` attends to rows
+    /// `spans[i].0 .. spans[i].1` of `k`, `v` (`[rows, n_head_kv * head_dim]` f32; rows past
+    /// the largest span end are not read), into `out` `[spans.len(), n_head * head_dim]`.
+    /// Causal, non-causal and sliding-window masks are all spans. Definition:
+    /// [`reference::attention_spans`]; the default runs it through a host round trip.
+    fn attention_spans(
+        &self,
+        shape: AttnShape,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        spans: &[(u32, u32)],
+        out: &mut Tensor,
+    ) -> Result<()> {
+        let (q_h, mut out_h) = (read_all(self, q)?, vec![0f32; out.len()]);
+        let keys = spans.iter().map(|s| s.1 as usize).max().unwrap_or(0);
+        let kv_dim = shape.n_head_kv * shape.head_dim;
+        let rows = |t: &Tensor| -> Result<Vec<f32>> {
+            let n = keys.checked_mul(kv_dim).filter(|&n| n <= t.len());
+            let Some(n) = n else {
+                return shape_err(
+                    "attention_spans",
+                    format!("{keys} key rows of {kv_dim} exceed a tensor of {}", t.len()),
+                );
+            };
+            let mut h = vec![0f32; n];
+            self.read_f32(t, 0, &mut h)?;
+            Ok(h)
+        };
+        let (k_h, v_h) = (rows(k)?, rows(v)?);
+        reference::attention_spans(shape, &q_h, &k_h, &v_h, spans, &mut out_h)?;
+        self.write_f32(out, 0, &out_h)
+    }
+
+    /// DFlash2's grouped dynamic causal convolution over blocks of `block_len` rows of `x`
+    /// `[n, width]` with the static kernel `base` `[taps, width]` and per-row coefficients
+    /// `dynamic` `[n, taps * width / group]`, into `out` `[n, width]`. Definition:
+    /// [`reference::dynamic_conv`]; the default runs it through a host round trip.
+    #[allow(clippy::too_many_arguments)]
+    fn dynamic_conv(
+        &self,
+        x: &Tensor,
+        width: usize,
+        base: &Tensor,
+        dynamic: &Tensor,
+        group: usize,
+        block_len: usize,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        let (x_h, base_h, dyn_h) = (
+            read_all(self, x)?,
+            read_all(self, base)?,
+            read_all(self, dynamic)?,
+        );
+        let mut out_h = vec![0f32; out.len()];
+        reference::dynamic_conv(&x_h, width, &base_h, &dyn_h, group, block_len, &mut out_h)?;
+        self.write_f32(out, 0, &out_h)
+    }
 
     // ---- sampling helpers ----------------------------------------------------------------
 

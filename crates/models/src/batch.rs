@@ -30,6 +30,11 @@ pub struct BatchInputs {
     pub seqs: Vec<SeqChunk>,
     /// Flat token indices whose logits are wanted, in output order.
     pub logit_rows: Vec<usize>,
+    /// Layers whose output is returned for every token of the batch in [`Logits::taps`]
+    /// (block drafters such as DFlash read these): id `l` is the residual stream after
+    /// decoder layer `l`, before the final norm (transformers' `hidden_states[l + 1]`), each
+    /// `< n_layer`. Empty (the default) costs nothing.
+    pub tap_layers: Vec<usize>,
 }
 
 impl BatchInputs {
@@ -107,8 +112,9 @@ impl BatchInputs {
     }
 }
 
-/// Logits for the requested rows: `data` is `[rows.len(), n_vocab]` row-major f32.
-#[derive(Debug, Clone)]
+/// Logits for the requested rows: `data` is `[rows.len(), n_vocab]` row-major f32; with
+/// [`BatchInputs::tap_layers`], also the tapped hidden states of every token.
+#[derive(Debug, Clone, Default)]
 pub struct Logits {
     /// Vocabulary size (row width).
     pub n_vocab: usize,
@@ -116,11 +122,27 @@ pub struct Logits {
     pub rows: Vec<usize>,
     /// Row-major values.
     pub data: Vec<f32>,
+    /// Tapped hidden states, `[n_tokens, tap_width]` row-major f32: per token of the batch
+    /// (flat order), the outputs of the layers in `BatchInputs::tap_layers`, concatenated in
+    /// request order. Empty without taps.
+    pub taps: Vec<f32>,
+    /// Width of a [`Logits::taps`] row: `tap_layers.len() * n_embd` (0 without taps).
+    pub tap_width: usize,
 }
 
 impl Logits {
     /// Row `i` of the output (the `i`-th requested token).
     pub fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.n_vocab..(i + 1) * self.n_vocab]
+    }
+
+    /// The tapped hidden states of flat tokens `tokens` (`[tokens.len(), tap_width]`), or
+    /// `None` when nothing was tapped or the range is outside the batch.
+    pub fn tap_rows(&self, tokens: std::ops::Range<usize>) -> Option<&[f32]> {
+        if self.tap_width == 0 || tokens.start > tokens.end {
+            return None;
+        }
+        self.taps
+            .get(tokens.start * self.tap_width..tokens.end * self.tap_width)
     }
 }

@@ -6,6 +6,7 @@
 pub mod batch;
 pub mod common;
 pub mod config;
+pub mod dflash;
 pub mod error;
 pub mod layers;
 pub mod nemotron_h;
@@ -20,7 +21,7 @@ use std::sync::Arc;
 
 pub use batch::{BatchInputs, Logits, SeqChunk};
 pub use error::{ModelError, Result};
-pub use kapitsa_backend::Backend;
+pub use kapitsa_backend::{Backend, Tensor};
 pub use kapitsa_cache::{
     CacheLayout, KvCache, KvType, LayerKind, RecurrentShape, RecurrentSnapshot, DEFAULT_BLOCK_SIZE,
 };
@@ -35,6 +36,9 @@ pub struct ModelSpec {
     pub arch: String,
     /// Rows of the logits (`n_vocab`).
     pub n_vocab: usize,
+    /// Width of the hidden state (`n_embd`): of [`CausalLm::forward_hidden`] rows, of each
+    /// tapped layer ([`BatchInputs::tap_layers`]) and of [`CausalLm::embed_tokens`] rows.
+    pub n_embd: usize,
     /// Context length the model was trained for.
     pub n_ctx_train: usize,
     /// Per-layer mixer kinds, in layer order.
@@ -94,11 +98,29 @@ pub trait CausalLm: Send + Sync {
     /// The cache is written as by `forward`. Default: an error (the model cannot).
     fn forward_hidden(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
         let _ = (batch, cache);
-        Err(ModelError::Config(format!(
-            "the {} model does not give hidden states",
-            self.spec().arch
-        )))
+        Err(not_supported(self.spec(), "hidden states"))
     }
+
+    /// The input embedding rows of `tokens` (no scaling), into `out` `[tokens.len(),
+    /// n_embd]` f32 on the model's backend. For drafters that share the target's embedding
+    /// (DFlash). Default: an error (the model cannot).
+    fn embed_tokens(&self, tokens: &[u32], out: &mut Tensor) -> Result<()> {
+        let _ = (tokens, out);
+        Err(not_supported(self.spec(), "embedding rows"))
+    }
+
+    /// The output projection alone (no final norm) on `n` hidden rows `x` `[n, n_embd]`,
+    /// into `out` `[n, n_vocab]` f32 on the model's backend. For drafters that share the
+    /// target's LM head (DFlash). Default: an error (the model cannot).
+    fn output_head(&self, x: &Tensor, n: usize, out: &mut Tensor) -> Result<()> {
+        let _ = (x, n, out);
+        Err(not_supported(self.spec(), "its output head"))
+    }
+}
+
+/// The error of a [`CausalLm`] method a model does not implement.
+fn not_supported(spec: &ModelSpec, what: &str) -> ModelError {
+    ModelError::Config(format!("the {} model does not give {what}", spec.arch))
 }
 
 /// A cache for `model` on its backend: `n_slots` sequences of up to `n_ctx` tokens, with

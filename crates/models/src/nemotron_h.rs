@@ -25,7 +25,9 @@ use crate::layers::attention::Attention;
 use crate::layers::decoder::{Block, BlockOp, Decoder, DecoderParts};
 use crate::layers::ffn::{Act, Experts, Ffn, Gating, Latent, Mlp, Moe};
 use crate::layers::mamba2::Mamba2;
-use crate::{BatchInputs, CausalLm, KvCache, Logits, ModelError, ModelSource, ModelSpec, Result};
+use crate::{
+    BatchInputs, CausalLm, KvCache, Logits, ModelError, ModelSource, ModelSpec, Result, Tensor,
+};
 
 /// Tensor names: HF `{prefix}{i}.mixer.*` (prefix `backbone.layers.`, or `mtp.layers.` for
 /// the MTP head) or GGUF `blk.{i}.*`.
@@ -491,5 +493,13 @@ impl CausalLm for NemotronH {
 
     fn forward_hidden(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
         self.inner.forward_hidden(batch, cache)
+    }
+
+    fn embed_tokens(&self, tokens: &[u32], out: &mut Tensor) -> Result<()> {
+        self.inner.embed_tokens(tokens, out)
+    }
+
+    fn output_head(&self, x: &Tensor, n: usize, out: &mut Tensor) -> Result<()> {
+        self.inner.output_head(x, n, out)
     }
 }

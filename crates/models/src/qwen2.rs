@@ -12,7 +12,7 @@ use crate::common::{
 };
 use crate::layers::decoder::Decoder;
 use crate::layers::ffn::Ffn;
-use crate::{BatchInputs, CausalLm, KvCache, Logits, ModelSource, ModelSpec, Result};
+use crate::{BatchInputs, CausalLm, KvCache, Logits, ModelSource, ModelSpec, Result, Tensor};
 
 /// Build a dense Qwen2/Qwen3 decoder: per layer an attention block (`qkv_bias`, `qk_norm`
 /// select the per-architecture tensors) and a SwiGLU MLP block.
@@ -72,5 +72,13 @@ impl CausalLm for Qwen2 {
 
     fn forward_hidden(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
         self.inner.forward_hidden(batch, cache)
+    }
+
+    fn embed_tokens(&self, tokens: &[u32], out: &mut Tensor) -> Result<()> {
+        self.inner.embed_tokens(tokens, out)
+    }
+
+    fn output_head(&self, x: &Tensor, n: usize, out: &mut Tensor) -> Result<()> {
+        self.inner.output_head(x, n, out)
     }
 }

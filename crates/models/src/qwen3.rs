@@ -10,7 +10,7 @@ use kapitsa_backend::Backend;
 
 use crate::layers::decoder::Decoder;
 use crate::qwen2::load_dense;
-use crate::{BatchInputs, CausalLm, KvCache, Logits, ModelSource, ModelSpec, Result};
+use crate::{BatchInputs, CausalLm, KvCache, Logits, ModelSource, ModelSpec, Result, Tensor};
 
 /// A loaded Qwen3 model.
 pub struct Qwen3 {
@@ -43,5 +43,13 @@ impl CausalLm for Qwen3 {
 
     fn forward_hidden(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
         self.inner.forward_hidden(batch, cache)
+    }
+
+    fn embed_tokens(&self, tokens: &[u32], out: &mut Tensor) -> Result<()> {
+        self.inner.embed_tokens(tokens, out)
+    }
+
+    fn output_head(&self, x: &Tensor, n: usize, out: &mut Tensor) -> Result<()> {
+        self.inner.output_head(x, n, out)
     }
 }

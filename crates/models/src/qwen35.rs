@@ -38,7 +38,9 @@ use crate::config::Hparams;
 use crate::layers::decoder::{Block, BlockOp, Decoder};
 use crate::layers::ffn::Ffn;
 use crate::layers::gdn::{head_order, GatedDeltaNet};
-use crate::{BatchInputs, CausalLm, KvCache, Logits, ModelError, ModelSource, ModelSpec, Result};
+use crate::{
+    BatchInputs, CausalLm, KvCache, Logits, ModelError, ModelSource, ModelSpec, Result, Tensor,
+};
 
 /// Hyper-parameters beyond [`CommonHparams`].
 #[derive(Debug, Clone)]
@@ -510,5 +512,13 @@ impl CausalLm for Qwen35 {
 
     fn forward_hidden(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
         self.inner.forward_hidden(batch, cache)
+    }
+
+    fn embed_tokens(&self, tokens: &[u32], out: &mut Tensor) -> Result<()> {
+        self.inner.embed_tokens(tokens, out)
+    }
+
+    fn output_head(&self, x: &Tensor, n: usize, out: &mut Tensor) -> Result<()> {
+        self.inner.output_head(x, n, out)
     }
 }

@@ -16,7 +16,9 @@ use crate::common::{
 use crate::config::Hparams;
 use crate::layers::decoder::Decoder;
 use crate::layers::ffn::Ffn;
-use crate::{BatchInputs, CausalLm, KvCache, Logits, ModelError, ModelSource, ModelSpec, Result};
+use crate::{
+    BatchInputs, CausalLm, KvCache, Logits, ModelError, ModelSource, ModelSpec, Result, Tensor,
+};
 
 /// A loaded Qwen3 MoE model.
 pub struct Qwen3Moe {
@@ -95,5 +97,13 @@ impl CausalLm for Qwen3Moe {
 
     fn forward_hidden(&self, batch: &BatchInputs, cache: &mut KvCache) -> Result<Logits> {
         self.inner.forward_hidden(batch, cache)
+    }
+
+    fn embed_tokens(&self, tokens: &[u32], out: &mut Tensor) -> Result<()> {
+        self.inner.embed_tokens(tokens, out)
+    }
+
+    fn output_head(&self, x: &Tensor, n: usize, out: &mut Tensor) -> Result<()> {
+        self.inner.output_head(x, n, out)
     }
 }

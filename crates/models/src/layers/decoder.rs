@@ -207,6 +207,7 @@ impl Decoder {
         let spec = ModelSpec {
             arch: p.arch,
             n_vocab,
+            n_embd: d,
             n_ctx_train: p.n_ctx_train,
             layers,
             n_head_kv,
@@ -278,6 +279,16 @@ impl Decoder {
                 .into());
             }
         }
+        if let Some(&bad) = batch
+            .tap_layers
+            .iter()
+            .find(|&&l| l >= self.spec.layers.len())
+        {
+            return Err(ModelError::Batch(format!(
+                "tap of layer {bad} in a {}-layer model",
+                self.spec.layers.len()
+            )));
+        }
         if let Some(&bad) = batch.tokens.iter().find(|&&t| t as usize >= n_vocab) {
             return Err(ModelError::Batch(format!(
                 "token id {bad} out of range (vocab {n_vocab})"
@@ -339,8 +350,12 @@ impl Decoder {
         let mut data = vec![0f32; rows.len() * width];
         // Recorded steps are checked on the GPU for attention models only so far; hybrids
         // (recurrent states) run op by op until that check exists (the hybrid CUDA issue).
-        let record =
-            !hidden && !self.host_sync && !cache.has_recurrent() && recorded::recordable(be, batch);
+        let taps = &batch.tap_layers;
+        let record = !hidden
+            && taps.is_empty()
+            && !self.host_sync
+            && !cache.has_recurrent()
+            && recorded::recordable(be, batch);
         let mut done = false;
         if record {
             let table_capacity = if cache.has_kv() {
@@ -354,16 +369,35 @@ impl Decoder {
                 desc.clone(),
                 table_capacity,
                 n_vocab,
-                |dev_batch, logits| self.run_step(batch, dev_batch, cache, logits, false),
+                |dev_batch, logits| self.run_step(batch, dev_batch, cache, logits, false, None),
                 &mut data,
             )?;
         }
+        let (n, d) = (batch.n_tokens(), self.n_embd);
+        let mut tap_data = Vec::new();
         if !done {
             let dev_batch = be.prepare_batch(desc)?;
             let mut out = tensor(be, rows.len() * width)?;
-            self.run_step(batch, &dev_batch, cache, &mut out, hidden)?;
+            // taps as `[n_taps, n_tokens, n_embd]` on the device, transposed on the host
+            let mut tap_buf = if taps.is_empty() {
+                None
+            } else {
+                Some(tensor(be, taps.len() * n * d)?)
+            };
+            self.run_step(batch, &dev_batch, cache, &mut out, hidden, tap_buf.as_mut())?;
             if !rows.is_empty() {
                 be.read_f32(&out, 0, &mut data)?;
+            }
+            if let Some(t) = &tap_buf {
+                let mut by_layer = vec![0f32; taps.len() * n * d];
+                be.read_f32(t, 0, &mut by_layer)?;
+                tap_data = vec![0f32; taps.len() * n * d];
+                for (l, layer) in by_layer.chunks_exact(n * d).enumerate() {
+                    for (i, row) in layer.chunks_exact(d).enumerate() {
+                        let at = (i * taps.len() + l) * d;
+                        tap_data[at..at + d].copy_from_slice(row);
+                    }
+                }
             }
         }
         if cache.has_recurrent() {
@@ -376,7 +410,54 @@ impl Decoder {
             n_vocab: width,
             rows: rows.clone(),
             data,
+            taps: tap_data,
+            tap_width: taps.len() * d,
         })
+    }
+
+    /// See [`crate::CausalLm::embed_tokens`].
+    pub fn embed_tokens(&self, tokens: &[u32], out: &mut Tensor) -> Result<()> {
+        let n_vocab = self.spec.n_vocab;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
+            return Err(ModelError::Batch(format!(
+                "token id {bad} out of range (vocab {n_vocab})"
+            )));
+        }
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        let _pass = self
+            .recordings
+            .lock()
+            .map_err(|_| ModelError::Batch("an earlier forward pass panicked".into()))?;
+        let be = &*self.backend;
+        let desc = BatchDesc {
+            tokens: tokens.to_vec(),
+            positions: (0..tokens.len() as u32).collect(),
+            seqs: vec![SeqDesc {
+                slot: 0,
+                start: 0,
+                len: tokens.len(),
+                pos0: 0,
+                table_start: 0,
+                table_len: 0,
+            }],
+            block_tables: Vec::new(),
+            block_size: 0,
+            logit_rows: Vec::new(),
+        };
+        let dev_batch = be.prepare_batch(desc)?;
+        Ok(be.embed(&self.tok_embd, &dev_batch, out)?)
+    }
+
+    /// See [`crate::CausalLm::output_head`].
+    pub fn output_head(&self, x: &Tensor, n: usize, out: &mut Tensor) -> Result<()> {
+        let _pass = self
+            .recordings
+            .lock()
+            .map_err(|_| ModelError::Batch("an earlier forward pass panicked".into()))?;
+        let out_w = self.output.as_ref().unwrap_or(&self.tok_embd);
+        Ok(self.backend.matmul(out_w, x, n, out)?)
     }
 
     /// A step's device work: embedding, every block, and for the batch's logit rows the
@@ -390,6 +471,7 @@ impl Decoder {
         cache: &mut KvCache,
         out: &mut Tensor,
         hidden: bool,
+        mut taps: Option<&mut Tensor>,
     ) -> Result<()> {
         let be = &*self.backend;
         let n = batch.n_tokens();
@@ -404,7 +486,7 @@ impl Decoder {
             dev_batch,
             cache,
         };
-        for b in &self.blocks {
+        for (i, b) in self.blocks.iter().enumerate() {
             // x += op(rmsnorm(x)): each op adds into x itself (in its last product's epilogue)
             be.rms_norm_to(&x, &mut h, d, &b.norm, self.rms_eps)?;
             match &b.op {
@@ -412,6 +494,21 @@ impl Decoder {
                 DeviceOp::Gdn(g) => g.forward(&mut cx, b.layer, &h, &mut x)?,
                 DeviceOp::Mamba2(m) => m.forward(&mut cx, b.layer, &h, &mut x)?,
                 DeviceOp::Ffn(f) => f.forward_add(be, &h, n, &mut x, &mut o)?,
+            }
+            // after the last block of a layer, x is that layer's output
+            let layer_done = self
+                .blocks
+                .get(i + 1)
+                .is_none_or(|next| next.layer != b.layer);
+            if let (true, Some(t)) = (layer_done, taps.as_deref_mut()) {
+                for (slot, _) in batch
+                    .tap_layers
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, &l)| l == b.layer)
+                {
+                    be.copy(&x, 0, t, slot * n * d, n * d)?;
+                }
             }
         }
         let rows = batch.logit_rows.len();
