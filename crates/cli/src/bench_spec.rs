@@ -112,6 +112,7 @@ impl GenResult {
             "proposers": {
                 "ngram": c(&self.metrics.spec.ngram),
                 "draft": c(&self.metrics.spec.draft),
+                "dflash": c(&self.metrics.spec.dflash),
             },
         })
     }

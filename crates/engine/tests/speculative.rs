@@ -114,6 +114,7 @@ fn spec(mode: SpecMode, max: usize, draft: Option<&Arc<dyn CausalLm>>) -> SpecCo
         max_draft: max,
         draft_model: draft.cloned(),
         suffix_tokens: 0,
+        dflash: None,
     }
 }
 
@@ -440,4 +441,83 @@ fn chi2_two_samples(a: &HashMap<u32, usize>, b: &HashMap<u32, usize>) -> (f64, u
         chi2 += (x - ea).powi(2) / ea + (y - eb).powi(2) / eb;
     }
     (chi2, cats.len().saturating_sub(1))
+}
+
+/// The DFlash and DFlash2 drafters of `tests/fixtures/dflash` (random, made for its tiny
+/// Qwen3 target by tools/gen_dflash_fixtures.py) through the engine: 16 requests at once with
+/// the prefix cache on give plain greedy output, in dflash and auto mode.
+#[test]
+fn dflash_drafters_keep_greedy_output() {
+    use kapitsa_models::dflash::Drafter;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/dflash");
+    let backend: Arc<dyn kapitsa_backend::Backend> =
+        Arc::new(kapitsa_backend_cpu::CpuBackend::new(Box::new(
+            kapitsa_base::pool::RayonPool::new(2).expect("thread pool"),
+        )));
+    let target = kapitsa_models::load_model(&dir.join("target"), backend, &Default::default())
+        .unwrap()
+        .model;
+    // The fixture has no tokenizer: the tiny byte-level one detokenises its 128 ids.
+    let (_, tok) = load("qwen3-a");
+    let n_vocab = target.spec().n_vocab as u32;
+    let reqs: Vec<Request> = prompts(16)
+        .iter()
+        .map(|p| greedy(&p.iter().map(|t| t % n_vocab).collect::<Vec<_>>(), 20))
+        .collect();
+    let want = reference(&target, &tok, &reqs);
+    for name in ["dflash", "dflash2"] {
+        let d = Arc::new(Drafter::load(&dir.join(name), &*target).unwrap());
+        for mode in [SpecMode::Dflash, SpecMode::Auto] {
+            let cfg = SpecConfig {
+                dflash: Some(d.clone()),
+                ..spec(mode, 8, None)
+            };
+            let m = check_same(name, &target, &tok, &reqs, &want, cfg);
+            if mode == SpecMode::Dflash {
+                let c = m.spec.dflash;
+                assert!(
+                    c.rounds > 0 && c.drafted > 0,
+                    "{name}: no DFlash rounds ({c:?})"
+                );
+            }
+        }
+        // The reference's own prompt: the engine's drafts meet the same fate as the
+        // reference loop's (same taps in the drafter's context, same blocks), so the
+        // accepted counts agree.
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+                .unwrap();
+        let ids = |v: &serde_json::Value| -> Vec<u32> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        };
+        let prompt = ids(&r["prompt"]);
+        let rr = &r["drafters"][name];
+        let want_tokens = ids(&rr["spec_tokens"]);
+        let want_accepted: u64 = ids(&rr["spec_acceptance"])
+            .iter()
+            .map(|&a| a as u64 - 1)
+            .sum();
+        let h = engine(
+            &target,
+            &tok,
+            SpecConfig {
+                dflash: Some(d.clone()),
+                ..spec(SpecMode::Dflash, 8, None)
+            },
+            1,
+            None,
+        );
+        let got = common::run_to_end(&h, greedy(&prompt, want_tokens.len()));
+        assert_eq!(got.tokens, want_tokens, "{name}");
+        assert_eq!(
+            h.metrics().spec.dflash.accepted,
+            want_accepted,
+            "{name}: accepted drafts"
+        );
+        h.shutdown();
+    }
 }

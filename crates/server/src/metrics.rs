@@ -364,7 +364,11 @@ impl Metrics {
         ] {
             let _ = writeln!(out, "# HELP {name} {help}");
             let _ = writeln!(out, "# TYPE {name} counter");
-            for (label, c) in [("ngram", &e.spec.ngram), ("draft", &e.spec.draft)] {
+            for (label, c) in [
+                ("ngram", &e.spec.ngram),
+                ("draft", &e.spec.draft),
+                ("dflash", &e.spec.dflash),
+            ] {
                 let _ = writeln!(out, "{name}{{proposer=\"{label}\"}} {}", get(c));
             }
         }

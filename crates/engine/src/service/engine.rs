@@ -46,6 +46,8 @@ struct Active {
     first_logits_at: Option<Instant>,
     /// Speculative decoding controller (`None`: plain decoding).
     spec: Option<SpecState>,
+    /// The request's DFlash drafter context (when it may use the engine's drafter).
+    dflash: Option<kapitsa_models::dflash::DraftState>,
 }
 
 impl Active {
@@ -77,6 +79,8 @@ pub(super) struct Engine {
     block_size: usize,
     /// The draft model and its cache, when one was given.
     drafter: Option<DraftRunner>,
+    /// The DFlash drafter, when one was given.
+    dflash: Option<Arc<kapitsa_models::dflash::Drafter>>,
     /// Recent requests' tokens for the n-gram proposer.
     suffix: SuffixIndex,
     /// Requests speculate unless they say otherwise (finished requests then feed `suffix`).
@@ -158,6 +162,7 @@ impl Engine {
         };
         Ok(Engine {
             drafter,
+            dflash: cfg.spec.dflash.clone(),
             suffix: SuffixIndex::new(suffix_cap),
             spec_default_on: cfg.spec.mode != crate::spec::SpecMode::Off,
             step_cost: crate::spec::cost::StepCost::new(),
@@ -288,6 +293,11 @@ impl Engine {
                         announce,
                         admitted_at: None,
                         first_logits_at: None,
+                        dflash: self
+                            .dflash
+                            .as_ref()
+                            .filter(|_| uses_dflash(&spec))
+                            .map(|d| d.new_state()),
                         spec,
                     },
                 );
@@ -389,6 +399,15 @@ impl Engine {
         for s in &plan.seqs {
             push_chunk(&mut batch, s);
         }
+        if let Some(d) = &self.dflash {
+            let wanted = plan
+                .seqs
+                .iter()
+                .any(|s| self.active.get(&s.id).is_some_and(|a| a.dflash.is_some()));
+            if wanted {
+                batch.tap_layers = d.tap_layers().to_vec();
+            }
+        }
         let snapshots = self.snapshot_drafting(&plan.seqs);
         let started = Instant::now();
         let res = self.forward(&batch);
@@ -405,6 +424,7 @@ impl Engine {
                     row += n;
                     outcomes.push((s.id, self.process(s, &rows)));
                 }
+                self.feed_dflash(&plan.seqs, &outcomes, &logits);
             }
             Err(msg) => self.recover(&plan.seqs, &msg, &mut outcomes),
         }
@@ -612,6 +632,16 @@ impl Engine {
         });
         self.metrics.requests_finished += 1;
     }
+}
+
+/// Whether a request with these settings may draft with DFlash.
+fn uses_dflash(spec: &Option<SpecState>) -> bool {
+    spec.as_ref().is_some_and(|s| {
+        matches!(
+            s.mode(),
+            crate::spec::SpecMode::Dflash | crate::spec::SpecMode::Auto
+        )
+    })
 }
 
 /// Append `s`'s tokens to `batch`, asking for its logit rows ([`ScheduledSeq::n_logit_rows`]:

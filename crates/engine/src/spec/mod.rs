@@ -13,6 +13,10 @@
 //!   proposes what followed it. Costs nothing but a lookup.
 //! - **draft model** ([`draft::DraftRunner`]): a small model with the target's vocabulary and
 //!   its own cache, run greedily for `k` steps over every drafting sequence at once.
+//! - **DFlash / DFlash2** ([`kapitsa_models::dflash::Drafter`]): a block drafter fed with the
+//!   target's hidden states at its tapped layers; one pass drafts a whole block. The engine
+//!   asks the target for the taps of every token it runs and adds the committed ones to the
+//!   request's drafter context.
 //!
 //! The controller ([`SpecState`]) picks the proposer and the number of proposals per request
 //! and step. With [`SpecMode::Auto`] it speculates only where it is expected to pay: the
@@ -30,6 +34,7 @@ pub mod ngram;
 use std::str::FromStr;
 use std::sync::Arc;
 
+use kapitsa_models::dflash::Drafter;
 use kapitsa_models::CausalLm;
 
 /// Which proposer, if any, speculates.
@@ -105,6 +110,9 @@ pub struct SpecConfig {
     pub draft_model: Option<Arc<dyn CausalLm>>,
     /// Tokens of recent requests the server-wide suffix index keeps (0: the default, 1M).
     pub suffix_tokens: usize,
+    /// The DFlash / DFlash2 drafter for [`SpecMode::Dflash`] (and [`SpecMode::Auto`]), made
+    /// for the engine's model.
+    pub dflash: Option<Arc<Drafter>>,
 }
 
 impl std::fmt::Debug for SpecConfig {
@@ -117,6 +125,7 @@ impl std::fmt::Debug for SpecConfig {
                 &self.draft_model.as_ref().map(|m| m.spec().arch.clone()),
             )
             .field("suffix_tokens", &self.suffix_tokens)
+            .field("dflash", &self.dflash.as_ref().map(|d| d.kind()))
             .finish()
     }
 }
@@ -130,17 +139,22 @@ impl SpecConfig {
         }
     }
 
-    /// Check that `mode` can run with these settings: a draft model for `draft`; `mtp` and
-    /// `dflash` are not available yet.
+    /// Check that `mode` can run with these settings: a draft model for `draft`, a DFlash
+    /// drafter for `dflash`; `mtp` is not available yet.
     pub fn check_mode(&self, mode: SpecMode) -> Result<(), String> {
         match mode {
             SpecMode::Draft if self.draft_model.is_none() => {
                 Err("speculative mode \"draft\" needs a draft model (--draft-model PATH)".into())
             }
-            SpecMode::Mtp | SpecMode::Dflash => Err(format!(
-                "speculative mode \"{}\" is not available yet (use auto, ngram or draft)",
-                mode.name()
-            )),
+            SpecMode::Dflash if self.dflash.is_none() => Err(
+                "speculative mode \"dflash\" needs a DFlash drafter (--draft-model DIR of a \
+                 DFlash or DFlash2 checkpoint)"
+                    .into(),
+            ),
+            SpecMode::Mtp => Err(
+                "speculative mode \"mtp\" is not available yet (use auto, ngram, draft or dflash)"
+                    .into(),
+            ),
             _ => Ok(()),
         }
     }
@@ -163,6 +177,8 @@ pub enum Proposer {
     Ngram,
     /// The draft model.
     Draft,
+    /// The DFlash / DFlash2 drafter.
+    Dflash,
 }
 
 /// Counters of one proposer.
@@ -209,6 +225,8 @@ pub struct SpecMetrics {
     pub ngram: SpecCounters,
     /// The draft model.
     pub draft: SpecCounters,
+    /// The DFlash / DFlash2 drafter.
+    pub dflash: SpecCounters,
 }
 
 impl SpecMetrics {
@@ -217,6 +235,7 @@ impl SpecMetrics {
         match p {
             Proposer::Ngram => &self.ngram,
             Proposer::Draft => &self.draft,
+            Proposer::Dflash => &self.dflash,
         }
     }
 
@@ -225,6 +244,7 @@ impl SpecMetrics {
         match p {
             Proposer::Ngram => self.ngram.add(drafted, accepted),
             Proposer::Draft => self.draft.add(drafted, accepted),
+            Proposer::Dflash => self.dflash.add(drafted, accepted),
         }
     }
 }
@@ -277,6 +297,15 @@ impl Gate {
     }
 }
 
+/// The model-based proposers an engine has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Drafters {
+    /// A draft model.
+    pub model: bool,
+    /// A DFlash drafter, with its most proposals per block.
+    pub dflash: Option<usize>,
+}
+
 /// What the controller wants for one sequence in one step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Plan {
@@ -286,6 +315,8 @@ pub enum Plan {
     Ngram(usize),
     /// This many draft-model proposals.
     Draft(usize),
+    /// This many DFlash proposals.
+    Dflash(usize),
 }
 
 /// The per-request controller (module docs).
@@ -298,6 +329,7 @@ pub struct SpecState {
     draft_len: usize,
     ngram: Gate,
     draft: Gate,
+    dflash: Gate,
     /// The proposer of the proposals in flight.
     pub in_flight: Option<Proposer>,
 }
@@ -311,6 +343,7 @@ impl SpecState {
             draft_len: max.clamp(1, 4),
             ngram: Gate::default(),
             draft: Gate::default(),
+            dflash: Gate::default(),
             in_flight: None,
         }
     }
@@ -331,37 +364,46 @@ impl SpecState {
         match p {
             Proposer::Ngram => self.ngram.ema,
             Proposer::Draft => self.draft.ema,
+            Proposer::Dflash => self.dflash.ema,
         }
     }
 
-    /// What to try in `step` with `n_decoding` sequences decoding and a draft model
-    /// present or not. The n-gram lookup result decides between n-gram and draft model in
-    /// auto mode, so this returns the n-gram plan first when n-gram may run; the caller falls
-    /// back to [`SpecState::draft_plan`] when the lookup finds nothing.
-    pub fn plan(&self, step: u64, n_decoding: usize, have_draft: bool) -> Plan {
+    /// What to try in `step` with `n_decoding` sequences decoding and the model-based
+    /// proposers there are (`have`). The n-gram lookup result decides between n-gram and a
+    /// drafter in auto mode, so this returns the n-gram plan first when n-gram may run; the
+    /// caller falls back to [`SpecState::draft_plan`] when the lookup finds nothing.
+    pub fn plan(&self, step: u64, n_decoding: usize, have: Drafters) -> Plan {
         if self.max == 0 {
             return Plan::None;
         }
         match self.mode {
             SpecMode::Ngram => Plan::Ngram(self.max),
-            SpecMode::Draft if have_draft => Plan::Draft(self.draft_len.min(self.max)),
+            SpecMode::Draft if have.model => Plan::Draft(self.draft_len.min(self.max)),
+            SpecMode::Dflash => match have.dflash {
+                Some(block) => Plan::Dflash(block.min(self.max)),
+                None => Plan::None,
+            },
             SpecMode::Auto if n_decoding <= AUTO_MAX_DECODING => {
                 if self.ngram.open(step) {
                     Plan::Ngram(self.max)
                 } else {
-                    self.draft_plan(step, have_draft)
+                    self.draft_plan(step, have)
                 }
             }
             _ => Plan::None,
         }
     }
 
-    /// The draft-model plan when the n-gram lookup found nothing (auto mode only).
-    pub fn draft_plan(&self, step: u64, have_draft: bool) -> Plan {
-        if self.mode == SpecMode::Auto && have_draft && self.draft.open(step) {
-            Plan::Draft(self.draft_len.min(self.max))
-        } else {
-            Plan::None
+    /// The drafter plan when the n-gram lookup found nothing (auto mode only): DFlash if
+    /// there is a drafter and it is not paused, else the draft model.
+    pub fn draft_plan(&self, step: u64, have: Drafters) -> Plan {
+        if self.mode != SpecMode::Auto {
+            return Plan::None;
+        }
+        match have.dflash {
+            Some(block) if self.dflash.open(step) => Plan::Dflash(block.min(self.max)),
+            _ if have.model && self.draft.open(step) => Plan::Draft(self.draft_len.min(self.max)),
+            _ => Plan::None,
         }
     }
 
@@ -380,6 +422,7 @@ impl SpecState {
         let auto = self.mode == SpecMode::Auto;
         match p {
             Proposer::Ngram => self.ngram.observe(drafted, accepted, step, auto),
+            Proposer::Dflash => self.dflash.observe(drafted, accepted, step, auto),
             Proposer::Draft => {
                 self.draft.observe(drafted, accepted, step, auto);
                 if accepted == drafted {
@@ -395,6 +438,36 @@ impl SpecState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const NONE: Drafters = Drafters {
+        model: false,
+        dflash: None,
+    };
+    const MODEL: Drafters = Drafters {
+        model: true,
+        dflash: None,
+    };
+
+    #[test]
+    fn dflash_is_preferred_in_auto_and_capped_by_its_block() {
+        let both = Drafters {
+            model: true,
+            dflash: Some(7),
+        };
+        let mut s = SpecState::new(SpecMode::Auto, 16);
+        for step in 1..=4 {
+            s.observe(Proposer::Ngram, 8, 0, step);
+        }
+        assert_eq!(s.plan(5, 1, both), Plan::Dflash(7));
+        assert_eq!(
+            SpecState::new(SpecMode::Dflash, 4).plan(1, 1, both),
+            Plan::Dflash(4)
+        );
+        assert_eq!(
+            SpecState::new(SpecMode::Dflash, 4).plan(1, 1, MODEL),
+            Plan::None
+        );
+    }
 
     #[test]
     fn modes_parse_and_name() {
@@ -414,38 +487,38 @@ mod tests {
     #[test]
     fn auto_pauses_a_poor_proposer_and_steps_down_under_load() {
         let mut s = SpecState::new(SpecMode::Auto, 8);
-        assert_eq!(s.plan(1, 1, false), Plan::Ngram(8));
-        assert_eq!(s.plan(1, AUTO_MAX_DECODING + 1, true), Plan::None);
+        assert_eq!(s.plan(1, 1, NONE), Plan::Ngram(8));
+        assert_eq!(s.plan(1, AUTO_MAX_DECODING + 1, MODEL), Plan::None);
         for step in 1..=4 {
             s.observe(Proposer::Ngram, 8, 0, step);
         }
         // paused: falls to the draft model if there is one
-        assert_eq!(s.plan(5, 1, false), Plan::None);
-        assert!(matches!(s.plan(5, 1, true), Plan::Draft(_)));
-        assert_eq!(s.plan(5 + MAX_PAUSE, 1, false), Plan::Ngram(8));
+        assert_eq!(s.plan(5, 1, NONE), Plan::None);
+        assert!(matches!(s.plan(5, 1, MODEL), Plan::Draft(_)));
+        assert_eq!(s.plan(5 + MAX_PAUSE, 1, NONE), Plan::Ngram(8));
         // an explicit mode never pauses
         let mut s = SpecState::new(SpecMode::Ngram, 4);
         for step in 1..=10 {
             s.observe(Proposer::Ngram, 4, 0, step);
         }
-        assert_eq!(s.plan(11, 100, false), Plan::Ngram(4));
+        assert_eq!(s.plan(11, 100, NONE), Plan::Ngram(4));
     }
 
     #[test]
     fn draft_length_adapts() {
         let mut s = SpecState::new(SpecMode::Draft, 8);
-        let Plan::Draft(k0) = s.plan(1, 1, true) else {
+        let Plan::Draft(k0) = s.plan(1, 1, MODEL) else {
             panic!("draft plan expected")
         };
         s.observe(Proposer::Draft, k0, k0, 1);
-        let Plan::Draft(k1) = s.plan(2, 1, true) else {
+        let Plan::Draft(k1) = s.plan(2, 1, MODEL) else {
             panic!("draft plan expected")
         };
         assert_eq!(k1, k0 + 1);
         s.observe(Proposer::Draft, k1, 0, 2);
-        assert_eq!(s.plan(3, 1, true), Plan::Draft(k0));
+        assert_eq!(s.plan(3, 1, MODEL), Plan::Draft(k0));
         assert_eq!(
-            SpecState::new(SpecMode::Draft, 8).plan(1, 1, false),
+            SpecState::new(SpecMode::Draft, 8).plan(1, 1, NONE),
             Plan::None
         );
     }

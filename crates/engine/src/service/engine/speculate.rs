@@ -13,14 +13,14 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
-use kapitsa_models::{BatchInputs, RecurrentSnapshot};
+use kapitsa_models::{BatchInputs, Logits, RecurrentSnapshot};
 
 use super::Engine;
 use crate::scheduler::{Outcome, ScheduledSeq, SeqId};
 use crate::spec::cost::{Offer, SpecAllocator};
 use crate::spec::draft::DraftAsk;
 use crate::spec::ngram;
-use crate::spec::{Plan, Proposer, SpecMode};
+use crate::spec::{Drafters, Plan, Proposer, SpecMode};
 
 /// A sequence's possible proposals in one step.
 struct Candidate {
@@ -49,7 +49,10 @@ impl Engine {
             .filter(|&(_, room)| room > 0)
             .collect();
         let n_decoding = decoding.len();
-        let have_draft = self.drafter.is_some();
+        let have = Drafters {
+            model: self.drafter.is_some(),
+            dflash: self.dflash.as_ref().map(|d| d.max_draft()),
+        };
         let mut cands: Vec<Candidate> = Vec::new();
         for &(id, room) in &decoding {
             let Some(a) = self.active.get_mut(&id) else {
@@ -58,7 +61,7 @@ impl Engine {
             let Some(st) = &mut a.spec else { continue };
             st.in_flight = None;
             let auto = st.mode() == SpecMode::Auto;
-            let mut plan = st.plan(step, n_decoding, have_draft);
+            let mut plan = st.plan(step, n_decoding, have);
             if let Plan::Ngram(cap) = plan {
                 let cap = cap.min(room);
                 let h = &a.history;
@@ -86,20 +89,24 @@ impl Engine {
                         });
                         Plan::None
                     }
-                    None => st.draft_plan(step, have_draft),
+                    None => st.draft_plan(step, have),
                 };
             }
-            if let Plan::Draft(k) = plan {
+            // (auto: the draft model may propose up to the request's cap, the allocator
+            // decides; explicit: its adaptive length)
+            let drafter = match plan {
+                Plan::Draft(_) if auto => Some((Proposer::Draft, st.max_draft())),
+                Plan::Draft(k) => Some((Proposer::Draft, k)),
+                Plan::Dflash(k) if a.dflash.is_some() => Some((Proposer::Dflash, k)),
+                _ => None,
+            };
+            if let Some((proposer, k)) = drafter {
                 cands.push(Candidate {
                     id,
-                    proposer: Proposer::Draft,
+                    proposer,
                     tokens: Vec::new(),
-                    k: if auto {
-                        room.min(st.max_draft())
-                    } else {
-                        k.min(room)
-                    },
-                    acceptance: st.acceptance(Proposer::Draft),
+                    k: k.min(room),
+                    acceptance: st.acceptance(proposer),
                     auto,
                 });
             }
@@ -131,6 +138,10 @@ impl Engine {
                         asks.push((c.id, slot, c.k));
                     }
                 }
+                Proposer::Dflash => {
+                    let tokens = self.dflash_draft(c.id, c.k);
+                    self.set_proposals(c.id, Proposer::Dflash, tokens);
+                }
             }
         }
         if asks.is_empty() {
@@ -156,6 +167,64 @@ impl Engine {
         };
         for ((id, _, _), d) in asks.into_iter().zip(drafts) {
             self.set_proposals(id, Proposer::Draft, d);
+        }
+    }
+
+    /// Up to `k` DFlash proposals after `id`'s last token (none if drafting fails: the step
+    /// then decodes without them).
+    fn dflash_draft(&mut self, id: SeqId, k: usize) -> Vec<u32> {
+        let (Some(d), Some(a)) = (self.dflash.as_ref(), self.active.get_mut(&id)) else {
+            return Vec::new();
+        };
+        let (Some(st), Some(&anchor)) = (a.dflash.as_mut(), a.history.last()) else {
+            return Vec::new();
+        };
+        let pos = (a.history.len() - 1) as u32;
+        let k = k.min(d.max_draft());
+        if k == 0 || pos < st.next_pos() {
+            return Vec::new();
+        }
+        d.draft(&*self.model, st, anchor, pos, k)
+            .map(|dr| dr.tokens)
+            .unwrap_or_default()
+    }
+
+    /// After a pass with taps: add each DFlash request's committed tokens to its drafter
+    /// context: a whole chunk without proposals, else the last sampled token and the
+    /// accepted proposals. A chunk that starts before the context's end (a recomputation)
+    /// cuts the context back first. A failure leaves a gap (drafting goes on, less well).
+    pub(super) fn feed_dflash(
+        &mut self,
+        seqs: &[ScheduledSeq],
+        outcomes: &[(SeqId, Outcome)],
+        logits: &Logits,
+    ) {
+        let Some(d) = self.dflash.clone() else {
+            return;
+        };
+        if logits.tap_width == 0 {
+            return;
+        }
+        let by_id: HashMap<SeqId, &Outcome> = outcomes.iter().map(|(id, o)| (*id, o)).collect();
+        let mut start = 0;
+        for s in seqs {
+            let at = start;
+            start += s.tokens.len();
+            let Some(st) = self.active.get_mut(&s.id).and_then(|a| a.dflash.as_mut()) else {
+                continue;
+            };
+            let kept = match by_id.get(&s.id) {
+                Some(Outcome::Tokens(ts)) if s.n_draft > 0 => ts.len(),
+                Some(Outcome::Tokens(_) | Outcome::Computed) => s.tokens.len(),
+                _ => continue,
+            };
+            let pos = s.start_pos as u32;
+            if pos < st.next_pos() {
+                st.truncate(pos);
+            }
+            if let Some(rows) = logits.tap_rows(at..at + kept) {
+                let _ = d.append_context(st, rows, pos);
+            }
         }
     }
 
