@@ -346,6 +346,56 @@ impl Weight {
         Ok(self)
     }
 
+    /// Split a 2-D weight `[n_out, n_in]` by input columns into `[n_out, at]` and
+    /// `[n_out, n_in - at]` (owned copies named `<name>[:at]` and `<name>[at:]`): the bytes
+    /// as they are when `at` falls on a block boundary of the type, else dequantised to f32.
+    /// For a product with a concatenation, `W · [a | b] = W[:, :at] · a + W[:, at:] · b`.
+    pub fn split_cols(&self, at: usize) -> Result<(Weight, Weight)> {
+        self.check_2d()?;
+        let (rows, n_in) = (self.shape[0], self.shape[1]);
+        if at == 0 || at >= n_in {
+            return Err(ModelError::Config(format!(
+                "tensor '{}': cannot split {n_in} columns at {at}",
+                self.name
+            )));
+        }
+        let names = (
+            format!("{}[:{at}]", self.name),
+            format!("{}[{at}:]", self.name),
+        );
+        let widths = [at, n_in - at];
+        let raw = match (
+            self.dtype.row_bytes(n_in),
+            self.dtype.row_bytes(at),
+            self.dtype.row_bytes(n_in - at),
+        ) {
+            (Some(rb), Some(a), Some(b)) if a + b == rb => Some((rb, a)),
+            _ => None,
+        };
+        if let Some((rb, a)) = raw {
+            let bytes = self.bytes()?;
+            let (mut left, mut right) = (Vec::new(), Vec::new());
+            for row in bytes.chunks_exact(rb).take(rows) {
+                left.extend_from_slice(&row[..a]);
+                right.extend_from_slice(&row[a..]);
+            }
+            return Ok((
+                Weight::from_bytes(&names.0, self.dtype, vec![rows, widths[0]], left)?,
+                Weight::from_bytes(&names.1, self.dtype, vec![rows, widths[1]], right)?,
+            ));
+        }
+        let all = self.to_f32()?;
+        let (mut left, mut right) = (Vec::new(), Vec::new());
+        for row in all.chunks_exact(n_in) {
+            left.extend_from_slice(&row[..at]);
+            right.extend_from_slice(&row[at..]);
+        }
+        Ok((
+            Weight::from_f32(&names.0, vec![rows, widths[0]], &left),
+            Weight::from_f32(&names.1, vec![rows, widths[1]], &right),
+        ))
+    }
+
     /// All elements dequantised to f32 (norm weights, biases).
     pub fn to_f32(&self) -> Result<Vec<f32>> {
         let n = self.n_elements();
