@@ -245,6 +245,155 @@ def qwen_fixtures(tiny, out, ref):
         "router_gap_min": head.gaps.min(),
     }
 
+# --------------------------------------------------------------------------------------------
+# Nemotron-H
+
+
+def nemotron_mtp_tensors(trunk, cfg, seed):
+    """Random `mtp.layers.{0,1}.*` tensors (NVIDIA's HF names): norms U(0.6, 1.4), the
+    correction bias N(0, 0.1^2), every matrix N(0, s^2) with s the standard deviation of the
+    trunk's tensor of the same role (eh_proj: 1 / sqrt(2 n_embd))."""
+    H = cfg.hidden_size
+    attn = cfg.layers_block_type.index("full_attention")
+    moe = cfg.layers_block_type.index("moe")
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+
+    def like(name, src):
+        t = trunk[src]
+        out[name] = (torch.randn(t.shape, generator=g) * float(t.std())).contiguous()
+
+    for n in ["enorm", "hnorm", "norm"]:
+        out[f"mtp.layers.0.{n}.weight"] = torch.rand(H, generator=g) * 0.8 + 0.6
+    for n in ["norm", "final_layernorm"]:
+        out[f"mtp.layers.1.{n}.weight"] = torch.rand(H, generator=g) * 0.8 + 0.6
+    out["mtp.layers.0.eh_proj.weight"] = torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5
+    for n in ["q_proj", "k_proj", "v_proj", "o_proj"]:
+        like(f"mtp.layers.0.mixer.{n}.weight", f"backbone.layers.{attn}.mixer.{n}.weight")
+    prefix = f"backbone.layers.{moe}.mixer."
+    for n in sorted(k for k in trunk if k.startswith(prefix)):
+        name = "mtp.layers.1.mixer." + n[len(prefix):]
+        if n.endswith("e_score_correction_bias"):
+            out[name] = torch.randn(trunk[n].shape, generator=g) * 0.1
+        else:
+            like(name, n)
+    return dict(sorted(out.items()))
+
+
+class NemotronHead:
+    """The Nemotron-H MTP head: eh_proj fusion, then transformers' NemotronHBlock of an
+    attention layer (`mtp.layers.0`) and of a MoE layer (`mtp.layers.1`), then
+    `final_layernorm` and the shared LM head (formulas in the module docs)."""
+
+    def __init__(self, model, w):
+        from transformers.models.nemotron_h import modeling_nemotron_h as nh
+
+        cfg = model.config
+        self.model = model
+        H = cfg.hidden_size
+
+        def norm(name):
+            n = nh.NemotronHRMSNorm(H, eps=cfg.layer_norm_epsilon)
+            n.weight.data.copy_(w[name])
+            return n
+
+        self.enorm = norm("mtp.layers.0.enorm.weight")
+        self.hnorm = norm("mtp.layers.0.hnorm.weight")
+        self.norm = norm("mtp.layers.1.final_layernorm.weight")
+        self.fc = w["mtp.layers.0.eh_proj.weight"]
+        attn = nh.NemotronHBlock(cfg, cfg.layers_block_type.index("full_attention"))
+        attn.load_state_dict({
+            "norm.weight": w["mtp.layers.0.norm.weight"],
+            **{f"mixer.{n}.weight": w[f"mtp.layers.0.mixer.{n}.weight"]
+               for n in ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        }, strict=True)
+        moe = nh.NemotronHBlock(cfg, cfg.layers_block_type.index("moe"))
+        p = "mtp.layers.1.mixer."
+        E = cfg.n_routed_experts
+        sd = {"norm.weight": w["mtp.layers.1.norm.weight"]}
+        for k, v in w.items():
+            if k.startswith(p) and ".experts." not in k:
+                sd["mixer." + k[len(p):]] = v
+        sd["mixer.experts.up_proj"] = torch.stack(
+            [w[f"{p}experts.{e}.up_proj.weight"] for e in range(E)])
+        sd["mixer.experts.down_proj"] = torch.stack(
+            [w[f"{p}experts.{e}.down_proj.weight"] for e in range(E)])
+        moe.load_state_dict(sd, strict=True)
+        self.attn, self.moe = attn.eval(), moe.eval()
+        self.gaps = RouterGaps()
+        bias = sd["mixer.gate.e_score_correction_bias"]
+        self.moe.mixer.gate.register_forward_hook(
+            self.gaps.hook(cfg.num_experts_per_tok, bias=bias))
+
+    def embed(self, ids):
+        return self.model.get_input_embeddings()(torch.tensor(ids)[None])[0]
+
+    def rows(self, hidden, next_ids):
+        x = torch.cat([self.enorm(self.embed(next_ids)), self.hnorm(hidden)], dim=-1)
+        return x @ self.fc.T
+
+    def layer_out(self, u, positions):
+        y = self.attn(u[None], attention_mask=causal_mask(u.shape[0]))
+        y = self.moe(y)
+        return self.norm(y[0])
+
+    def logits(self, d):
+        return self.model.lm_head(d)
+
+
+def nemotron_fixtures(tiny, out, ref):
+    from safetensors.torch import load_file, save_file
+    from transformers import NemotronHForCausalLM
+
+    name = "nemotronh-moe-a"
+    folder = tiny / name
+    model = NemotronHForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    trunk = load_file(str(folder / "model.safetensors"))
+    w = nemotron_mtp_tensors(trunk, model.config, SEED + 7)
+    save_file(w, str(out / f"{name}_mtp.safetensors"), metadata={"format": "pt"})
+    head = NemotronHead(model, w)
+    g = torch.Generator().manual_seed(SEED + 1)
+    V = model.config.vocab_size
+    prompt = torch.randint(0, V - 8, (20,), generator=g).tolist()
+    ids = greedy(model, prompt, 12)
+    T = len(ids)
+    layers = model.model.layers if hasattr(model, "model") else model.backbone.layers
+    got = {}
+    hk = layers[-1].register_forward_hook(lambda m, i, o: got.__setitem__("t", o))
+    res = model(torch.tensor(ids)[None], output_hidden_states=True)
+    hk.remove()
+    taps = got["t"][0]
+    backbone = model.model if hasattr(model, "model") else model.backbone
+    post = backbone.norm_f(taps)
+    assert torch.allclose(model.lm_head(post), res.logits[0], atol=1e-5)
+    u = head.rows(post[:T - 1], ids[1:T])
+    ctx_logits = head.logits(head.layer_out(u, list(range(T - 1))))
+    anchors = [5, 12, 20, 27]
+    drafts, draft_logits, gaps = [], [], []
+    for a in anchors:
+        t, lg = chain(head, post, ids, a, DEPTH)
+        drafts.append(t)
+        draft_logits.append(lg)
+        gaps.append(top2_gap(lg))
+    (out / f"{name}_taps.bin").write_bytes(f32(taps).tobytes())
+    (out / f"{name}_logits.bin").write_bytes(f32(ctx_logits).tobytes())
+    (out / f"{name}_drafts.bin").write_bytes(f32(torch.stack(draft_logits)).tobytes())
+    ref[name] = {
+        "target": f"tiny/{name} + {name}_mtp.safetensors",
+        "tokens": ids,
+        "prompt_len": len(prompt),
+        "n_embd": model.config.hidden_size,
+        "n_vocab": V,
+        "context_rows": T - 1,
+        "context_top2_gap_min": top2_gap(ctx_logits),
+        "anchors": anchors,
+        "depth": DEPTH,
+        "drafts": drafts,
+        "draft_top2_gap_min": gaps,
+        "router_gap_min": head.gaps.min(),
+    }
+
 
 # --------------------------------------------------------------------------------------------
 
@@ -258,6 +407,7 @@ def main():
     torch.set_grad_enabled(False)
     ref = {"logits_dtype": "f32-le"}
     qwen_fixtures(a.tiny, a.out, ref)
+    nemotron_fixtures(a.tiny, a.out, ref)
     (a.out / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
     print(json.dumps(ref, indent=1))
 

@@ -1,8 +1,9 @@
 //! MTP drafters (the models' own multi-token-prediction heads) against a PyTorch evaluation
 //! of the head's formulas (tests/fixtures/mtp, made by tools/gen_mtp_fixtures.py; see the
-//! README there): per-position MTP logits over one context, chained greedy drafts of depth
-//! 3 from several anchors, the same head read from the GGUF `nextn.*` block, a greedy
-//! speculative loop that must give plain greedy output, rollback, and errors.
+//! README there), for Qwen3.5-MoE and Nemotron-H, each from HF safetensors and GGUF:
+//! per-position MTP logits over one context, chained greedy drafts of depth 3 from several
+//! anchors, the last-layer taps the head reads, a greedy speculative loop that must give
+//! plain greedy output, rollback, and errors.
 
 use std::path::{Path, PathBuf};
 
@@ -72,13 +73,134 @@ fn load(path: &Path) -> std::sync::Arc<dyn CausalLm> {
         .model
 }
 
-/// The Qwen3.5-MoE target with MTP weights: HF safetensors and the llama.cpp GGUF.
-fn qwen_targets() -> Vec<(String, std::sync::Arc<dyn CausalLm>)> {
-    let dir = fixtures().join("qwen35moe-b");
-    vec![
-        ("hf".to_string(), load(&dir)),
-        ("gguf".to_string(), load(&dir.join("model-f32.gguf"))),
-    ]
+/// The models with a reference.
+const MODELS: [&str; 2] = ["qwen35moe-b", "nemotronh-moe-a"];
+
+/// A reference's target in each format, and the temporary directory of an assembled one.
+struct Targets {
+    list: Vec<(String, std::sync::Arc<dyn CausalLm>)>,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+/// qwen35moe-b: its HF safetensors (with `mtp.*`) and llama.cpp's GGUF (`blk.8.nextn.*`).
+/// nemotronh-moe-a: the trunk's HF files with the fixture's `mtp.layers.*` tensors merged into
+/// its safetensors (in a temporary directory).
+fn targets(name: &str) -> Targets {
+    let dir = fixtures().join(name);
+    if name == "qwen35moe-b" {
+        return Targets {
+            list: vec![
+                ("hf".to_string(), load(&dir)),
+                ("gguf".to_string(), load(&dir.join("model-f32.gguf"))),
+            ],
+            _tmp: None,
+        };
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(&dir).unwrap() {
+        let p = f.unwrap().path();
+        let file = p.file_name().unwrap().to_owned();
+        if p.is_file() && file != "model.safetensors" && p.extension() != Some("gguf".as_ref()) {
+            std::fs::copy(&p, tmp.path().join(&file)).unwrap();
+        }
+    }
+    let trunk = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let mtp = std::fs::read(self::dir().join(format!("{name}_mtp.safetensors"))).unwrap();
+    let trunk = safetensors::SafeTensors::deserialize(&trunk).unwrap();
+    let mtp = safetensors::SafeTensors::deserialize(&mtp).unwrap();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> =
+        trunk.tensors().into_iter().chain(mtp.tensors()).collect();
+    safetensors::serialize_to_file(views, None, &tmp.path().join("model.safetensors")).unwrap();
+    let gguf = tmp.path().join("model-mtp.gguf");
+    nemotron_gguf(&dir.join("model-f32.gguf"), &mtp, &gguf);
+    Targets {
+        list: vec![
+            ("hf".to_string(), load(tmp.path())),
+            ("gguf".to_string(), load(&gguf)),
+        ],
+        _tmp: Some(tmp),
+    }
+}
+
+/// The trunk GGUF `trunk` with the HF MTP tensors `mtp` added as llama.cpp's converter
+/// (`conversion/nemotron.py`) folds them: one block `blk.{n_layer}` after the trunk
+/// (`nextn.{eh_proj,enorm,hnorm,shared_head_norm}`, `attn_*`, `post_attention_norm`, stacked
+/// `ffn_*_exps`, `ffn_*_shexp`), `block_count + 1`, `nextn_predict_layers = 1`.
+fn nemotron_gguf(trunk: &Path, mtp: &safetensors::SafeTensors<'_>, out: &Path) {
+    use kapitsa_formats::{GgufFile, GgufValue, GgufWriter};
+    let src = GgufFile::open(trunk).unwrap();
+    let arch = src.architecture().unwrap().to_string();
+    let n_layer = src.get_u32(&format!("{arch}.block_count")).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in src.metadata() {
+        w.add_kv(k.clone(), v.clone());
+    }
+    w.add_kv(format!("{arch}.block_count"), GgufValue::U32(n_layer + 1));
+    w.add_kv(format!("{arch}.nextn_predict_layers"), GgufValue::U32(1));
+    for t in src.tensor_infos() {
+        let v = src.tensor(&t.name).unwrap();
+        w.add_tensor(t.name.clone(), v.dtype, &v.shape, v.data.to_vec())
+            .unwrap();
+    }
+    let f32_ = kapitsa_base::GgmlType::F32;
+    let mut add = |name: &str, shape: Vec<usize>, data: Vec<u8>| {
+        w.add_tensor(format!("blk.{n_layer}.{name}"), f32_, &shape, data)
+            .unwrap();
+    };
+    let renames = [
+        ("mtp.layers.0.eh_proj.weight", "nextn.eh_proj.weight"),
+        ("mtp.layers.0.enorm.weight", "nextn.enorm.weight"),
+        ("mtp.layers.0.hnorm.weight", "nextn.hnorm.weight"),
+        ("mtp.layers.0.norm.weight", "attn_norm.weight"),
+        ("mtp.layers.0.mixer.q_proj.weight", "attn_q.weight"),
+        ("mtp.layers.0.mixer.k_proj.weight", "attn_k.weight"),
+        ("mtp.layers.0.mixer.v_proj.weight", "attn_v.weight"),
+        ("mtp.layers.0.mixer.o_proj.weight", "attn_output.weight"),
+        ("mtp.layers.1.norm.weight", "post_attention_norm.weight"),
+        ("mtp.layers.1.mixer.gate.weight", "ffn_gate_inp.weight"),
+        (
+            "mtp.layers.1.mixer.gate.e_score_correction_bias",
+            "exp_probs_b.bias",
+        ),
+        (
+            "mtp.layers.1.mixer.shared_experts.up_proj.weight",
+            "ffn_up_shexp.weight",
+        ),
+        (
+            "mtp.layers.1.mixer.shared_experts.down_proj.weight",
+            "ffn_down_shexp.weight",
+        ),
+        (
+            "mtp.layers.1.final_layernorm.weight",
+            "nextn.shared_head_norm.weight",
+        ),
+    ];
+    for (hf, gg) in renames {
+        let t = mtp.tensor(hf).unwrap();
+        add(gg, t.shape().to_vec(), t.data().to_vec());
+    }
+    let n_expert = mtp
+        .tensor("mtp.layers.1.mixer.gate.weight")
+        .unwrap()
+        .shape()[0];
+    for (proj, gg) in [
+        ("up_proj", "ffn_up_exps.weight"),
+        ("down_proj", "ffn_down_exps.weight"),
+    ] {
+        let mut data = Vec::new();
+        let mut shape = vec![n_expert];
+        for e in 0..n_expert {
+            let t = mtp
+                .tensor(&format!("mtp.layers.1.mixer.experts.{e}.{proj}.weight"))
+                .unwrap();
+            if e == 0 {
+                shape.extend_from_slice(t.shape());
+            }
+            data.extend_from_slice(t.data());
+        }
+        add(gg, shape, data);
+    }
+    std::fs::write(out, w.to_bytes()).unwrap();
 }
 
 const TOL: f32 = 1e-4;
@@ -86,14 +208,21 @@ const TOL: f32 = 1e-4;
 /// Append the reference's rows one at a time (row p reads taps[p] and token p + 1): after
 /// each, a one-token draft gives that row's logits.
 #[test]
-fn qwen_context_logits_match_reference() {
-    let r = reference("qwen35moe-b");
+fn context_logits_match_reference() {
+    for name in MODELS {
+        context_logits(name);
+    }
+}
+
+fn context_logits(name: &str) {
+    let r = reference(name);
     let (d, v) = (r.d, r.v);
     let n_rows = r.tokens.len() - 1;
     assert_eq!(r.logits.len(), n_rows * v);
-    for (fmt, t) in qwen_targets() {
+    for (fmt, t) in targets(name).list {
+        let fmt = format!("{name} {fmt}");
         let m = MtpDrafter::for_model(&*t).unwrap();
-        assert_eq!(m.tap_layers(), &[7]);
+        assert_eq!(m.tap_layers(), &[t.spec().layers.len() - 1]);
         let mut st = m.new_state();
         let mut worst = 0f32;
         for p in 0..n_rows {
@@ -126,10 +255,17 @@ fn qwen_context_logits_match_reference() {
 /// The chained drafts from each anchor, the context appended in two chunks (a gap-free
 /// split), against the reference's tokens and step logits.
 #[test]
-fn qwen_chained_drafts_match_reference() {
-    let r = reference("qwen35moe-b");
+fn chained_drafts_match_reference() {
+    for name in MODELS {
+        chained_drafts(name);
+    }
+}
+
+fn chained_drafts(name: &str) {
+    let r = reference(name);
     let (d, v, k) = (r.d, r.v, r.depth);
-    for (fmt, t) in qwen_targets() {
+    for (fmt, t) in targets(name).list {
+        let fmt = format!("{name} {fmt}");
         let m = MtpDrafter::for_model(&*t).unwrap();
         for (a, &p) in r.anchors.iter().enumerate() {
             let mut st: MtpState = m.new_state();
@@ -162,9 +298,16 @@ fn qwen_chained_drafts_match_reference() {
 /// The engine's input to the head: the target's tap of its last layer (before the final
 /// norm) equals transformers' output of that layer, for both formats.
 #[test]
-fn qwen_last_layer_taps_match_transformers() {
-    let r = reference("qwen35moe-b");
-    for (fmt, t) in qwen_targets() {
+fn last_layer_taps_match_transformers() {
+    for name in MODELS {
+        let r = reference(name);
+        last_layer_taps(name, &r);
+    }
+}
+
+fn last_layer_taps(name: &str, r: &Reference) {
+    for (fmt, t) in targets(name).list {
+        let fmt = format!("{name} {fmt}");
         let m = MtpDrafter::for_model(&*t).unwrap();
         let mut cache = kapitsa_models::new_cache(&*t, 1, 64, KvType::F32).unwrap();
         let out = forward_taps(&*t, &mut cache, &r.tokens, 0, m.tap_layers());
@@ -175,23 +318,26 @@ fn qwen_last_layer_taps_match_transformers() {
     }
 }
 
-/// The HF and GGUF loads of one checkpoint give the same head (GGUF norms stored `1 + w`,
-/// `nextn.*` names, the trunk's `output_norm`).
+/// The HF and GGUF loads of one checkpoint give the same head (GGUF: `nextn.*` names, the
+/// trunk's `output_norm`; Qwen norms stored `1 + w`).
 #[test]
-fn qwen_gguf_head_equals_safetensors_head() {
-    let r = reference("qwen35moe-b");
-    let (d, p) = (r.d, r.tokens.len() - 1);
-    let mut got = Vec::new();
-    for (_, t) in qwen_targets() {
-        let m = MtpDrafter::for_model(&*t).unwrap();
-        let mut st = m.new_state();
-        m.append_context(&*t, &mut st, &r.taps[..p * d], &r.tokens[1..=p], 0)
-            .unwrap();
-        got.push(m.draft(&*t, &mut st, r.tokens[p], p as u32, 3).unwrap());
+fn gguf_head_equals_safetensors_head() {
+    for name in MODELS {
+        let r = reference(name);
+        let (d, p) = (r.d, r.tokens.len() - 1);
+        let mut got = Vec::new();
+        for (_, t) in targets(name).list {
+            let m = MtpDrafter::for_model(&*t).unwrap();
+            let mut st = m.new_state();
+            m.append_context(&*t, &mut st, &r.taps[..p * d], &r.tokens[1..=p], 0)
+                .unwrap();
+            got.push(m.draft(&*t, &mut st, r.tokens[p], p as u32, 3).unwrap());
+        }
+        assert_eq!(got.len(), 2, "{name}: HF and GGUF");
+        assert_eq!(got[0].tokens, got[1].tokens, "{name}");
+        let e = rel_err(&got[1].logits, &got[0].logits);
+        assert!(e < 1e-5, "{name}: gguf vs hf: rel err {e}");
     }
-    assert_eq!(got[0].tokens, got[1].tokens);
-    let e = rel_err(&got[1].logits, &got[0].logits);
-    assert!(e < 1e-5, "gguf vs hf: rel err {e}");
 }
 
 /// One target pass over `tokens` at `pos` with taps of `layers`, every row's logits.
@@ -313,10 +459,17 @@ fn spec_loop(
 }
 
 #[test]
-fn qwen_greedy_spec_loop_equals_plain_greedy() {
-    let r = reference("qwen35moe-b");
+fn greedy_spec_loop_equals_plain_greedy() {
+    for name in MODELS {
+        greedy_spec_loop(name);
+    }
+}
+
+fn greedy_spec_loop(name: &str) {
+    let r = reference(name);
     let prompt = &r.tokens[..r.prompt_len];
-    for (fmt, t) in qwen_targets() {
+    for (fmt, t) in targets(name).list {
+        let fmt = format!("{name} {fmt}");
         let m = MtpDrafter::for_model(&*t).unwrap();
         let want = plain_greedy(&*t, prompt, 20);
         for k in [1, 3] {
