@@ -422,3 +422,53 @@ impl std::fmt::Debug for Weight {
         write!(f, "Weight({} {} {:?})", self.name, self.dtype, self.shape)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Splitting by columns keeps every value, in f32 and in a block-quantised type (on a
+    /// block boundary: bytes as they are; off one: dequantised).
+    #[test]
+    fn split_cols_keeps_every_value() {
+        let (rows, cols) = (3, 96);
+        let vals: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7) % 13) as f32 - 6.0)
+            .collect();
+        let w = Weight::from_f32("w", vec![rows, cols], &vals);
+        let (a, b) = w.split_cols(40).unwrap();
+        assert_eq!(
+            (a.shape.clone(), b.shape.clone()),
+            (vec![3, 40], vec![3, 56])
+        );
+        let (fa, fb) = (a.to_f32().unwrap(), b.to_f32().unwrap());
+        for r in 0..rows {
+            assert_eq!(fa[r * 40..(r + 1) * 40], vals[r * cols..r * cols + 40]);
+            assert_eq!(
+                fb[r * 56..(r + 1) * 56],
+                vals[r * cols + 40..(r + 1) * cols]
+            );
+        }
+        // Q8_0 blocks: an f16 scale and 32 int8 values
+        let mut q = Vec::new();
+        for (i, block) in vals.chunks_exact(32).enumerate() {
+            let scale = half::f16::from_f32(0.25 * (i + 1) as f32);
+            q.extend_from_slice(&scale.to_le_bytes());
+            q.extend(block.iter().map(|&v| (v as i8) as u8));
+        }
+        let wq = Weight::from_bytes("q", GgmlType::Q8_0, vec![rows, cols], q).unwrap();
+        let full = wq.to_f32().unwrap();
+        for at in [32, 40] {
+            let (a, b) = wq.split_cols(at).unwrap();
+            assert_eq!(a.dtype == GgmlType::Q8_0, at == 32);
+            let (fa, fb) = (a.to_f32().unwrap(), b.to_f32().unwrap());
+            let n = cols - at;
+            for r in 0..rows {
+                assert_eq!(fa[r * at..(r + 1) * at], full[r * cols..r * cols + at]);
+                assert_eq!(fb[r * n..(r + 1) * n], full[r * cols + at..(r + 1) * cols]);
+            }
+        }
+        assert!(w.split_cols(0).is_err());
+        assert!(w.split_cols(cols).is_err());
+    }
+}

@@ -563,3 +563,12 @@ fn models_without_mtp_weights_are_an_error() {
         }
     }
 }
+
+/// The engine keeps the drafter shared between threads and the states per sequence.
+#[test]
+fn drafter_is_shareable_and_states_movable() {
+    fn shared<T: Send + Sync>() {}
+    fn movable<T: Send>() {}
+    shared::<MtpDrafter>();
+    movable::<MtpState>();
+}
