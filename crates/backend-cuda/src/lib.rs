@@ -291,21 +291,7 @@ mod imp {
             ys: &mut [&mut Tensor],
             eps: &[Epilogue<'_>],
         ) -> Result<()> {
-            if eps.len() != ws.len() || ys.len() != ws.len() {
-                return kapitsa_backend::shape_err(
-                    "matmul_many_with",
-                    format!(
-                        "{} weights, {} outputs, {} epilogues",
-                        ws.len(),
-                        ys.len(),
-                        eps.len()
-                    ),
-                );
-            }
-            for ((w, y), ep) in ws.iter().zip(ys.iter_mut()).zip(eps) {
-                self.matmul_with_impl(w, x, n_tok, y, *ep)?;
-            }
-            Ok(())
+            self.matmul_many_with_impl(ws, x, n_tok, ys, eps)
         }
 
         fn embed(&self, w: &Weight, batch: &Batch, out: &mut Tensor) -> Result<()> {
