@@ -12,8 +12,8 @@
 //!   the order of the final f32 additions (the K split may differ).
 //! - `KAPITSA_GEMV_PREFETCH=0` issues the weight loads after the PDL wait instead of before,
 //!   `KAPITSA_GEMV_FUSE=0` turns the multi-product and gate/up launches off, and
-//!   `KAPITSA_GEMV_XS=0` the one-token kernels with x staged in shared memory (for
-//!   measurements).
+//!   `KAPITSA_GEMV_XS=0` the one-token kernels with x staged in shared memory (`2`: for every
+//!   one-token launch; default: launches of more blocks than fit at once) (for measurements).
 
 use std::sync::{Arc, OnceLock};
 
@@ -44,11 +44,17 @@ fn prefetch_on() -> bool {
     switch("KAPITSA_GEMV_PREFETCH", &CELL)
 }
 
-/// Whether one-token launches take the staged-activation kernels `gemv_<ty>_1xs`
-/// (`KAPITSA_GEMV_XS`).
-fn xs_on() -> bool {
-    static CELL: OnceLock<bool> = OnceLock::new();
-    switch("KAPITSA_GEMV_XS", &CELL)
+/// When one-token launches take the staged-activation kernels `gemv_<ty>_1xs`
+/// (`KAPITSA_GEMV_XS`): `0` never, `2` always, else (the default) when the row-group blocks
+/// do not all fit on the GPU at once (the staging is then paid once per resident block for
+/// several rounds; a launch of one round is latency-bound and does better without it).
+fn xs_mode() -> u8 {
+    static CELL: OnceLock<u8> = OnceLock::new();
+    *CELL.get_or_init(|| match std::env::var("KAPITSA_GEMV_XS").as_deref() {
+        Ok("0") => 0,
+        Ok("2") => 2,
+        _ => 1,
+    })
 }
 
 /// Most dynamic shared memory a `gemv_<ty>_1xs` launch takes (the kernels' attribute is
@@ -173,7 +179,6 @@ impl MatmulKernels {
             let nt = (n_tok - t0).min(GEMV_MAX_TOKENS);
             // one token: x staged in shared memory, a grid of resident blocks
             let smem = xs_bytes(n_in);
-            let xs = nt == 1 && xs_on() && smem <= XS_MAX_SMEM;
             let groups: Vec<usize> = parts.iter().map(|p| p.n_rows.div_ceil(GEMV_ROWS)).collect();
             // the K split (from one matrix's row groups for the gate/up pair, so each matrix
             // gets the split a launch of its own would), and the row groups one block holds
@@ -215,12 +220,15 @@ impl MatmulKernels {
             }
             args.vblocks = i32_arg(OP, "blocks", blocks)?;
             // the staged kernel: at most the blocks that fit at once (4 by registers)
-            let grid = if xs {
-                let per_sm = (SM_SMEM / (smem + BLOCK_SMEM_RESERVED)).clamp(1, 4);
-                blocks.min(self.sms * per_sm)
-            } else {
-                blocks
-            };
+            let resident = self.sms * (SM_SMEM / (smem + BLOCK_SMEM_RESERVED)).clamp(1, 4);
+            let xs = nt == 1
+                && smem <= XS_MAX_SMEM
+                && match xs_mode() {
+                    0 => false,
+                    2 => true,
+                    _ => blocks > resident,
+                };
+            let grid = if xs { blocks.min(resident) } else { blocks };
             let cfg = LaunchConfig {
                 grid_dim: (grid as u32, 1, 1),
                 block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
