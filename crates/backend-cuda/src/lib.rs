@@ -368,6 +368,19 @@ mod imp {
             self.rope_impl(x, n_heads, head_dim, rope, batch)
         }
 
+        fn rope_qk(
+            &self,
+            q: &mut Tensor,
+            k: &mut Tensor,
+            n_head: usize,
+            n_head_kv: usize,
+            head_dim: usize,
+            rope: RopeDesc,
+            batch: &Batch,
+        ) -> Result<()> {
+            self.rope_qk_impl(q, k, n_head, n_head_kv, head_dim, rope, batch)
+        }
+
         fn l2_norm(&self, x: &mut Tensor, width: usize, eps: f32, scale: f32) -> Result<()> {
             self.l2_norm_impl(x, width, eps, scale)
         }
