@@ -338,11 +338,11 @@ pub fn matmul_many_with(
 /// row-group GEMV), and all chunks are tasks of a single pool round, so a batch of small
 /// matrices pays one fork-join instead of one per matrix, and an idle thread only waits for
 /// the last, short chunk of the whole batch. A chunk meets its product's tokens on the
-/// multi-token row-group GEMV where the kernel has one (passes of [`GEMV_MULTI_MAX_TOKENS`]
-/// tokens, each weight block read from memory once per pass); on the AMX block tile GEMM for Q8_0 and Q5_0 at [`SimdLevel::Amx`] (as
-/// [`matmul_with`] does for 2 tokens and more); otherwise token by token over pieces of
-/// [`GEMV_PIECE_BYTES`], so the weights are read from memory once and from L1/L2 for the
-/// other tokens.
+/// multi-token row-group GEMVs where the kernel has them (passes of
+/// [`GEMV_MULTI_MAX_TOKENS`] tokens, each weight block read from memory once per pass); on
+/// the AMX block tile GEMM for Q8_0 and Q5_0 at [`SimdLevel::Amx`] (as [`matmul_with`] does
+/// for 2 tokens and more); otherwise token by token over pieces of [`GEMV_PIECE_BYTES`], so
+/// the weights are read from memory once and from L1/L2 for the other tokens.
 pub fn gemv_batch_with(
     level: SimdLevel,
     pool: &dyn ThreadPool,
