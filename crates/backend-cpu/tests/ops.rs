@@ -138,6 +138,66 @@ fn weight(be: &CpuBackend, ty: GgmlType, shape: Vec<usize>) -> Weight {
     .unwrap()
 }
 
+/// A pass of 2..=16 tokens (speculative verification, batched decode) or more (prefill
+/// chunks) gives every token exactly what a one-token pass gives it, at every level, through
+/// `matmul` and `matmul_many`: the formats of the real models (Q4_K, Q6_K; Q8_0 and Q5_0 for
+/// 896-wide matrices), row counts around the kernels' 8- and 16-row groups.
+#[test]
+fn passes_of_any_size_equal_one_token_passes_bitwise() {
+    for level in SimdLevel::available() {
+        let be = CpuBackend::with_level(pool(), level).unwrap();
+        for (ty, n_in, n_out) in [
+            (GgmlType::Q4_K, 512, 37),
+            (GgmlType::Q6_K, 768, 21),
+            (GgmlType::Q8_0, 896, 19),
+            (GgmlType::Q5_0, 896, 40),
+        ] {
+            let w = weight(&be, ty, vec![n_out, n_in]);
+            let w2 = weight(&be, ty, vec![9, n_in]);
+            let n_max = 40;
+            let xv: Vec<f32> = (0..n_max * n_in)
+                .map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 2.0)
+                .collect();
+            let one = |w: &Weight, rows: usize, t: usize| {
+                let x = be.upload_f32(&xv[t * n_in..(t + 1) * n_in]).unwrap();
+                let mut y = be.alloc(DType::F32, rows).unwrap();
+                be.matmul(w, &x, 1, &mut y).unwrap();
+                kapitsa_backend_cpu::host_f32(&y).unwrap().to_vec()
+            };
+            let ones: Vec<Vec<f32>> = (0..n_max).map(|t| one(&w, n_out, t)).collect();
+            let ones2: Vec<Vec<f32>> = (0..n_max).map(|t| one(&w2, 9, t)).collect();
+            for n in (2..=17).chain([24, n_max]) {
+                let x = be.upload_f32(&xv[..n * n_in]).unwrap();
+                let mut y = be.alloc(DType::F32, n * n_out).unwrap();
+                be.matmul(&w, &x, n, &mut y).unwrap();
+                let mut a = be.alloc(DType::F32, n * n_out).unwrap();
+                let mut b = be.alloc(DType::F32, n * 9).unwrap();
+                be.matmul_many(&[&w, &w2], &x, n, &mut [&mut a, &mut b])
+                    .unwrap();
+                let (y, a, b) = (
+                    kapitsa_backend_cpu::host_f32(&y).unwrap(),
+                    kapitsa_backend_cpu::host_f32(&a).unwrap(),
+                    kapitsa_backend_cpu::host_f32(&b).unwrap(),
+                );
+                for t in 0..n {
+                    for (what, got, want) in [
+                        ("matmul", &y[t * n_out..(t + 1) * n_out], &ones[t]),
+                        ("matmul_many[0]", &a[t * n_out..(t + 1) * n_out], &ones[t]),
+                        ("matmul_many[1]", &b[t * 9..(t + 1) * 9], &ones2[t]),
+                    ] {
+                        assert!(
+                            got.iter()
+                                .zip(want)
+                                .all(|(p, q)| p.to_bits() == q.to_bits()),
+                            "{level:?} {ty} {what}, {n} tokens, token {t}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 fn one_seq(n: usize, block_size: usize, table: Vec<u32>) -> BatchDesc {
     BatchDesc {
         tokens: vec![1; n],

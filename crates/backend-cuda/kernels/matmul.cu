@@ -7,12 +7,16 @@
 //   the device layout of quant.cuh dequantised in registers and f32 accumulation. x is f32,
 //   16-byte aligned, n_in a multiple of the type's chunk (CE); y f32. Epilogue: with `bias`
 //   (non-null, `[n_rows]`) v += bias[r]; with `acc` y += v, else y = v.
-//   Launch: blockDim 128 (4 warps); `ksplit` G in {1, 2, 4} warps share a row group and split
-//   its chunks; a block holds 4/G row groups of R = 4 rows (`GemvTune::R`, mirrored in
-//   src/matmul.rs `GEMV_ROWS`); grid.x = ceil(ceil(n_rows / R) / (4 / G)).
+//   Launch: one `GemvArgs` by value (several products or a gate/up pair, see there); blockDim
+//   128 (4 warps); `ksplit` G in {1, 2, 4} warps share a row group and split its chunks; a
+//   block holds 4/G row groups of R = 4 rows (`GemvTune::R`, mirrored in src/matmul.rs
+//   `GEMV_ROWS`); vblocks = sum over parts of ceil(ceil(n_rows / R) / (4 / G)) = grid.x.
 //   Per lane: chunks j = 32 ks + lane + k 32G of R rows at once, so every activation value read
 //   from L1 serves R rows; the loads of U chunks are issued before any is used. Lane sums are
 //   reduced with warp shuffles, then across the G warps in shared memory.
+// - `gemv_<ty>_1xs`: the one-token GEMV with x staged in shared memory (dynamic, 4 * (n_in +
+//   4 * ceil(n_in / 64)) bytes) and a grid of at most the resident blocks looping over the
+//   `vblocks` row-group blocks; same contract otherwise.
 // - `dequant_<ty>_f32`, `dequant_<ty>_f16` (quantised types): `out[r * n_in + k] =
 //   dequant(W[src(r), k])` for r < n_rows, src(r) = row0 + ids[r] when `ids` is non-null
 //   (embedding gather; ids[r] >= n_src_rows gives a zero row), else row0 + r (tiles for the
@@ -54,7 +58,11 @@ struct GemvTune {
 // - more tokens (PRE): f is multiplied by the segment's A (or scale) once per element and row,
 //   then FMA'd into acc for every token, and B * sx subtracted per segment: saves the NT * R
 //   partial sums' registers at the cost of one multiply per element and row.
-template <int T, int NT, int R>
+// Index of element e (a multiple of 4) in the staged activations: 4 floats of padding after
+// every 64, so the lanes of a warp, 64 elements apart, read different banks.
+__device__ __forceinline__ int gemv_xs_idx(int e) { return e + ((e >> 6) << 2); }
+
+template <int T, int NT, int R, bool XS>
 __device__ __forceinline__ void gemv_chunk(const typename KqFmt<T>::Raw (&raw)[R], int j, const float* __restrict__ x,
                                            int n_in, float (&acc)[NT][R]) {
   using F = KqFmt<T>;
@@ -100,7 +108,9 @@ __device__ __forceinline__ void gemv_chunk(const typename KqFmt<T>::Raw (&raw)[R
       }
 #pragma unroll
       for (int t = 0; t < NT; t++) {
-        const float4 xv = __ldg(reinterpret_cast<const float4*>(x + (size_t)t * n_in + e0 + 4 * g));
+        // XS (one token): x staged in shared memory, else read through L1
+        const float4 xv = XS ? *reinterpret_cast<const float4*>(x + gemv_xs_idx(e0 + 4 * g))
+                             : __ldg(reinterpret_cast<const float4*>(x + (size_t)t * n_in + e0 + 4 * g));
         if constexpr (F::AFFINE) sx[t] += (xv.x + xv.y) + (xv.z + xv.w);
 #pragma unroll
         for (int i = 0; i < R; i++) {
@@ -131,87 +141,166 @@ __device__ __forceinline__ void gemv_chunk(const typename KqFmt<T>::Raw (&raw)[R
   }
 }
 
-template <int T, int NT>
-__device__ __forceinline__ void gemv_impl(const uint8_t* __restrict__ w, uint64_t off1, uint64_t off2, uint64_t off3,
-                                          uint64_t stride, uint64_t row0, int n_rows, int n_in, int ksplit,
-                                          const float* __restrict__ x, float* __restrict__ y, int ldy,
-                                          const float* __restrict__ bias, int accumulate) {
+// The GEMV's launch arguments, passed by value (`__grid_constant__`, read in place). Mirrored
+// by src/matmul/gemv.rs `GemvArgs` (#[repr(C)]): change both together.
+// A launch computes up to GEMV_MAX_PARTS products that share the format, n_in, the token count
+// and x: part p owns blocks [part[p].block0, part[p + 1].block0) (the last one up to gridDim.x).
+// With GEMV_GLU it computes one product pair instead: part 0 = gate, part 1 = up (same rows,
+// same n_rows), every block's warps split between the two, and
+// y0[t * ldy0 + r] = silu(gate . x) * (up . x) (ops.cu `silu_mul_f32`'s formula); bias and
+// accumulate are not applied then.
+#define GEMV_MAX_PARTS 3
+// flags: issue the first weight loads before the PDL wait (weights never depend on the kernel
+// before); the gate/up pair with the SwiGLU epilogue
+#define GEMV_PREFETCH 1
+#define GEMV_GLU 2
+
+struct GemvPart {
+  const uint8_t* w;
+  uint64_t off1, off2, off3, stride, row0;
+  float* y;
+  const float* bias;  // null: none
+  int n_rows, ldy, accumulate, block0;
+};
+
+struct GemvArgs {
+  GemvPart part[GEMV_MAX_PARTS];
+  const float* x;
+  int n_parts, n_in, ksplit, flags;
+  int vblocks, unused;  // row-group blocks of all parts (grid-stride over them), padding
+};
+
+// XS: one token, x staged once per block in dynamic shared memory (gemv_xs_idx layout) and
+// the blocks looping over the row-group blocks `vb` (grid-stride), so the staging is paid
+// once per resident block. Lanes read x 64 elements apart: through L1 every such warp load
+// touches 32 cache lines, from shared memory it is one conflict-free pass.
+template <int T, int NT, bool XS>
+__device__ __forceinline__ void gemv_impl(const GemvArgs& a) {
   using F = KqFmt<T>;
   constexpr int R = GemvTune<T, NT>::R;
   constexpr int U = GemvTune<T, NT>::U;
   static_assert(NT * R <= 32, "one reduced value per lane");
+  static_assert(!XS || NT == 1, "staged activations: one token");
   __shared__ float red[GEMV_WARPS][NT * R];
+  extern __shared__ float4 gemv_xs[];
 
-  const KqMat m{w, off1, off2, off3, stride};
+  const bool glu = (a.flags & GEMV_GLU) != 0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int G = ksplit;
-  const int rg = warp / G, ks = warp - rg * G;
-  const int r_first = (blockIdx.x * (GEMV_WARPS / G) + rg) * R;
-  uint64_t rows[R];
-#pragma unroll
-  for (int i = 0; i < R; i++) rows[i] = row0 + (uint64_t)min(r_first + i, n_rows - 1);
-
-  float acc[NT][R];
-#pragma unroll
-  for (int t = 0; t < NT; t++)
-#pragma unroll
-    for (int i = 0; i < R; i++) acc[t][i] = 0.0f;
-
-  const int n_chunks = n_in / F::CE;
+  const int G = a.ksplit;
+  const int wpm = glu ? GEMV_WARPS / 2 : GEMV_WARPS;  // warps per matrix
+  const int mi = warp / wpm, wm = warp - mi * wpm;
+  const int rg = wm / G, ks = wm - rg * G;
+  const int n_chunks = a.n_in / F::CE;
   const int step = 32 * G;
-  for (int j0 = ks * 32 + lane; j0 < n_chunks; j0 += step * U) {
-    typename F::Raw raw[U][R];
+  const int n_in = a.n_in;
+  const float* __restrict__ x = XS ? reinterpret_cast<const float*>(gemv_xs) : a.x;
+  const bool early = (a.flags & GEMV_PREFETCH) != 0;
+
+  int vb = blockIdx.x;
+  // the part of block vb (plain launches); with GLU the matrix of this warp
+  int p = 0, pm = 0, n_rows = 0, r_first = 0;
+  KqMat m;
+  uint64_t rows[R];
+  typename F::Raw raw[U][R];
+  int j0 = 0;
+  // row-group block vb: its part, matrix, rows, and the loads of its first chunks
+#define GEMV_SETUP_BLOCK                                                                   \
+  {                                                                                        \
+    p = 0;                                                                                 \
+    if (!glu) {                                                                            \
+      if (a.n_parts > 1 && vb >= a.part[1].block0) p = 1;                                  \
+      if (a.n_parts > 2 && vb >= a.part[2].block0) p = 2;                                  \
+    }                                                                                      \
+    pm = glu ? mi : p;                                                                     \
+    n_rows = a.part[pm].n_rows;                                                            \
+    r_first = ((vb - a.part[p].block0) * (wpm / G) + rg) * R;                              \
+    m = KqMat{a.part[pm].w, a.part[pm].off1, a.part[pm].off2, a.part[pm].off3, a.part[pm].stride}; \
+    _Pragma("unroll") for (int i = 0; i < R; i++) rows[i] =                                \
+        a.part[pm].row0 + (uint64_t)min(r_first + i, n_rows - 1);                          \
+    j0 = ks * 32 + lane;                                                                   \
+  }
+  // the loads of chunks j0 + u * step
+#define GEMV_LOAD_CHUNKS                                                \
+  _Pragma("unroll") for (int u = 0; u < U; u++) {                       \
+    const int j = j0 + u * step;                                        \
+    if (j < n_chunks) {                                                 \
+      _Pragma("unroll") for (int i = 0; i < R; i++) raw[u][i] = F::load(m, rows[i], j); \
+    }                                                                   \
+  }
+  if (!early) pdl_enter();
+  GEMV_SETUP_BLOCK
+  GEMV_LOAD_CHUNKS
+  if (early) pdl_enter();
+  if constexpr (XS) {
+    // n_in is a multiple of 4 (the chunk); float4 i goes to i + i / 16
+    const float4* __restrict__ xg = reinterpret_cast<const float4*>(a.x);
+    for (int i = threadIdx.x; i < n_in / 4; i += blockDim.x) gemv_xs[i + (i >> 4)] = __ldg(xg + i);
+    __syncthreads();
+  }
+  for (;;) {
+    float acc[NT][R];
 #pragma unroll
-    for (int u = 0; u < U; u++) {
-      const int j = j0 + u * step;
-      if (u == 0 || j < n_chunks) {
+    for (int t = 0; t < NT; t++)
 #pragma unroll
-        for (int i = 0; i < R; i++) raw[u][i] = F::load(m, rows[i], j);
+      for (int i = 0; i < R; i++) acc[t][i] = 0.0f;
+    while (j0 < n_chunks) {
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        const int j = j0 + u * step;
+        if (u == 0 || j < n_chunks) gemv_chunk<T, NT, R, XS>(raw[u], j, x, n_in, acc);
+      }
+      j0 += step * U;
+      GEMV_LOAD_CHUNKS
+    }
+
+#pragma unroll
+    for (int t = 0; t < NT; t++)
+#pragma unroll
+      for (int i = 0; i < R; i++) {
+        float v = acc[t][i];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) red[warp][t * R + i] = v;
+      }
+    __syncthreads();
+    if (mi == 0 && ks == 0 && lane < NT * R) {
+      float v = red[warp][lane];
+      for (int k = 1; k < G; k++) v += red[warp + k][lane];
+      const int t = lane / R, i = lane - t * R;
+      const int r = r_first + i;
+      if (r < n_rows) {
+        const GemvPart& P = a.part[p];
+        float* yp = P.y + (size_t)t * P.ldy + r;
+        if (glu) {
+          float u = red[warp + wpm][lane];
+          for (int k = 1; k < G; k++) u += red[warp + wpm + k][lane];
+          *yp = v / (1.0f + expf(-v)) * u;
+        } else {
+          // the epilogue, rounded step by step as add_bias and add would: y = y + (v + bias)
+          if (P.bias != nullptr) v += P.bias[r];
+          *yp = P.accumulate ? *yp + v : v;
+        }
       }
     }
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      const int j = j0 + u * step;
-      if (u == 0 || j < n_chunks) gemv_chunk<T, NT, R>(raw[u], j, x, n_in, acc);
-    }
+    vb += gridDim.x;
+    if (vb >= a.vblocks) break;
+    __syncthreads();  // red is rewritten by the next round
+    GEMV_SETUP_BLOCK
+    GEMV_LOAD_CHUNKS
   }
-
-#pragma unroll
-  for (int t = 0; t < NT; t++)
-#pragma unroll
-    for (int i = 0; i < R; i++) {
-      float v = acc[t][i];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0) red[warp][t * R + i] = v;
-    }
-  __syncthreads();
-  if (ks == 0 && lane < NT * R) {
-    float v = red[warp][lane];
-    for (int k = 1; k < G; k++) v += red[warp + k][lane];
-    const int t = lane / R, i = lane - t * R;
-    const int r = r_first + i;
-    if (r < n_rows) {
-      // the epilogue, rounded step by step as add_bias and add would: y = y + (v + bias)
-      if (bias != nullptr) v += bias[r];
-      float* yp = y + (size_t)t * ldy + r;
-      *yp = accumulate ? *yp + v : v;
-    }
-  }
+#undef GEMV_LOAD_CHUNKS
+#undef GEMV_SETUP_BLOCK
 }
 
-#define GEMV_ARGS                                                                                         \
-  const uint8_t *__restrict__ w, uint64_t off1, uint64_t off2, uint64_t off3, uint64_t stride, uint64_t row0, \
-      int n_rows, int n_in, int ksplit, const float *__restrict__ x, float *__restrict__ y, int ldy, \
-      const float *__restrict__ bias, int acc
-
-#define GEMV_KERNEL(NAME, T, NT)                                                                  \
-  extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GemvTune<T, NT>::MIN_BLOCKS)        \
-      gemv_##NAME##_##NT(GEMV_ARGS) { pdl_enter();                                                              \
-    gemv_impl<T, NT>(w, off1, off2, off3, stride, row0, n_rows, n_in, ksplit, x, y, ldy, bias, acc); \
+#define GEMV_KERNEL_V(NAME, T, NT, XS, SUFFIX)                                                        \
+  extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GemvTune<T, NT>::MIN_BLOCKS)            \
+      gemv_##NAME##_##NT##SUFFIX(const __grid_constant__ GemvArgs a) {                                \
+    gemv_impl<T, NT, XS>(a);                                                                          \
   }
+#define GEMV_KERNEL(NAME, T, NT) GEMV_KERNEL_V(NAME, T, NT, false, )
 
 #define GEMV_ALL_NT(NAME, T) \
+  GEMV_KERNEL_V(NAME, T, 1, true, xs) \
   GEMV_KERNEL(NAME, T, 1)    \
   GEMV_KERNEL(NAME, T, 2)    \
   GEMV_KERNEL(NAME, T, 3)    \

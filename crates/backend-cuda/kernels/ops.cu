@@ -10,7 +10,7 @@
 // - element-wise kernels: 1-D grid-stride, any grid;
 // - row kernels (`*_norm*`, `argmax_rows`): one block per row (grid.x = rows; grid.y = group
 //   for the grouped norm), blockDim a multiple of 32, <= 1024;
-// - `rope_neox`: one block per token, dynamic shared memory 2 * (n_rot / 2) floats.
+// - `rope_neox*`: one block per token, dynamic shared memory 2 * (n_rot / 2) floats.
 #include "common.cuh"
 
 #define GRID_STRIDE(i, n) \
@@ -171,10 +171,12 @@ extern "C" __global__ void gated_group_rms_norm_f32(float* __restrict__ y, const
 // head (dims i and i + n_rot/2) turns by theta_i = pos * theta_scale^i, the power formed by i
 // repeated f32 multiplications as ggml does; dims n_rot.. pass through.
 // Dynamic shared memory: n_rot floats (cos then sin of each pair).
-extern "C" __global__ void rope_neox_f32(float* __restrict__ x, const uint32_t* __restrict__ positions,
-                                         uint32_t n_heads, uint32_t head_dim, uint32_t n_rot,
-                                         float theta_scale) {
-  pdl_enter();
+// `rope_neox_qk_f32` does the same to q (n_heads heads) and k (n_heads2 heads, rows of
+// n_heads2 * head_dim) of one attention layer in one launch.
+__device__ __forceinline__ void rope_neox_tok(float* x, float* x2,
+                                              const uint32_t* __restrict__ positions, uint32_t n_heads,
+                                              uint32_t n_heads2, uint32_t head_dim, uint32_t n_rot,
+                                              float theta_scale) {
   extern __shared__ float cs[];
   const uint32_t half = n_rot / 2;
   const uint32_t tok = blockIdx.x;
@@ -187,14 +189,30 @@ extern "C" __global__ void rope_neox_f32(float* __restrict__ x, const uint32_t* 
   }
   __syncthreads();
   float* xt = x + (uint64_t)tok * n_heads * head_dim;
-  for (uint32_t j = threadIdx.x; j < n_heads * half; j += blockDim.x) {
+  float* xt2 = x2 + (uint64_t)tok * n_heads2 * head_dim;
+  for (uint32_t j = threadIdx.x; j < (n_heads + n_heads2) * half; j += blockDim.x) {
     const uint32_t h = j / half, i = j % half;
-    float* hp = xt + (uint64_t)h * head_dim;
+    float* hp = h < n_heads ? xt + (uint64_t)h * head_dim : xt2 + (uint64_t)(h - n_heads) * head_dim;
     const float c = cs[i], s = cs[half + i];
     const float v0 = hp[i], v1 = hp[i + half];
     hp[i] = fmaf(v0, c, -(v1 * s));
     hp[i + half] = fmaf(v0, s, v1 * c);
   }
+}
+
+extern "C" __global__ void rope_neox_f32(float* __restrict__ x, const uint32_t* __restrict__ positions,
+                                         uint32_t n_heads, uint32_t head_dim, uint32_t n_rot,
+                                         float theta_scale) {
+  pdl_enter();
+  rope_neox_tok(x, x, positions, n_heads, 0, head_dim, n_rot, theta_scale);
+}
+
+extern "C" __global__ void rope_neox_qk_f32(float* __restrict__ q, float* __restrict__ k,
+                                            const uint32_t* __restrict__ positions, uint32_t n_heads,
+                                            uint32_t n_heads_kv, uint32_t head_dim, uint32_t n_rot,
+                                            float theta_scale) {
+  pdl_enter();
+  rope_neox_tok(q, k, positions, n_heads, n_heads_kv, head_dim, n_rot, theta_scale);
 }
 
 // Gated DeltaNet gates in place, rows of n_v heads: beta = sigmoid(beta),

@@ -22,7 +22,7 @@ use kapitsa_backend::{
 
 use crate::device::{dev_err, elem_cfg, row_threads, u32_arg};
 use crate::launch::KernelLaunch;
-use crate::matmul::{CudaWeight, GemvEpilogue};
+use crate::matmul::{CudaWeight, GemvEpilogue, GemvPart};
 use crate::CudaBackend;
 
 /// One operand of an expert MLP: rows `rows` of expert `e` of a device weight (`e = 0` and
@@ -41,6 +41,13 @@ impl<'a> Mat<'a> {
             e: 0,
             rows: 0..w.n_out(),
         }
+    }
+}
+
+impl Mat<'_> {
+    /// The global row (experts stacked) of `rows.start`.
+    fn first_row(&self) -> usize {
+        self.e * self.w.n_out() + self.rows.start
     }
 }
 
@@ -111,6 +118,72 @@ impl CudaBackend {
         }
         // the GEMM path: the product, then the epilogue's ops (the trait's definition)
         kapitsa_backend::matmul_with_composed(self, w, x, n_tok, y, ep)
+    }
+
+    /// `ys[i] = epilogue_i(x @ ws[i]^T)`: one GEMV launch for all products where they share
+    /// a format and width (q/k/v), else one product after the other.
+    pub(crate) fn matmul_many_with_impl(
+        &self,
+        ws: &[&Weight],
+        x: &Tensor,
+        n_tok: usize,
+        ys: &mut [&mut Tensor],
+        eps: &[Epilogue<'_>],
+    ) -> Result<()> {
+        const OP: &str = "matmul_many_with";
+        if eps.len() != ws.len() || ys.len() != ws.len() {
+            return shape_err(
+                OP,
+                format!(
+                    "{} weights, {} outputs, {} epilogues",
+                    ws.len(),
+                    ys.len(),
+                    eps.len()
+                ),
+            );
+        }
+        let mats = ws
+            .iter()
+            .map(|w| {
+                w.dims2(OP)?;
+                self.matrix(w, OP)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if ws.len() < 2 || !CudaWeight::can_share_gemv(&mats, n_tok) {
+            for ((w, y), ep) in ws.iter().zip(ys.iter_mut()).zip(eps) {
+                self.matmul_with_impl(w, x, n_tok, y, *ep)?;
+            }
+            return Ok(());
+        }
+        let xb = self.f32_len(x, n_tok * mats[0].n_in(), OP, "x")?;
+        let mut views = Vec::with_capacity(ys.len());
+        let mut epis = Vec::with_capacity(ys.len());
+        for ((y, m), ep) in ys.iter_mut().zip(&mats).zip(eps) {
+            let yb = self.f32_len_mut(y, n_tok * m.n_out(), OP, "y")?;
+            views.push(yb.as_view_mut());
+            let bias = match ep.bias {
+                Some(b) => Some(self.f32_len(b, m.n_out(), OP, "bias")?),
+                None => None,
+            };
+            epis.push(GemvEpilogue {
+                bias,
+                accumulate: ep.accumulate,
+            });
+        }
+        let mut parts: Vec<GemvPart<'_, '_>> = views
+            .iter_mut()
+            .zip(&mats)
+            .zip(epis)
+            .map(|((y, m), ep)| GemvPart {
+                w: m,
+                row0: 0,
+                n_rows: m.n_out(),
+                y,
+                ep,
+            })
+            .collect();
+        self.mm
+            .gemv_parts(&self.stream, &mut parts, &xb.as_view(), n_tok, false)
     }
 
     pub(crate) fn embed_impl(&self, w: &Weight, batch: &Batch, out: &mut Tensor) -> Result<()> {
@@ -189,7 +262,6 @@ impl CudaBackend {
         }
         let m = n * n_ff;
         let mut u = self.scratch::<f32>(m)?;
-        self.mat_dev(&mats.up, x, n, &mut u)?;
         let down = |h: &CudaSlice<f32>, out: &mut CudaSlice<f32>| -> Result<()> {
             if !accumulate {
                 return self.mat_dev(&mats.down, h, n, out);
@@ -214,11 +286,39 @@ impl CudaBackend {
         match (act, &mats.gate) {
             (Act::SwiGlu, Some(gate)) => {
                 let mut g = self.scratch::<f32>(m)?;
-                self.mat_dev(gate, x, n, &mut g)?;
-                self.silu_mul_dev(&mut g, &u, m)?;
+                if CudaWeight::can_share_gemv(&[gate.w, mats.up.w], n)
+                    && gate.rows.len() == n_ff
+                    && mats.up.rows.len() == n_ff
+                {
+                    // gate and up in one launch, silu(gate) * up in its epilogue
+                    let (mut gv, mut uv) = (g.as_view_mut(), u.as_view_mut());
+                    let mut parts = [
+                        GemvPart {
+                            w: gate.w,
+                            row0: gate.first_row(),
+                            n_rows: n_ff,
+                            y: &mut gv,
+                            ep: GemvEpilogue::default(),
+                        },
+                        GemvPart {
+                            w: mats.up.w,
+                            row0: mats.up.first_row(),
+                            n_rows: n_ff,
+                            y: &mut uv,
+                            ep: GemvEpilogue::default(),
+                        },
+                    ];
+                    self.mm
+                        .gemv_parts(&self.stream, &mut parts, &x.as_view(), n, true)?;
+                } else {
+                    self.mat_dev(&mats.up, x, n, &mut u)?;
+                    self.mat_dev(gate, x, n, &mut g)?;
+                    self.silu_mul_dev(&mut g, &u, m)?;
+                }
                 down(&g, out)
             }
             (Act::Relu2, None) => {
+                self.mat_dev(&mats.up, x, n, &mut u)?;
                 self.relu2_dev(&mut u, m)?;
                 down(&u, out)
             }

@@ -111,6 +111,12 @@ impl<'a> Launch<'a> {
         self.dev.push(p);
     }
 
+    /// Append a host value's address (a by-value parameter of any type; the caller's
+    /// `KernelArg` impl borrows the value for 'a).
+    pub(crate) fn push_host(&mut self, p: *const c_void) {
+        self.slots.push(Slot::Host(p));
+    }
+
     /// Append an argument.
     pub(crate) fn arg(&mut self, a: impl KernelArg<'a>) -> &mut Self {
         a.push_to(self);

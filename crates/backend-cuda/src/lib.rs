@@ -291,21 +291,7 @@ mod imp {
             ys: &mut [&mut Tensor],
             eps: &[Epilogue<'_>],
         ) -> Result<()> {
-            if eps.len() != ws.len() || ys.len() != ws.len() {
-                return kapitsa_backend::shape_err(
-                    "matmul_many_with",
-                    format!(
-                        "{} weights, {} outputs, {} epilogues",
-                        ws.len(),
-                        ys.len(),
-                        eps.len()
-                    ),
-                );
-            }
-            for ((w, y), ep) in ws.iter().zip(ys.iter_mut()).zip(eps) {
-                self.matmul_with_impl(w, x, n_tok, y, *ep)?;
-            }
-            Ok(())
+            self.matmul_many_with_impl(ws, x, n_tok, ys, eps)
         }
 
         fn embed(&self, w: &Weight, batch: &Batch, out: &mut Tensor) -> Result<()> {
@@ -380,6 +366,19 @@ mod imp {
             batch: &Batch,
         ) -> Result<()> {
             self.rope_impl(x, n_heads, head_dim, rope, batch)
+        }
+
+        fn rope_qk(
+            &self,
+            q: &mut Tensor,
+            k: &mut Tensor,
+            n_head: usize,
+            n_head_kv: usize,
+            head_dim: usize,
+            rope: RopeDesc,
+            batch: &Batch,
+        ) -> Result<()> {
+            self.rope_qk_impl(q, k, n_head, n_head_kv, head_dim, rope, batch)
         }
 
         fn l2_norm(&self, x: &mut Tensor, width: usize, eps: f32, scale: f32) -> Result<()> {

@@ -49,6 +49,9 @@ use kapitsa_base::GgmlType;
 use crate::device::dev_err;
 use crate::launch::KernelLaunch;
 
+mod gemv;
+pub(crate) use gemv::{fuse_on, GemvPart, GEMV_MAX_PARTS};
+
 /// The GEMV kernels' epilogue: a bias added to every row, accumulation into `y`.
 #[derive(Clone, Copy, Default)]
 pub(crate) struct GemvEpilogue<'a> {
@@ -262,6 +265,21 @@ impl CudaWeight {
     fn gemv_ok(&self) -> bool {
         self.n_in.is_multiple_of(self.fmt.chunk())
     }
+
+    /// Whether products of `ws` over `n_tok` tokens can share one GEMV launch
+    /// ([`MatmulKernels::gemv_parts`]): fusing on, 1 ..= [`GEMV_SPLIT_MAX_TOKENS`] tokens,
+    /// at most [`GEMV_MAX_PARTS`] matrices of one format and width, rows of whole chunks.
+    pub(crate) fn can_share_gemv(ws: &[&CudaWeight], n_tok: usize) -> bool {
+        let Some(first) = ws.first() else {
+            return false;
+        };
+        fuse_on()
+            && (1..=GEMV_SPLIT_MAX_TOKENS).contains(&n_tok)
+            && ws.len() <= GEMV_MAX_PARTS
+            && ws
+                .iter()
+                .all(|w| w.gemv_ok() && w.fmt == first.fmt && w.n_in == first.n_in)
+    }
 }
 
 // ---- kernels ------------------------------------------------------------------------------------
@@ -311,22 +329,12 @@ fn mul(op: &'static str, a: usize, b: usize) -> Result<usize> {
     })
 }
 
-/// Row-group warps the GEMV of `groups` row groups of `n_chunks` chunks spreads over K:
-/// split (2 or 4 warps per row group) while the grid is under about two waves of 16 warps
-/// per SM and every lane still gets a chunk.
-fn gemv_ksplit(groups: usize, n_chunks: usize, sms: usize) -> usize {
-    let target = 2 * sms * 16;
-    let mut g = 1;
-    while g < GEMV_WARPS && groups * g < target && n_chunks >= 32 * 2 * g {
-        g *= 2;
-    }
-    g
-}
-
 /// The kernels of kernels/matmul.cu and the scratch buffers of the GEMM path.
 pub(crate) struct MatmulKernels {
     /// `gemv_<fmt>_<nt>` at `fmt.id() * GEMV_MAX_TOKENS + nt - 1`.
     gemv: Vec<CudaFunction>,
+    /// `gemv_<fmt>_1xs` by `fmt.id()`.
+    gemv_xs: Vec<CudaFunction>,
     /// `dequant_<fmt>_f32` / `_f16` by `fmt.id()` (`None` for the float formats).
     dequant_f32: Vec<Option<CudaFunction>>,
     dequant_f16: Vec<Option<CudaFunction>>,
@@ -362,12 +370,20 @@ impl MatmulKernels {
                 .map_err(|e| BackendError::Unavailable(format!("{MODULE} kernel {name}: {e}")))
         };
         let mut gemv = Vec::with_capacity(Fmt::ALL.len() * GEMV_MAX_TOKENS);
+        let mut gemv_xs = Vec::with_capacity(Fmt::ALL.len());
         let mut dequant_f32 = Vec::with_capacity(Fmt::ALL.len());
         let mut dequant_f16 = Vec::with_capacity(Fmt::ALL.len());
         for fmt in Fmt::ALL {
             for nt in 1..=GEMV_MAX_TOKENS {
                 gemv.push(f(&format!("gemv_{}_{nt}", fmt.name()))?);
             }
+            let xs = f(&format!("gemv_{}_1xs", fmt.name()))?;
+            xs.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                gemv::XS_MAX_SMEM as i32,
+            )
+            .map_err(|e| BackendError::Unavailable(format!("{MODULE} kernel attribute: {e}")))?;
+            gemv_xs.push(xs);
             if fmt.is_float() {
                 dequant_f32.push(None);
                 dequant_f16.push(None);
@@ -381,6 +397,7 @@ impl MatmulKernels {
             .map_err(dev_err)?;
         Ok(MatmulKernels {
             gemv,
+            gemv_xs,
             dequant_f32,
             dequant_f16,
             gather: [f("gather_f32")?, f("gather_f16")?, f("gather_bf16")?],
@@ -608,19 +625,14 @@ impl MatmulKernels {
         y: &mut CudaViewMut<'_, f32>,
         ep: GemvEpilogue<'_>,
     ) -> Result<()> {
-        let mut t0 = 0;
-        while t0 < n_tok {
-            let nt = (n_tok - t0).min(GEMV_MAX_TOKENS);
-            let bad = || BackendError::Shape {
-                op: "matmul",
-                msg: format!("tokens {t0}..{} out of the x/y views", t0 + nt),
-            };
-            let xs = x.try_slice(t0 * w.n_in..).ok_or_else(bad)?;
-            let mut ys = y.try_slice_mut(t0 * n_rows..).ok_or_else(bad)?;
-            self.gemv(stream, w, row0, n_rows, &xs, nt, &mut ys, ep)?;
-            t0 += nt;
-        }
-        Ok(())
+        let mut parts = [GemvPart {
+            w,
+            row0,
+            n_rows,
+            y,
+            ep,
+        }];
+        self.gemv_parts(stream, &mut parts, x, n_tok, false)
     }
 
     /// `out[i, :] = dequant(w[ids[i], :])` for `i < n` (2-D weight; `ids` and `out` device
@@ -723,79 +735,6 @@ impl MatmulKernels {
                 op: "matmul",
                 what: format!("dequantising {} rows", w.dtype),
             })
-    }
-
-    /// One GEMV launch (`n_tok <= 8`, rows of whole chunks).
-    #[allow(clippy::too_many_arguments)]
-    fn gemv(
-        &self,
-        stream: &Arc<CudaStream>,
-        w: &CudaWeight,
-        row0: usize,
-        n_rows: usize,
-        x: &CudaView<'_, f32>,
-        n_tok: usize,
-        y: &mut CudaViewMut<'_, f32>,
-        ep: GemvEpilogue<'_>,
-    ) -> Result<()> {
-        const OP: &str = "matmul";
-        {
-            let (xp, _sync) = x.device_ptr(stream);
-            if xp % 16 != 0 {
-                return shape_err(OP, "x must start 16-byte aligned for the GEMV kernels");
-            }
-        }
-        let f = &self.gemv[w.fmt.id() * GEMV_MAX_TOKENS + n_tok - 1];
-        let groups = n_rows.div_ceil(GEMV_ROWS);
-        let n_chunks = w.n_in / w.fmt.chunk();
-        let g = gemv_ksplit(groups, n_chunks, self.sms);
-        let blocks = groups.div_ceil(GEMV_WARPS / g);
-        let cfg = LaunchConfig {
-            grid_dim: (
-                u32::try_from(blocks).map_err(|_| BackendError::Shape {
-                    op: OP,
-                    msg: format!("{n_rows} rows exceed the grid"),
-                })?,
-                1,
-                1,
-            ),
-            block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let row0 = row0 as u64;
-        let n_rows_i = i32_arg(OP, "rows", n_rows)?;
-        let n_in = i32_arg(OP, "n_in", w.n_in)?;
-        let ksplit = g as i32;
-        let ldy = n_rows_i;
-        let mut b = stream.kernel(f);
-        b.arg(&w.buf)
-            .arg(&w.off[0])
-            .arg(&w.off[1])
-            .arg(&w.off[2])
-            .arg(&w.stride)
-            .arg(&row0)
-            .arg(&n_rows_i)
-            .arg(&n_in)
-            .arg(&ksplit)
-            .arg(x)
-            .arg(y)
-            .arg(&ldy);
-        let null = 0u64;
-        match ep.bias {
-            Some(bias) => b.arg(bias),
-            None => b.arg(&null),
-        };
-        let acc = i32::from(ep.accumulate);
-        b.arg(&acc);
-        // SAFETY: gemv_<ty>_<nt>(w, off1..3, stride, row0, n_rows, n_in, ksplit, x, y, ldy,
-        // bias, acc): bias is null or holds n_rows floats (checked by matmul_with);
-        // the image, offsets and stride come from `upload`; rows row0..row0 + n_rows exist
-        // (checked by the caller; the kernel clamps its row groups to n_rows); x holds
-        // n_tok * n_in floats, 16-byte aligned, n_in a multiple of the chunk (gemv_ok); y
-        // holds n_tok * n_rows floats (row stride ldy = n_rows); the block shape, ksplit and
-        // grid follow the kernel's launch contract (kernels/matmul.cu).
-        unsafe { b.launch(cfg) }.map_err(dev_err)?;
-        Ok(())
     }
 
     /// Round `x[..n]` to f16 (`bf16 == false`) or bf16 into the x16 scratch buffer.

@@ -454,6 +454,58 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// [`Self::rope_impl`] on q and k in one launch (`rope_neox_qk_f32`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn rope_qk_impl(
+        &self,
+        q: &mut Tensor,
+        k: &mut Tensor,
+        n_head: usize,
+        n_head_kv: usize,
+        head_dim: usize,
+        rope: RopeDesc,
+        batch: &Batch,
+    ) -> Result<()> {
+        const OP: &str = "rope_qk";
+        let db = self.dev_batch(batch, OP)?;
+        if !rope.n_rot.is_multiple_of(2) || rope.n_rot > head_dim {
+            return shape_err(OP, format!("n_rot {} with head_dim {head_dim}", rope.n_rot));
+        }
+        let n = db.n_tokens;
+        let qb = self.f32_len_mut(q, n * n_head * head_dim, OP, "q")?;
+        let kb = self.f32_len_mut(k, n * n_head_kv * head_dim, OP, "k")?;
+        if n == 0 || n_head + n_head_kv == 0 || rope.n_rot == 0 {
+            return Ok(());
+        }
+        // theta^(-2/n_rot) in f32, as kernels-cpu `Rope::new` computes it.
+        let theta_scale = rope.theta.powf(-2.0 / rope.n_rot as f32);
+        let (t, nh, nkv, hd, nr) = (
+            u32_arg(OP, "tokens", n)?,
+            u32_arg(OP, "heads", n_head)?,
+            u32_arg(OP, "kv heads", n_head_kv)?,
+            u32_arg(OP, "head_dim", head_dim)?,
+            u32_arg(OP, "n_rot", rope.n_rot)?,
+        );
+        let pos = db.positions();
+        let mut b = self.stream.kernel(&self.k.rope_neox_qk_f32);
+        b.arg(qb)
+            .arg(kb)
+            .arg(&pos)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hd)
+            .arg(&nr)
+            .arg(&theta_scale);
+        let threads = row_threads((n_head + n_head_kv) * rope.n_rot / 2);
+        // SAFETY: rope_neox_qk_f32(float* q, float* k, const uint32_t* positions, uint32_t
+        // n_heads, uint32_t n_heads_kv, uint32_t head_dim, uint32_t n_rot, float theta_scale),
+        // one block per token with n_rot floats of dynamic shared memory; q holds n_tokens *
+        // n_heads * head_dim floats and k n_tokens * n_heads_kv * head_dim (checked), two
+        // distinct buffers (two &mut); positions n_tokens entries, n_rot <= head_dim.
+        unsafe { b.launch(rows_cfg(t, 1, threads, 4 * nr)) }.map_err(dev_err)?;
+        Ok(())
+    }
+
     pub(crate) fn gdn_gates_impl(
         &self,
         beta: &mut Tensor,

@@ -366,6 +366,137 @@ fn matmul_rows_of_one_expert() {
     }
 }
 
+/// The fused GEMV launches (src/matmul/gemv.rs) against f64 references of the exactly
+/// dequantised weights: q/k/v-like products of one format in one launch (`matmul_many_with`,
+/// with a bias and accumulation), and the SwiGLU MLP whose gate/up pair runs in one launch
+/// with `silu(g) * u` in the epilogue (`mlp_add`). Widths up to 4096 make the K split (2 warps
+/// per row group) happen; 9 tokens make two launches.
+#[test]
+fn fused_gemv_launches_match_exact_products() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let mut failures = Vec::new();
+    for ty in [
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+        GgmlType::F16,
+    ] {
+        for (n_in, n_ff, n_tok) in [
+            (256usize, 300usize, 1usize),
+            (4096, 520, 1),
+            (1536, 1000, 2),
+            (4096, 64, 9),
+        ] {
+            let seed = (ty as u64) << 40 ^ (n_in as u64) << 20 ^ n_ff as u64 ^ (n_tok as u64) << 56;
+            let mut rng = Rng::new(seed);
+            let x: Vec<f32> = (0..n_tok * n_in).map(|_| 0.1 + rng.sym()).collect();
+            let deq = |hw: &HostWeight, rows: usize, cols: usize| {
+                let wc = c.upload_weight(hw).expect("cpu upload");
+                embed(&c, &wc, &(0..rows as u32).collect::<Vec<_>>(), cols)
+            };
+            // three products of one format in one launch, with epilogues
+            let outs = [n_ff, 7, 129];
+            let hws: Vec<HostWeight> = outs
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| random_weight(ty, n, n_in, seed ^ i as u64))
+                .collect();
+            let ws: Vec<Weight> = hws
+                .iter()
+                .map(|h| g.upload_weight(h).expect("gpu upload"))
+                .collect();
+            let bias: Vec<f32> = (0..129).map(|_| rng.sym()).collect();
+            let y0: Vec<f32> = (0..n_tok * 129).map(|_| rng.sym()).collect();
+            let xt = g.upload_f32(&x).expect("x");
+            // one bias per product (exact lengths), the first values of `bias`
+            let bt7 = g.upload_f32(&bias[..7]).expect("bias");
+            let bt = g.upload_f32(&bias).expect("bias");
+            let mut ys: Vec<Tensor> = outs
+                .iter()
+                .map(|&n| g.alloc(DType::F32, n_tok * n).expect("y"))
+                .collect();
+            g.write_f32(&mut ys[2], 0, &y0).expect("y0");
+            let bias_eps = [None, Some(&bt7), Some(&bt)];
+            let eps: Vec<kapitsa_backend::Epilogue<'_>> = (0..3)
+                .map(|i| kapitsa_backend::Epilogue {
+                    bias: bias_eps[i],
+                    accumulate: i == 2,
+                })
+                .collect();
+            {
+                let wr: Vec<&Weight> = ws.iter().collect();
+                let mut yr: Vec<&mut Tensor> = ys.iter_mut().collect();
+                g.matmul_many_with(&wr, &xt, n_tok, &mut yr, &eps)
+                    .expect("matmul_many_with");
+            }
+            for (i, &n_out) in outs.iter().enumerate() {
+                let e = exact_matmul(&deq(&hws[i], n_out, n_in), &x, n_tok, n_out, n_in);
+                let want: Vec<f64> =
+                    e.y.iter()
+                        .enumerate()
+                        .map(|(k, v)| {
+                            let r = k % n_out;
+                            let b = if i > 0 { f64::from(bias[r]) } else { 0.0 };
+                            let a = if i == 2 { f64::from(y0[k]) } else { 0.0 };
+                            a + (v + b)
+                        })
+                        .collect();
+                let err = rel_err(&read(&g, &ys[i]), want.iter().copied(), e.terms);
+                let ok = err <= 2e-5;
+                println!("matmul_many_with {ty:5} part {i} {n_out:>4} x {n_in:>4} n_tok {n_tok}: {err:.2e}{}", if ok { "" } else { "  FAIL" });
+                if !ok {
+                    failures.push(format!("many {ty} {i} {n_in} {n_tok}"));
+                }
+            }
+            // the SwiGLU MLP: gate/up fused, down with accumulation
+            let n_out = 96;
+            let hg = random_weight(ty, n_ff, n_in, seed ^ 11);
+            let hu = random_weight(ty, n_ff, n_in, seed ^ 12);
+            let hd = random_weight(GgmlType::F32, n_out, n_ff, seed ^ 13);
+            let mw = kapitsa_backend::MlpWeights {
+                gate: Some(g.upload_weight(&hg).expect("gate")),
+                up: g.upload_weight(&hu).expect("up"),
+                down: g.upload_weight(&hd).expect("down"),
+                act: kapitsa_backend::Act::SwiGlu,
+            };
+            let yinit: Vec<f32> = (0..n_tok * n_out).map(|_| rng.sym()).collect();
+            let mut yt = g.upload_f32(&yinit).expect("y");
+            g.mlp_add(&mw, &xt, n_tok, &mut yt).expect("mlp_add");
+            let gx = exact_matmul(&deq(&hg, n_ff, n_in), &x, n_tok, n_ff, n_in);
+            let ux = exact_matmul(&deq(&hu, n_ff, n_in), &x, n_tok, n_ff, n_in);
+            let h: Vec<f64> =
+                gx.y.iter()
+                    .zip(&ux.y)
+                    .map(|(gv, uv)| gv / (1.0 + (-gv).exp()) * uv)
+                    .collect();
+            let dd = deq(&hd, n_out, n_ff);
+            let mut want = vec![0.0f64; n_tok * n_out];
+            let mut scale = 0.0f64;
+            for t in 0..n_tok {
+                for r in 0..n_out {
+                    let s: f64 = (0..n_ff)
+                        .map(|k| f64::from(dd[r * n_ff + k]) * h[t * n_ff + k])
+                        .sum();
+                    scale = scale.max(s.abs());
+                    want[t * n_out + r] = f64::from(yinit[t * n_out + r]) + s;
+                }
+            }
+            let err = rel_err(&read(&g, &yt), want.iter().copied(), scale);
+            // f32 rounding of gate/up (~1e-6 relative) passes through silu * up and down
+            let ok = err <= 1e-4;
+            println!(
+                "mlp_add swiglu {ty:5} {n_ff:>4} x {n_in:>4} n_tok {n_tok}: {err:.2e}{}",
+                if ok { "" } else { "  FAIL" }
+            );
+            if !ok {
+                failures.push(format!("mlp {ty} {n_in} {n_ff} {n_tok}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "out of tolerance: {failures:?}");
+}
+
 /// Wrong shapes are errors, not crashes.
 #[test]
 fn bad_arguments_are_errors() {

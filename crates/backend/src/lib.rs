@@ -373,6 +373,24 @@ pub trait Backend: Send + Sync {
         batch: &Batch,
     ) -> Result<()>;
 
+    /// [`Backend::rope`] on an attention layer's q `[n_tokens, n_head * head_dim]` and k
+    /// `[n_tokens, n_head_kv * head_dim]`, both in place (a backend may do both in one pass;
+    /// the result is that of the two calls).
+    #[allow(clippy::too_many_arguments)]
+    fn rope_qk(
+        &self,
+        q: &mut Tensor,
+        k: &mut Tensor,
+        n_head: usize,
+        n_head_kv: usize,
+        head_dim: usize,
+        rope: RopeDesc,
+        batch: &Batch,
+    ) -> Result<()> {
+        self.rope(q, n_head, head_dim, rope, batch)?;
+        self.rope(k, n_head_kv, head_dim, rope, batch)
+    }
+
     /// L2 normalisation of each `width`-wide row in place, then `* scale`:
     /// `x = x / sqrt(sum(x^2) + eps) * scale` (Gated DeltaNet's q and k; as
     /// transformers' `l2norm`, `rsqrt(sum + eps)`).

@@ -10,24 +10,32 @@
 //!
 //! * Prefill, `n_tok >= GEMM_MIN_TOKENS`, weight types with a tiled GEMM at the chosen SIMD
 //!   level (AVX-512: Q4_K, Q5_K, Q6_K; with VNNI also Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4): the
-//!   GEMM of `crate::gemm` (weights decoded once per call, 8-token micro-kernels); at
-//!   [`SimdLevel::Amx`] the K formats take the tile GEMM of `crate::gemm_amx` instead, and
-//!   Q8_0 and Q5_0 take the tile GEMM of `crate::gemm_amx_blk` from 2 tokens. For
-//!   the 32-element formats a call with a single tile (a batched decode step) runs kernels
-//!   that decode the raw weights in registers instead of into records.
+//!   GEMM of `crate::gemm` (weights decoded once per call, 8-token micro-kernels; the K
+//!   formats at [`SimdLevel::Avx512Vnni`] and up in the super-block order); at
+//!   [`SimdLevel::Amx`] the K formats take the tile GEMM of `crate::gemm_amx` instead from
+//!   [`AMX_MIN_TOKENS`], and Q8_0 and Q5_0 take the tile GEMM of `crate::gemm_amx_blk` from 2
+//!   tokens. For the 32-element formats a call with a single tile (a batched decode step, a
+//!   speculative verification) runs kernels that decode the raw weights in registers instead
+//!   of into records, from [`GEMM_DIRECT_MIN_TOKENS`] tokens.
 //! * Otherwise ([`matmul_dot_with`]): outputs are cut into tiles of (a chunk of weight rows) x
 //!   (a block of up to [`TOK_BLOCK`] tokens); each tile is one pool task, looping rows outer
 //!   and tokens inner, so a weight row is streamed from memory once per token block and then
 //!   stays in L1 while it meets every activation row of the block (which stay in L2).
 //! * Decode (`n_tok == 1`, [`gemv_batch_with`]): a pure GEMV split over row chunks
 //!   (shrinking through the round, whole 16-row groups); where the kernel has a
-//!   row-group GEMV (the K formats, Q8_0 and Q5_0 at [`SimdLevel::Amx`]), each chunk is one
-//!   call of it. Several matrices (an MoE layer's experts, attention's q, k and v) can share
-//!   one pool round, each with its own input of one or a few tokens.
-//! * A few tokens (2 to [`GEMV_MULTI_MAX_TOKENS`]) on the K formats at [`SimdLevel::Amx`]:
-//!   the same rounds on the multi-token row-group GEMV, which decodes each weight block
-//!   once for all the tokens (before the GEMMs and the per-row dot kernels).
+//!   row-group GEMV (the K formats from [`SimdLevel::Avx512Vnni`], Q8_0 and Q5_0 at
+//!   [`SimdLevel::Amx`]), each chunk is one call of it. Several matrices (an MoE layer's
+//!   experts, attention's q, k and v) can share one pool round, each with its own input of
+//!   one or a few tokens.
+//! * A few tokens (2 to [`GEMV_MULTI_MAX_TOKENS`]: batched decode, speculative
+//!   verification) on the K formats from [`SimdLevel::Avx512Vnni`]: the same rounds on the
+//!   multi-token row-group GEMVs (`quant::gemv_sb`, and from 4 (Q4_K) or 6 (Q6_K) tokens the
+//!   rows-in-lanes `quant::gemv_sb_lanes`), which read each weight block from memory once
+//!   for all the tokens (before the GEMMs and the per-row dot kernels).
 //!
+//! At a given level every one of these paths computes each output with the same operation
+//! sequence, so a sequence's results never depend on how many tokens share its pass
+//! (speculative verification of k tokens == k one-token steps, bit for bit).
 //! Results do not depend on the thread count.
 
 use std::ops::Range;
@@ -44,6 +52,12 @@ pub const TOK_BLOCK: usize = 32;
 /// Smallest token count that takes the tiled GEMM (`crate::gemm`) where the weight type and
 /// SIMD level have one; below it the per-row dot kernels are as fast (no packing).
 pub const GEMM_MIN_TOKENS: usize = 4;
+
+/// Smallest token count that takes the GEMM where it has kernels that decode the raw weights
+/// in registers (the 32-element formats at [`SimdLevel::Avx512Vnni`]): measured on the
+/// 0.5B's 896-wide Q5_0/Q8_0 shapes, one thread, 2 and 3 tokens ran 1.4-1.6x faster there
+/// than on the per-row dot kernels (which decode each weight row once per token).
+pub const GEMM_DIRECT_MIN_TOKENS: usize = 2;
 
 /// Smallest token count that takes the AMX tile GEMM (`crate::gemm_amx`) at
 /// [`SimdLevel::Amx`]: it decodes every weight block into two byte planes per call, which
@@ -72,11 +86,23 @@ pub const GEMV_MAX_CHUNK_BYTES: usize = 4 << 20;
 /// on before moving on ([`gemv_batch_with`]): small enough to stay in L2 (and mostly L1).
 pub const GEMV_PIECE_BYTES: usize = 32 << 10;
 
-/// Largest token count that takes the multi-token row-group GEMV (the K formats at
-/// [`SimdLevel::Amx`]: every weight block decoded in registers once for all tokens) instead of
-/// the per-row dot kernels or the AVX-512 GEMM: batched decode steps of a few sequences, the
-/// experts that meet a few tokens of a batch, speculative verification.
-pub const GEMV_MULTI_MAX_TOKENS: usize = 4;
+/// Largest token count that takes the multi-token row-group GEMVs (the K formats from
+/// [`SimdLevel::Avx512Vnni`]: every weight block read from memory once for all tokens)
+/// instead of the AVX-512 GEMM: batched decode steps of a few sequences, the experts that
+/// meet a few tokens of a batch, speculative verification. Measured on the 1.5B's shapes, one
+/// thread, AVX-512 VNNI without AMX: at 8 to 16 tokens the rows-in-lanes GEMV ran 1.5-2x the
+/// AVX-512 GEMM (Q4_K) and 1.2-1.5x (Q6_K).
+pub const GEMV_MULTI_MAX_TOKENS: usize = 16;
+
+/// [`GEMM_DIRECT_MIN_TOKENS`] where `gk` decodes raw weights in registers, else
+/// [`GEMM_MIN_TOKENS`].
+fn gemm_min_tokens(gk: &crate::quant::gemm_avx512::GemmKernel) -> usize {
+    if gk.direct.is_some() {
+        GEMM_DIRECT_MIN_TOKENS
+    } else {
+        GEMM_MIN_TOKENS
+    }
+}
 
 /// A borrowed 2-D weight matrix in a ggml block format.
 #[derive(Debug, Clone, Copy)]
@@ -264,12 +290,10 @@ pub fn matmul_many_with(
         // (A few tokens on the multi-token GEMV, in a batch with other types: one
         // `matmul_impl` per matrix.)
         let multi = n_tok <= GEMV_MULTI_MAX_TOKENS && kernel.has_gemv_multi();
-        let gk = (!amx
-            && !multi
-            && n_tok >= GEMM_MIN_TOKENS
-            && w0.n_in >= crate::quant::gemm_avx512::GROUP)
+        let gk = (!amx && !multi && w0.n_in >= crate::quant::gemm_avx512::GROUP)
             .then(|| crate::quant::gemm_avx512::kernel(w0.dtype, kernel.level()))
-            .flatten();
+            .flatten()
+            .filter(|gk| n_tok >= gemm_min_tokens(gk));
         let Some(gk) = gk else {
             matmul_impl(level, pool, w0, x, n_tok, ys[i], true)?;
             done[i] = true;
@@ -313,12 +337,12 @@ pub fn matmul_many_with(
 /// that shrink through the round (`gemv_chunks`: whole 16-row groups where the kernel has a
 /// row-group GEMV), and all chunks are tasks of a single pool round, so a batch of small
 /// matrices pays one fork-join instead of one per matrix, and an idle thread only waits for
-/// the last, short chunk of the whole batch. A chunk meets its product's tokens on the multi-token row-group GEMV where
-/// the kernel has one (passes of [`GEMV_MULTI_MAX_TOKENS`] tokens, each weight block decoded
-/// once per pass); on the AMX block tile GEMM for Q8_0 and Q5_0 at [`SimdLevel::Amx`] (as
-/// [`matmul_with`] does for 2 tokens and more); otherwise token by token over pieces of
-/// [`GEMV_PIECE_BYTES`], so the weights are read from memory once and from L1/L2 for the
-/// other tokens.
+/// the last, short chunk of the whole batch. A chunk meets its product's tokens on the
+/// multi-token row-group GEMVs where the kernel has them (passes of
+/// [`GEMV_MULTI_MAX_TOKENS`] tokens, each weight block read from memory once per pass); on
+/// the AMX block tile GEMM for Q8_0 and Q5_0 at [`SimdLevel::Amx`] (as [`matmul_with`] does
+/// for 2 tokens and more); otherwise token by token over pieces of [`GEMV_PIECE_BYTES`], so
+/// the weights are read from memory once and from L1/L2 for the other tokens.
 pub fn gemv_batch_with(
     level: SimdLevel,
     pool: &dyn ThreadPool,
@@ -588,8 +612,10 @@ fn matmul_impl(
     {
         return crate::gemm_amx::gemm(pool, w, x, n_tok, y);
     }
-    if allow_gemm && n_tok >= GEMM_MIN_TOKENS && n_in >= crate::quant::gemm_avx512::GROUP {
-        if let Some(gk) = crate::quant::gemm_avx512::kernel(w.dtype, kernel.level()) {
+    if allow_gemm && n_in >= crate::quant::gemm_avx512::GROUP {
+        if let Some(gk) = crate::quant::gemm_avx512::kernel(w.dtype, kernel.level())
+            .filter(|gk| n_tok >= gemm_min_tokens(gk))
+        {
             return crate::gemm::gemm(&gk, pool, std::slice::from_ref(w), x, n_tok, &mut [y]);
         }
     }

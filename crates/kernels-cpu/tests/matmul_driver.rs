@@ -5,8 +5,8 @@ use kapitsa_base::pool::{RayonPool, SerialPool};
 use kapitsa_base::{GgmlType, ThreadPool};
 use kapitsa_kernels_cpu::quant::WEIGHT_TYPES;
 use kapitsa_kernels_cpu::{
-    dequantize_row, dequantize_rows, gemv_batch_with, get_rows, matmul, matmul_scalar, matmul_with,
-    quantize_row, vec_dot_type, vec_dot_with, QMatrix, SimdLevel,
+    dequantize_row, dequantize_rows, gemv_batch_with, get_rows, matmul, matmul_many_with,
+    matmul_scalar, matmul_with, quantize_row, vec_dot_type, vec_dot_with, QMatrix, SimdLevel,
 };
 
 mod common;
@@ -238,6 +238,74 @@ fn batched_tokens_equal_single_token_results_bitwise() {
                         .all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{ty} {level:?} token {t}: batched {row:?} vs single {one:?}"
                 );
+            }
+        }
+    }
+}
+
+/// Speculative verification and batched decode: a pass of 1, 2..=16 and 17+ tokens (every
+/// driver: one-token GEMV, multi-token GEMV, register-decoding and record GEMMs, per-row dot)
+/// gives each token exactly its one-token result, at every level, for the formats of the real
+/// models (K formats, and Q8_0 / Q5_0 for 896-wide matrices with a partial last group); also
+/// through `matmul_many_with` with two matrices.
+#[test]
+fn every_batch_size_equals_single_tokens_bitwise() {
+    let mut rng = Rng(77);
+    let pool2 = RayonPool::new(2).unwrap();
+    let types = [
+        (GgmlType::Q4_K, 2 * 256),
+        (GgmlType::Q5_K, 256),
+        (GgmlType::Q6_K, 3 * 256),
+        (GgmlType::Q8_0, 896),
+        (GgmlType::Q5_0, 896),
+    ];
+    for (ty, n_in) in types {
+        let n_out = 37;
+        let (d0, d1) = (
+            random_matrix(ty, n_out, n_in, &mut rng),
+            random_matrix(ty, 9, n_in, &mut rng),
+        );
+        let w = QMatrix::new(ty, n_out, n_in, &d0).unwrap();
+        let w2 = QMatrix::new(ty, 9, n_in, &d1).unwrap();
+        let n_max = 33;
+        let x: Vec<f32> = (0..n_max * n_in).map(|_| rng.normal()).collect();
+        for level in SimdLevel::available() {
+            let single = |w: &QMatrix<'_>, t: usize| {
+                let mut one = vec![0f32; w.n_out];
+                matmul_with(
+                    level,
+                    &SerialPool,
+                    w,
+                    &x[t * n_in..(t + 1) * n_in],
+                    1,
+                    &mut one,
+                )
+                .unwrap();
+                one
+            };
+            let ones: Vec<Vec<f32>> = (0..n_max).map(|t| single(&w, t)).collect();
+            let ones2: Vec<Vec<f32>> = (0..n_max).map(|t| single(&w2, t)).collect();
+            for n_tok in (2..=17).chain([24, 33]) {
+                let xs = &x[..n_tok * n_in];
+                let mut all = vec![f32::NAN; n_tok * n_out];
+                matmul_with(level, &pool2, &w, xs, n_tok, &mut all).unwrap();
+                let (mut a, mut b) = (vec![f32::NAN; n_tok * n_out], vec![f32::NAN; n_tok * 9]);
+                matmul_many_with(level, &pool2, &[w, w2], xs, n_tok, &mut [&mut a, &mut b])
+                    .unwrap();
+                for t in 0..n_tok {
+                    for (what, got, want) in [
+                        ("matmul", &all[t * n_out..(t + 1) * n_out], &ones[t]),
+                        ("many[0]", &a[t * n_out..(t + 1) * n_out], &ones[t]),
+                        ("many[1]", &b[t * 9..(t + 1) * 9], &ones2[t]),
+                    ] {
+                        assert!(
+                            got.iter()
+                                .zip(want)
+                                .all(|(p, q)| p.to_bits() == q.to_bits()),
+                            "{ty} {level:?} {what} n_tok {n_tok} token {t}: {got:?} vs {want:?}"
+                        );
+                    }
+                }
             }
         }
     }

@@ -492,10 +492,12 @@ fn ksplit_stays_in_range() {
         (64, 32),
         (2240, 24),
     ] {
-        let g = gemv_ksplit(groups, chunks, 132);
+        let g = gemv::ksplit(groups, chunks, 132, 16, GEMV_WARPS);
         assert!([1, 2, 4].contains(&g), "{groups} {chunks}: {g}");
         assert!(g == 1 || chunks >= 32 * g, "{groups} {chunks}: {g}");
     }
-    assert_eq!(gemv_ksplit(37984, 24, 132), 1);
-    assert_eq!(gemv_ksplit(384, 140, 132), 4);
+    assert_eq!(gemv::ksplit(37984, 24, 132, 16, GEMV_WARPS), 1);
+    assert_eq!(gemv::ksplit(384, 140, 132, 16, GEMV_WARPS), 4);
+    // the gate/up pair takes half the warps per matrix: at most 2
+    assert_eq!(gemv::ksplit(384, 140, 132, 16, 2), 2);
 }

@@ -921,6 +921,14 @@ fn rope(s: &mut Suite<'_>) -> R<()> {
             be.rope(&mut x[i], n_heads, head_dim, desc, &b[i])
         })?;
         s.cmp("rope", s.tol.f32, &x)?;
+        // q and k of one layer in one call
+        let n_kv = s.rng.range(1, 3);
+        let mut k = s.rand(d.n_tokens() * n_kv * head_dim, 2.0)?;
+        s.both("rope_qk", |be, i| {
+            be.rope_qk(&mut x[i], &mut k[i], n_heads, n_kv, head_dim, desc, &b[i])
+        })?;
+        s.cmp("rope_qk q", s.tol.f32, &x)?;
+        s.cmp("rope_qk k", s.tol.f32, &k)?;
     }
     Ok(())
 }

@@ -100,9 +100,11 @@ pub(crate) fn weights(ty: GgmlType, b: &[u8]) -> SbBlock {
     out
 }
 
-/// The super-block-order AVX-512 VNNI kernel for `ty` (Q4_K, Q5_K, Q6_K), or `None`.
+/// The super-block-order AVX-512 VNNI kernel for `ty` (Q4_K, Q5_K, Q6_K), or `None`,
+/// reported at `level` (the caller's cap: [`SimdLevel::Avx512Vnni`] or [`SimdLevel::Amx`],
+/// the levels that use this order; the kernel itself needs only AVX-512 VNNI).
 #[cfg(target_arch = "x86_64")]
-pub(super) fn kernel(ty: GgmlType) -> Option<super::dot_avx512::Chosen> {
+pub(super) fn kernel(ty: GgmlType, level: SimdLevel) -> Option<super::dot_avx512::Chosen> {
     use super::dot_avx512 as k;
     let f: super::DotFn = match ty {
         GgmlType::Q4_K => k::q4_k_sb,
@@ -110,11 +112,11 @@ pub(super) fn kernel(ty: GgmlType) -> Option<super::dot_avx512::Chosen> {
         GgmlType::Q6_K => k::q6_k_sb,
         _ => return None,
     };
-    Some((SimdLevel::Amx, f, None))
+    Some((level.min(SimdLevel::Amx), f, None))
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-pub(super) fn kernel(_ty: GgmlType) -> Option<super::dot_avx512::Chosen> {
+pub(super) fn kernel(_ty: GgmlType, _level: SimdLevel) -> Option<super::dot_avx512::Chosen> {
     None
 }
 
@@ -214,15 +216,19 @@ mod tests {
         }
     }
 
+    /// At every level of this order (AVX-512 VNNI, AMX) the dot kernel is the scalar twin's
+    /// bits.
     #[test]
     fn simd_equals_scalar_twin_bitwise_and_ggml_order_closely() {
-        if !SimdLevel::Amx.is_available() {
-            return;
-        }
         let mut s = 17u64;
-        for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
-            let k = DotKernel::with_level(ty, SimdLevel::Amx).unwrap();
-            assert_eq!(k.level(), SimdLevel::Amx);
+        let levels = [SimdLevel::Avx512Vnni, SimdLevel::Amx].into_iter();
+        for (level, ty) in levels
+            .filter(|l| l.is_available())
+            .flat_map(|l| [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K].map(|t| (l, t)))
+        {
+            let k = DotKernel::with_level(ty, level).unwrap();
+            assert_eq!(k.level(), level);
+            assert!(crate::quant::sb_order(ty, level));
             let ggml = DotKernel::scalar(ty).unwrap();
             for nb in [1, 2, 5, 35] {
                 let w = blocks(ty, nb, &mut s);

@@ -218,7 +218,8 @@ pub(crate) fn kernel(ty: GgmlType, level: SimdLevel) -> Option<GemmKernel> {
         };
     }
     match level {
-        // The super-block order (`dot_sb`), for batches below the tile GEMM's threshold.
+        // The super-block order (`dot_sb`): at the AMX level for batches below the tile
+        // GEMM's threshold.
         SimdLevel::Amx => Some(match ty {
             T::Q4_K => kfam_sb!(false, false),
             T::Q5_K => kfam_sb!(true, false),
@@ -226,9 +227,10 @@ pub(crate) fn kernel(ty: GgmlType, level: SimdLevel) -> Option<GemmKernel> {
             _ => return None,
         }),
         SimdLevel::Avx512Vnni => Some(match ty {
-            T::Q4_K => kfam!(vn, false, false),
-            T::Q5_K => kfam!(vn, true, false),
-            T::Q6_K => kfam!(vn, false, true),
+            // The K formats: the super-block order here too (every batch size).
+            T::Q4_K => kfam_sb!(false, false),
+            T::Q5_K => kfam_sb!(true, false),
+            T::Q6_K => kfam_sb!(false, true),
             T::Q8_0 => qfam!(decode_q8_0, kern_q8_0, direct_q8_0),
             T::Q4_0 => qfam!(decode_q4_0, kern_q4_0, direct_q4_0),
             T::Q5_0 => qfam!(decode_q5_0, kern_q5_0, direct_q5_0),

@@ -1,5 +1,6 @@
 //! Decode GEMV for the K formats (Q4_K, Q5_K, Q6_K) in the super-block order of `dot_sb`:
-//! the single-token path at [`SimdLevel::Amx`](super::SimdLevel::Amx).
+//! the single-token and few-token paths at [`SimdLevel::Avx512Vnni`](super::SimdLevel) and
+//! [`SimdLevel::Amx`](super::SimdLevel::Amx).
 //!
 //! Every output is bit-identical to the per-row dot kernel of that order (`dot_sb`: per
 //! super-block `s` the exact integers `T_s`, `M_s`, then one f32 chain per row,
@@ -47,14 +48,15 @@ pub(crate) type GemvFn = unsafe fn(w: &[u8], rb: usize, x: &[u8], out: &mut [f32
 
 /// A row-range GEMV over a few tokens: `outs[t][r] = dot(w[r * rb..(r + 1) * rb], xs[t])` for
 /// every token `t` and `r < outs[t].len()` (all `outs[t]` the same length), each weight block
-/// decoded once for all tokens. Otherwise as [`GemvFn`]; `xs.len() == outs.len()`, any count
-/// (taken four tokens at a time).
+/// decoded once per pass of four tokens. Otherwise as [`GemvFn`]; `xs.len() == outs.len()`,
+/// any count (per group of 8 rows, the tokens four at a time: the group's weights stay in the
+/// cache between the passes).
 pub(crate) type GemvMultiFn = unsafe fn(w: &[u8], rb: usize, xs: &[&[u8]], outs: &mut [&mut [f32]]);
 
 /// The super-block-order GEMVs for `ty`, if it has them (Q4_K, Q5_K, Q6_K on x86-64): the
 /// one-token kernel and the multi-token one. Callers must only use them where the
-/// super-block order applies (`SimdLevel::Amx`, which implies the AVX-512 VNNI features the
-/// kernels need).
+/// super-block order applies (`SimdLevel::Avx512Vnni` and `SimdLevel::Amx`, which imply the
+/// AVX-512 VNNI features the kernels need).
 pub(crate) fn kernels(ty: GgmlType) -> Option<(GemvFn, GemvMultiFn)> {
     #[cfg(target_arch = "x86_64")]
     {
@@ -450,7 +452,9 @@ mod imp {
         rows_n::<K, 1>(w, rb, [x], [out]);
     }
 
-    /// The multi-token kernel of [`super::kernels`]: the tokens four at a time.
+    /// The multi-token kernel of [`super::kernels`]: per group of [`R`] rows, the tokens
+    /// [`NT_MAX`] at a time, so the group's weights come from memory once and stay in the
+    /// cache for the other passes (the group of a 8960-wide Q4_K row is 40 KiB).
     ///
     /// # Safety
     /// Requires AVX-512F/BW/VL/DQ, VNNI, AVX2, FMA and F16C.
@@ -461,15 +465,45 @@ mod imp {
         xs: &[&[u8]],
         outs: &mut [&mut [f32]],
     ) {
-        for (xc, oc) in xs.chunks(NT_MAX).zip(outs.chunks_mut(NT_MAX)) {
-            match (xc, oc) {
-                ([a], [p]) => rows_n::<K, 1>(w, rb, [a], [p]),
-                ([a, b], [p, q]) => rows_n::<K, 2>(w, rb, [a, b], [p, q]),
-                ([a, b, c], [p, q, r]) => rows_n::<K, 3>(w, rb, [a, b, c], [p, q, r]),
-                ([a, b, c, d], [p, q, r, t]) => rows_n::<K, 4>(w, rb, [a, b, c, d], [p, q, r, t]),
-                // Unequal counts: nothing (callers pass one output per input).
-                _ => {}
+        if xs.len() != outs.len() || rb == 0 {
+            // Unequal counts: nothing (callers pass one output per input).
+            return;
+        }
+        let n = outs.iter().fold(w.len() / rb, |m, o| m.min(o.len()));
+        for o in outs.iter_mut() {
+            o[n..].fill(0.0);
+        }
+        let mut r0 = 0;
+        while r0 < n {
+            let r1 = (r0 + R).min(n);
+            let g = &w[r0 * rb..r1 * rb];
+            for (xc, oc) in xs.chunks(NT_MAX).zip(outs.chunks_mut(NT_MAX)) {
+                match (xc, oc) {
+                    ([a], [p]) => rows_n::<K, 1>(g, rb, [a], [&mut p[r0..r1]]),
+                    ([a, b], [p, q]) => {
+                        rows_n::<K, 2>(g, rb, [a, b], [&mut p[r0..r1], &mut q[r0..r1]])
+                    }
+                    ([a, b, c], [p, q, r]) => rows_n::<K, 3>(
+                        g,
+                        rb,
+                        [a, b, c],
+                        [&mut p[r0..r1], &mut q[r0..r1], &mut r[r0..r1]],
+                    ),
+                    ([a, b, c, d], [p, q, r, t]) => rows_n::<K, 4>(
+                        g,
+                        rb,
+                        [a, b, c, d],
+                        [
+                            &mut p[r0..r1],
+                            &mut q[r0..r1],
+                            &mut r[r0..r1],
+                            &mut t[r0..r1],
+                        ],
+                    ),
+                    _ => {}
+                }
             }
+            r0 = r1;
         }
     }
 
@@ -669,14 +703,14 @@ mod tests {
     /// scale decode; one pass: `multi_token_gemv_equals_dot_kernel_bitwise` covers two).
     #[test]
     fn gemv_equals_dot_kernel_bitwise() {
-        if !SimdLevel::Amx.is_available() {
-            eprintln!("skipped: no AMX level on this CPU");
+        if !SimdLevel::Avx512Vnni.is_available() {
+            eprintln!("skipped: no AVX-512 VNNI on this CPU");
             return;
         }
         let mut seed = 0x9E37_79B9_7F4A_7C15u64;
         for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
-            let dk = DotKernel::with_level(ty, SimdLevel::Amx).unwrap();
-            assert_eq!(dk.level(), SimdLevel::Amx);
+            let dk = DotKernel::with_level(ty, SimdLevel::Avx512Vnni).unwrap();
+            assert!(dk.has_gemv() && dk.has_gemv_multi());
             let f = kernels(ty).unwrap().0;
             for n_in in [256, 1536, 4096, 4352, 8960, 11008] {
                 let rb = ty.row_bytes(n_in).unwrap();
@@ -687,7 +721,7 @@ mod tests {
                     let mut xp = xq.clone();
                     prepare(ty, &mut xp);
                     let mut got = vec![f32::NAN; rows];
-                    // SAFETY: the AMX level (checked above) implies the kernel's features.
+                    // SAFETY: AVX-512 VNNI (checked above) gives the kernel's features.
                     unsafe { f(&w, rb, &xp, &mut got) };
                     for (r, (g, e)) in got.iter().zip(&want).enumerate() {
                         assert_eq!(
@@ -701,23 +735,24 @@ mod tests {
         }
     }
 
-    /// The multi-token kernel gives every token's outputs bit for bit as the dot kernel, for
-    /// 1 to 9 tokens (every pass size of four and its remainders), row counts around the
-    /// 8-row groups and widths around the 40-super-block passes.
+    /// The multi-token kernel gives every token's outputs bit for bit as the dot kernel and
+    /// the scalar twin of the order, for 1 to 17 tokens (every pass size of four and its
+    /// remainders), row counts around the 8-row groups and widths around the
+    /// 40-super-block passes.
     #[test]
     fn multi_token_gemv_equals_dot_kernel_bitwise() {
-        if !SimdLevel::Amx.is_available() {
-            eprintln!("skipped: no AMX level on this CPU");
+        if !SimdLevel::Avx512Vnni.is_available() {
+            eprintln!("skipped: no AVX-512 VNNI on this CPU");
             return;
         }
         let mut seed = 0x2545_F491_4F6C_DD1Du64;
         for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
-            let dk = DotKernel::with_level(ty, SimdLevel::Amx).unwrap();
+            let dk = DotKernel::with_level(ty, SimdLevel::Avx512Vnni).unwrap();
             let f = kernels(ty).unwrap().1;
             for (n_in, rows) in [(256, 9), (2048, 8), (4352, 17), (11264, 3)] {
                 let rb = ty.row_bytes(n_in).unwrap();
                 let w = weights(ty, rows, n_in, &mut seed);
-                for n_tok in 1..=9 {
+                for n_tok in (1..=10).chain([13, 16, 17]) {
                     let xq: Vec<Vec<u8>> = (0..n_tok).map(|_| q8k_row(n_in, &mut seed)).collect();
                     let xp: Vec<Vec<u8>> = xq
                         .iter()
@@ -731,11 +766,13 @@ mod tests {
                     let mut got = vec![vec![f32::NAN; rows]; n_tok];
                     let mut outs: Vec<&mut [f32]> =
                         got.iter_mut().map(|g| g.as_mut_slice()).collect();
-                    // SAFETY: the AMX level (checked above) implies the kernel's features.
+                    // SAFETY: AVX-512 VNNI (checked above) gives the kernel's features.
                     unsafe { f(&w, rb, &xs, &mut outs) };
                     for (t, g) in got.iter().enumerate() {
                         for (r, wr) in w.chunks_exact(rb).enumerate() {
                             let e = dk.dot(wr, &xq[t]);
+                            let twin = crate::quant::dot_sb::dot_scalar(ty, wr, &xq[t]);
+                            assert_eq!(e.to_bits(), twin.to_bits(), "{ty:?} dot vs twin");
                             assert_eq!(
                                 g[r].to_bits(),
                                 e.to_bits(),

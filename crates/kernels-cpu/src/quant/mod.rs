@@ -24,16 +24,23 @@
 //! float accumulation order differs (tested to 1e-5 of sum |w x|).
 //!
 //! Prefill GEMM (`gemm_avx512`, driven by `crate::gemm`): tiled micro-kernels bit-identical to
-//! the AVX-512 dot kernels for Q4_K, Q5_K, Q6_K (AVX-512 and VNNI) and Q8_0, Q4_0, Q5_0,
-//! IQ4_NL, MXFP4 (VNNI); `matmul` uses them for batches of 4+ tokens. Activation quantisation
+//! the AVX-512 dot kernels for Q4_K, Q5_K, Q6_K (AVX-512; from VNNI up in the super-block
+//! order) and Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4 (VNNI); `matmul` uses them for batches of 4+
+//! tokens (the 32-element formats: 2+, on kernels that decode the raw weights in registers
+//! for batches of up to 8). Activation quantisation
 //! to Q8_0 / Q8_K has byte-identical AVX-512 versions (`act_avx512`).
 //!
-//! At [`SimdLevel::Amx`] the K formats use the super-block order of `dot_sb` instead (the
-//! only order AMX tiles can reproduce): VNNI dot kernels, an AVX-512 GEMM for small batches
-//! and the tile GEMM (`crate::gemm_amx`) for batches of `AMX_MIN_TOKENS`+, all bit-identical
-//! to each other and to the scalar twin `dot_sb::dot_scalar`. Single-token products at that
-//! level take the row-group GEMV of `gemv_sb` ([`DotKernel`]'s `gemv`, 8 rows per vector
-//! chain), bit-identical to the dot kernels.
+//! At [`SimdLevel::Avx512Vnni`] and [`SimdLevel::Amx`] the K formats use the super-block order
+//! of `dot_sb` instead (the only order AMX tiles can reproduce, and one whose exact integer
+//! per super-block lets few-token passes share each weight read): VNNI dot kernels, the
+//! row-group GEMV of `gemv_sb` for one token ([`DotKernel`]'s `gemv`, 8 rows per vector
+//! chain) and its multi-token form for a few, the rows-in-lanes GEMV of `gemv_sb_lanes`
+//! (Q4_K from 4 tokens, Q6_K from 6: 16 rows in the lanes, activations broadcast, no
+//! reduction) up to `GEMV_MULTI_MAX_TOKENS`, the AVX-512 GEMM in that order (`kern_k_sb`)
+//! for larger batches and, at [`SimdLevel::Amx`] only, the tile GEMM (`crate::gemm_amx`) for
+//! batches of `AMX_MIN_TOKENS`+; all bit-identical to each other and to the scalar twin
+//! `dot_sb::dot_scalar`, so a level's results never depend on the batch (speculative
+//! verification of k tokens gives each exactly its one-token-step result).
 //!
 //! The same holds for Q8_0 and Q5_0 with the block order of `dot_blk` (one f32 chain per
 //! row, one FMA per 32-element block): at [`SimdLevel::Amx`] their dot kernel is the
@@ -56,6 +63,7 @@ mod error;
 pub(crate) mod gemm_avx512;
 mod gemv_blk;
 mod gemv_sb;
+mod gemv_sb_lanes;
 
 pub use error::KernelError;
 use kapitsa_base::{CpuFeatures, GgmlType};
@@ -69,12 +77,13 @@ pub enum SimdLevel {
     Avx2,
     /// AVX-512 F/BW/VL/DQ (plus AVX2).
     Avx512,
-    /// AVX-512 plus VNNI (`vpdpbusd`) and, where used, BF16 (checked separately).
+    /// AVX-512 plus VNNI (`vpdpbusd`) and, where used, BF16 (checked separately). The K
+    /// formats (Q4_K, Q5_K, Q6_K) use the super-block order of `dot_sb` from this level up
+    /// (its multi-token GEMV makes passes of a few tokens cheap).
     Avx512Vnni,
-    /// AVX-512 VNNI plus AMX-INT8 tiles. The K formats (Q4_K, Q5_K, Q6_K) switch to the
-    /// super-block order of `dot_sb` at this level and Q8_0, Q5_0 to the block order of
-    /// `dot_blk` (their GEMMs run on the tiles); every other type uses its AVX-512 VNNI
-    /// kernels.
+    /// AVX-512 VNNI plus AMX-INT8 tiles. The K formats keep the super-block order (their
+    /// large batches run on the tiles) and Q8_0, Q5_0 switch to the block order of `dot_blk`
+    /// (their GEMMs run on the tiles); every other type uses its AVX-512 VNNI kernels.
     Amx,
 }
 
@@ -242,6 +251,9 @@ pub struct DotKernel {
     f4: Option<Dot4Fn>,
     gemv: Option<gemv_sb::GemvFn>,
     gemv_multi: Option<gemv_sb::GemvMultiFn>,
+    /// The rows-in-lanes multi-token GEMV (`gemv_sb_lanes`) and the token count from which it
+    /// takes over from `gemv_multi`.
+    gemv_lanes: Option<(gemv_sb::GemvMultiFn, usize)>,
 }
 
 impl std::fmt::Debug for DotKernel {
@@ -271,8 +283,11 @@ impl DotKernel {
         }
         let dot_ty = vec_dot_type(ty)?;
         let mut chosen: Option<(SimdLevel, DotFn, Option<Dot4Fn>)> = None;
-        if max_level >= SimdLevel::Amx {
-            chosen = dot_sb::kernel(ty).or_else(|| dot_blk::kernel(ty));
+        if max_level >= SimdLevel::Avx512Vnni {
+            chosen = dot_sb::kernel(ty, max_level);
+        }
+        if chosen.is_none() && max_level >= SimdLevel::Amx {
+            chosen = dot_blk::kernel(ty);
         }
         if chosen.is_none() && max_level >= SimdLevel::Avx512 {
             chosen = dot_avx512::kernel(ty, max_level, CpuFeatures::get().avx512_bf16);
@@ -289,10 +304,15 @@ impl DotKernel {
             ),
         };
         // The row-group GEMVs exist for the super-block and block orders only.
-        let (gemv, gemv_multi) = match (level == SimdLevel::Amx, gemv_sb::kernels(ty)) {
-            (true, Some((g, m))) => (Some(g), Some(m)),
-            (true, None) => (gemv_blk::kernel(ty), None),
-            (false, _) => (None, None),
+        let (gemv, gemv_multi, gemv_lanes) = if sb_order(ty, level) {
+            match gemv_sb::kernels(ty) {
+                Some((g, m)) => (Some(g), Some(m), gemv_sb_lanes::kernel(ty)),
+                None => (None, None, None),
+            }
+        } else if level == SimdLevel::Amx {
+            (gemv_blk::kernel(ty), None, None)
+        } else {
+            (None, None, None)
         };
         Ok(DotKernel {
             ty,
@@ -302,6 +322,7 @@ impl DotKernel {
             f4,
             gemv,
             gemv_multi,
+            gemv_lanes,
         })
     }
 
@@ -371,12 +392,18 @@ impl DotKernel {
 
     /// `outs[t][r] = dot(w[r * rb..(r + 1) * rb], xs[t])` for every token `t` and every
     /// `r < outs[t].len()` (one output slice per input, all of one length), each weight block
-    /// decoded once for all tokens; bit-identical to [`DotKernel::dot`] on the unprepared
+    /// read once for all tokens (the rows-in-lanes kernel where it exists and there are
+    /// enough tokens, else `gemv_sb`'s); bit-identical to [`DotKernel::dot`] on the unprepared
     /// rows. Every `xs[t]` must have gone through [`DotKernel::prepare_gemv`]. `w` holds at
     /// least that many rows of `rb` bytes.
     pub(crate) fn gemv_multi(&self, w: &[u8], rb: usize, xs: &[&[u8]], outs: &mut [&mut [f32]]) {
-        match self.gemv_multi {
-            // SAFETY: as in `gemv`: only set at `SimdLevel::Amx`, checked available.
+        let lanes = self
+            .gemv_lanes
+            .filter(|&(_, min)| xs.len() >= min)
+            .map(|(f, _)| f);
+        match lanes.or(self.gemv_multi) {
+            // SAFETY: as in `gemv`: only set at `SimdLevel::Avx512Vnni` and above, checked
+            // available.
             Some(g) => unsafe { g(w, rb, xs, outs) },
             None => {
                 for (x, out) in xs.iter().zip(outs.iter_mut()) {
@@ -391,9 +418,10 @@ impl DotKernel {
     /// [`DotKernel::prepare_gemv`]. `w` holds at least `out.len()` rows of `rb` bytes.
     pub(crate) fn gemv(&self, w: &[u8], rb: usize, x: &[u8], out: &mut [f32]) {
         match self.gemv {
-            // SAFETY: `gemv` is only set at `SimdLevel::Amx`, which `with_level` checked is
-            // available (it implies the AVX-512 VNNI features the kernel needs); the kernel
-            // bounds its reads by the slice lengths.
+            // SAFETY: `gemv` is only set at `SimdLevel::Avx512Vnni` (the super-block order)
+            // or `SimdLevel::Amx`, which `with_level` checked are available (both imply the
+            // AVX-512 VNNI, AVX2, FMA and F16C features the kernels need); the kernels bound
+            // their reads by the slice lengths.
             Some(g) => unsafe { g(w, rb, x, out) },
             None => {
                 for (r, o) in out.iter_mut().enumerate() {
@@ -402,6 +430,16 @@ impl DotKernel {
             }
         }
     }
+}
+
+/// Whether products of weight type `ty` at kernel level `level` use the super-block order of
+/// `dot_sb` (the K formats at [`SimdLevel::Avx512Vnni`] and [`SimdLevel::Amx`], on x86-64):
+/// then every driver at that level (dot, row-group GEMVs, AVX-512 and tile GEMMs) computes
+/// that order.
+pub(crate) fn sb_order(ty: GgmlType, level: SimdLevel) -> bool {
+    cfg!(target_arch = "x86_64")
+        && level >= SimdLevel::Avx512Vnni
+        && dot_sb::block_bytes(ty).is_some()
 }
 
 fn scalar_kernel(ty: GgmlType) -> Option<DotFn> {

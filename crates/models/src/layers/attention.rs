@@ -204,8 +204,15 @@ impl DeviceAttention {
             be.rms_norm(&mut k, hd, w, self.eps)?;
         }
         if let Some(rope) = self.rope {
-            be.rope(&mut q, self.n_head, hd, rope, cx.dev_batch)?;
-            be.rope(&mut k, self.n_head_kv, hd, rope, cx.dev_batch)?;
+            be.rope_qk(
+                &mut q,
+                &mut k,
+                self.n_head,
+                self.n_head_kv,
+                hd,
+                rope,
+                cx.dev_batch,
+            )?;
         }
         // (the decoder checked that the positions written are prepared and unshared)
         {

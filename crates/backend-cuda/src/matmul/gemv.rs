@@ -1,0 +1,257 @@
+//! The GEMV launches (kernels/matmul.cu `gemv_<ty>_<nt>`): one product, several products of
+//! one format over the same activations in one launch (q/k/v), and the gate/up pair of a
+//! SwiGLU MLP with `silu(gate) * up` in the epilogue.
+//!
+//! # Contract
+//! - Every launch takes a [`GemvArgs`] by value, the `#[repr(C)]` twin of the kernel's
+//!   `GemvArgs` (same field order and types; change both together).
+//! - x is `[n_tok, n_in]` f32, 16-byte aligned; each part's y is `[n_tok, n_rows]` (row stride
+//!   `n_rows`); launches take up to [`GEMV_MAX_TOKENS`] tokens, more are split.
+//! - The parts of one launch share the format and `n_in` (the callers check it and fall back to
+//!   one launch per product otherwise). Results are the same as one launch per product up to
+//!   the order of the final f32 additions (the K split may differ).
+//! - `KAPITSA_GEMV_PREFETCH=0` issues the weight loads after the PDL wait instead of before,
+//!   `KAPITSA_GEMV_FUSE=0` turns the multi-product and gate/up launches off, and
+//!   `KAPITSA_GEMV_XS=0` the one-token kernels with x staged in shared memory (`2`: for every
+//!   one-token launch; default: launches of more blocks than fit at once) (for measurements).
+
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig};
+use kapitsa_backend::{shape_err, Result};
+
+use super::{
+    i32_arg, CudaWeight, GemvEpilogue, MatmulKernels, GEMV_MAX_TOKENS, GEMV_ROWS, GEMV_WARPS,
+};
+use crate::device::dev_err;
+use crate::launch::{KernelArg, KernelLaunch, Launch};
+
+/// Most products of one launch (kernels/matmul.cu `GEMV_MAX_PARTS`).
+pub(crate) const GEMV_MAX_PARTS: usize = 3;
+
+/// kernels/matmul.cu `GEMV_PREFETCH`, `GEMV_GLU`.
+const FLAG_PREFETCH: i32 = 1;
+const FLAG_GLU: i32 = 2;
+
+/// Whether an environment switch is on (anything but `0`; unset: on).
+fn switch(name: &str, cell: &'static OnceLock<bool>) -> bool {
+    *cell.get_or_init(|| std::env::var(name).map_or(true, |v| v != "0"))
+}
+
+/// Whether the GEMV loads its first weights before the PDL wait (`KAPITSA_GEMV_PREFETCH`).
+fn prefetch_on() -> bool {
+    static CELL: OnceLock<bool> = OnceLock::new();
+    switch("KAPITSA_GEMV_PREFETCH", &CELL)
+}
+
+/// When one-token launches take the staged-activation kernels `gemv_<ty>_1xs`
+/// (`KAPITSA_GEMV_XS`): `0` never, `2` always, else (the default) when the row-group blocks
+/// do not all fit on the GPU at once (the staging is then paid once per resident block for
+/// several rounds; a launch of one round is latency-bound and does better without it).
+fn xs_mode() -> u8 {
+    static CELL: OnceLock<u8> = OnceLock::new();
+    *CELL.get_or_init(|| match std::env::var("KAPITSA_GEMV_XS").as_deref() {
+        Ok("0") => 0,
+        Ok("2") => 2,
+        _ => 1,
+    })
+}
+
+/// Most dynamic shared memory a `gemv_<ty>_1xs` launch takes (the kernels' attribute is
+/// raised to it at load); wider rows take the other kernels.
+pub(crate) const XS_MAX_SMEM: usize = 96 * 1024;
+
+/// Shared memory of an SM a kernel's blocks can have, and what each block reserves (sm_90).
+const SM_SMEM: usize = 228 * 1024;
+const BLOCK_SMEM_RESERVED: usize = 1024 + 128;
+
+/// Bytes of the staged activations of a row of `n_in` elements (kernels/matmul.cu
+/// `gemv_xs_idx`: 4 floats of padding after every 64).
+fn xs_bytes(n_in: usize) -> usize {
+    4 * (n_in + 4 * n_in.div_ceil(64))
+}
+
+/// Whether products are fused into one launch (`KAPITSA_GEMV_FUSE`).
+pub(crate) fn fuse_on() -> bool {
+    static CELL: OnceLock<bool> = OnceLock::new();
+    switch("KAPITSA_GEMV_FUSE", &CELL)
+}
+
+/// kernels/matmul.cu `GemvPart`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct PartArgs {
+    w: u64,
+    off1: u64,
+    off2: u64,
+    off3: u64,
+    stride: u64,
+    row0: u64,
+    y: u64,
+    bias: u64,
+    n_rows: i32,
+    ldy: i32,
+    accumulate: i32,
+    block0: i32,
+}
+
+/// kernels/matmul.cu `GemvArgs`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct GemvArgs {
+    part: [PartArgs; GEMV_MAX_PARTS],
+    x: u64,
+    n_parts: i32,
+    n_in: i32,
+    ksplit: i32,
+    flags: i32,
+    vblocks: i32,
+    unused: i32,
+}
+
+impl<'a> KernelArg<'a> for &'a GemvArgs {
+    fn push_to(self, l: &mut Launch<'a>) {
+        l.push_host((self as *const GemvArgs).cast());
+    }
+}
+
+/// One product of a launch: rows `row0 .. row0 + n_rows` of `w` (global row index, experts
+/// stacked) into `y` (`[n_tok, n_rows]`), with an epilogue.
+pub(crate) struct GemvPart<'a, 'y> {
+    pub(crate) w: &'a CudaWeight,
+    pub(crate) row0: usize,
+    pub(crate) n_rows: usize,
+    pub(crate) y: &'a mut CudaViewMut<'y, f32>,
+    pub(crate) ep: GemvEpilogue<'a>,
+}
+
+/// Row-group warps the GEMV of `groups` row groups of `n_chunks` chunks spreads over K:
+/// split (2 or 4 warps per row group, at most `max`) while the grid is under about two waves
+/// of `warps_per_sm` warps per SM and every lane still gets a chunk.
+pub(super) fn ksplit(
+    groups: usize,
+    n_chunks: usize,
+    sms: usize,
+    warps_per_sm: usize,
+    max: usize,
+) -> usize {
+    let target = 2 * sms * warps_per_sm;
+    let mut g = 1;
+    while g < max && groups * g < target && n_chunks >= 32 * 2 * g {
+        g *= 2;
+    }
+    g
+}
+
+impl MatmulKernels {
+    /// The products `parts` (at most [`GEMV_MAX_PARTS`], one format and `n_in`) of `x`
+    /// (`[n_tok, n_in]`) in launches of up to [`GEMV_MAX_TOKENS`] tokens. With `glu`, exactly
+    /// two parts (gate, up) of equal row counts without epilogues: part 0's y receives
+    /// `silu(gate . x) * (up . x)` and part 1's y is not written. Views checked by the caller
+    /// (lengths, rows inside the weights, the x alignment is checked here).
+    pub(crate) fn gemv_parts(
+        &self,
+        stream: &Arc<CudaStream>,
+        parts: &mut [GemvPart<'_, '_>],
+        x: &CudaView<'_, f32>,
+        n_tok: usize,
+        glu: bool,
+    ) -> Result<()> {
+        const OP: &str = "matmul";
+        let Some(first) = parts.first() else {
+            return Ok(());
+        };
+        let (fmt, n_in) = (first.w.fmt, first.w.n_in);
+        if parts.len() > GEMV_MAX_PARTS
+            || parts.iter().any(|p| p.w.fmt != fmt || p.w.n_in != n_in)
+            || (glu && (parts.len() != 2 || parts[0].n_rows != parts[1].n_rows))
+        {
+            return shape_err(OP, "GEMV parts of different formats, widths or row counts");
+        }
+        let (xp, _sync) = x.device_ptr(stream);
+        if xp % 16 != 0 {
+            return shape_err(OP, "x must start 16-byte aligned for the GEMV kernels");
+        }
+        let n_chunks = n_in / fmt.chunk();
+        let flags = if prefetch_on() { FLAG_PREFETCH } else { 0 } | if glu { FLAG_GLU } else { 0 };
+        let mut t0 = 0;
+        while t0 < n_tok {
+            let nt = (n_tok - t0).min(GEMV_MAX_TOKENS);
+            // one token: x staged in shared memory, a grid of resident blocks
+            let smem = xs_bytes(n_in);
+            let groups: Vec<usize> = parts.iter().map(|p| p.n_rows.div_ceil(GEMV_ROWS)).collect();
+            // the K split (from one matrix's row groups for the gate/up pair, so each matrix
+            // gets the split a launch of its own would), and the row groups one block holds
+            let (g, per_block) = if glu {
+                let g = ksplit(groups[0], n_chunks, self.sms, 16, 2);
+                (g, GEMV_WARPS / 2 / g)
+            } else {
+                let total = groups.iter().sum();
+                let g = ksplit(total, n_chunks, self.sms, 16, GEMV_WARPS);
+                (g, GEMV_WARPS / g)
+            };
+            let mut args = GemvArgs {
+                n_parts: parts.len() as i32,
+                n_in: i32_arg(OP, "n_in", n_in)?,
+                ksplit: g as i32,
+                flags,
+                x: xp + (t0 * n_in * 4) as u64,
+                ..GemvArgs::default()
+            };
+            let mut blocks = 0usize;
+            for (i, p) in parts.iter_mut().enumerate() {
+                let a = &mut args.part[i];
+                let w = p.w;
+                a.w = w.buf.device_ptr(stream).0;
+                a.off1 = w.off[0];
+                a.off2 = w.off[1];
+                a.off3 = w.off[2];
+                a.stride = w.stride;
+                a.row0 = p.row0 as u64;
+                a.y = p.y.device_ptr_mut(stream).0 + (t0 * p.n_rows * 4) as u64;
+                a.bias = p.ep.bias.map_or(0, |b| b.device_ptr(stream).0);
+                a.n_rows = i32_arg(OP, "rows", p.n_rows)?;
+                a.ldy = a.n_rows;
+                a.accumulate = i32::from(p.ep.accumulate);
+                a.block0 = i32_arg(OP, "blocks", blocks)?;
+                if !glu || i == 0 {
+                    blocks += groups[i].div_ceil(per_block);
+                }
+            }
+            args.vblocks = i32_arg(OP, "blocks", blocks)?;
+            // the staged kernel: at most the blocks that fit at once (4 by registers)
+            let resident = self.sms * (SM_SMEM / (smem + BLOCK_SMEM_RESERVED)).clamp(1, 4);
+            let xs = nt == 1
+                && smem <= XS_MAX_SMEM
+                && match xs_mode() {
+                    0 => false,
+                    2 => true,
+                    _ => blocks > resident,
+                };
+            let grid = if xs { blocks.min(resident) } else { blocks };
+            let cfg = LaunchConfig {
+                grid_dim: (grid as u32, 1, 1),
+                block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: if xs { smem as u32 } else { 0 },
+            };
+            let f = if xs {
+                &self.gemv_xs[fmt.id()]
+            } else {
+                &self.gemv[fmt.id() * GEMV_MAX_TOKENS + nt - 1]
+            };
+            let mut b = stream.kernel(f);
+            b.arg(&args);
+            // SAFETY: gemv_<ty>_<nt>[xs](GemvArgs): every part's weight image, plane offsets
+            // and stride come from `upload`, its rows row0 .. row0 + n_rows exist and its y
+            // holds n_tok * n_rows floats from token 0 (the caller's contract; the offsets
+            // above stay inside for tokens t0 .. t0 + nt), its bias is null or holds n_rows
+            // floats; x holds n_tok * n_in floats, 16-byte aligned (checked), n_in a multiple
+            // of the chunk; the parts share fmt and n_in (checked); block0, ksplit and the
+            // grid follow the kernel's launch contract (kernels/matmul.cu), the xs kernel's
+            // dynamic shared memory is the staged row's size (<= its raised limit).
+            unsafe { b.launch(cfg) }.map_err(dev_err)?;
+            t0 += nt;
+        }
+        Ok(())
+    }
+}
