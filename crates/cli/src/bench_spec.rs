@@ -113,6 +113,7 @@ impl GenResult {
                 "ngram": c(&self.metrics.spec.ngram),
                 "draft": c(&self.metrics.spec.draft),
                 "dflash": c(&self.metrics.spec.dflash),
+                "mtp": c(&self.metrics.spec.mtp),
             },
         })
     }

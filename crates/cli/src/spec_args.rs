@@ -13,8 +13,9 @@ use kapitsa_models::LoadMode;
 pub struct SpecArgs {
     /// Speculative decoding: off, auto (the engine picks n-gram matching or the drafter per
     /// request and step, and stops when it does not pay), ngram (prompt lookup and recent
-    /// requests), draft (a --draft-model), dflash (a DFlash --draft-model); mtp is not
-    /// available yet. The output is the same as without.
+    /// requests), draft (a --draft-model), dflash (a DFlash --draft-model), mtp (the
+    /// model's own multi-token-prediction head, Qwen3.5/3.6 and Nemotron 3 files that have
+    /// one). The output is the same as without.
     #[arg(long = "spec", default_value = "off", value_parser = parse_mode)]
     pub mode: SpecMode,
     /// A small model with the same tokenizer that proposes tokens (e.g. Qwen2.5-Coder-0.5B
@@ -79,12 +80,25 @@ impl SpecArgs {
             }
             None => {}
         }
+        // The model's own MTP head, when asked for (or in auto, without a DFlash drafter) and
+        // the file has one: its weights are uploaded again for the drafter.
+        let wants_mtp =
+            self.mode == SpecMode::Mtp || (self.mode == SpecMode::Auto && dflash.is_none());
+        let mtp = if wants_mtp && target.model.mtp_parts().is_some() {
+            let m = kapitsa_models::mtp::MtpDrafter::for_model(&*target.model)
+                .context("loading the model's MTP head")?;
+            eprintln!("drafter: the model's MTP head");
+            Some(std::sync::Arc::new(m))
+        } else {
+            None
+        };
         let cfg = SpecConfig {
             mode: self.mode,
             max_draft: self.spec_max,
             draft_model,
             suffix_tokens: 0,
             dflash,
+            mtp,
         };
         cfg.check_mode(self.mode)
             .map_err(anyhow::Error::msg)
@@ -100,6 +114,7 @@ pub fn summary(m: &EngineMetrics) -> Option<String> {
         ("ngram", &m.spec.ngram),
         ("draft", &m.spec.draft),
         ("dflash", &m.spec.dflash),
+        ("mtp", &m.spec.mtp),
     ]
     .into_iter()
     .filter(|(_, c)| c.rounds > 0)

@@ -115,6 +115,7 @@ fn spec(mode: SpecMode, max: usize, draft: Option<&Arc<dyn CausalLm>>) -> SpecCo
         draft_model: draft.cloned(),
         suffix_tokens: 0,
         dflash: None,
+        mtp: None,
     }
 }
 
@@ -520,4 +521,29 @@ fn dflash_drafters_keep_greedy_output() {
         );
         h.shutdown();
     }
+}
+
+/// The model's own MTP head (the tiny Qwen3.5-MoE fixture `qwen35moe-b` has random `mtp.*`
+/// weights) through the engine: 16 requests at once with the prefix cache on give plain
+/// greedy output in mtp and auto mode, on a hybrid (Gated DeltaNet) target.
+#[test]
+fn mtp_head_keeps_greedy_output() {
+    let (model, tok) = load("qwen35moe-b");
+    let head = Arc::new(kapitsa_models::mtp::MtpDrafter::for_model(&*model).unwrap());
+    let reqs: Vec<Request> = prompts(16).iter().map(|p| greedy(p, 20)).collect();
+    let want = reference(&model, &tok, &reqs);
+    for mode in [SpecMode::Mtp, SpecMode::Auto] {
+        let cfg = SpecConfig {
+            mtp: Some(head.clone()),
+            ..spec(mode, 4, None)
+        };
+        let m = check_same("qwen35moe-b mtp", &model, &tok, &reqs, &want, cfg);
+        if mode == SpecMode::Mtp {
+            let c = m.spec.mtp;
+            assert!(c.rounds > 0 && c.drafted > 0, "no MTP rounds ({c:?})");
+        }
+    }
+    // A model without an MTP head: the drafter cannot be made.
+    let (plain, _) = load("qwen2-a");
+    assert!(kapitsa_models::mtp::MtpDrafter::for_model(&*plain).is_err());
 }

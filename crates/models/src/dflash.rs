@@ -38,13 +38,10 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use kapitsa_backend::{
-    Act, AttnShape, Backend, Batch, BatchDesc, DType, Epilogue, MlpWeights, RopeDesc, SeqDesc,
-    Tensor,
-};
+use kapitsa_backend::{Act, AttnShape, Backend, DType, Epilogue, MlpWeights, RopeDesc, Tensor};
 use serde_json::Value;
 
-use crate::layers::tensor;
+use crate::layers::{check_positions, positions_batch, tensor};
 use crate::{CausalLm, ModelError, ModelSource, Result, Weight};
 
 /// Which drafter a checkpoint holds.
@@ -534,28 +531,6 @@ fn vector(be: &dyn Backend, src: &ModelSource, name: &str, len: usize) -> Result
         });
     }
     Ok(be.upload_f32(&w.to_f32()?)?)
-}
-
-/// A batch of `tokens` at consecutive positions from `pos0` (for the embedding gather and
-/// RoPE).
-fn positions_batch(be: &dyn Backend, tokens: Vec<u32>, pos0: u32) -> Result<Batch> {
-    let n = tokens.len();
-    let desc = BatchDesc {
-        positions: (0..n as u32).map(|i| pos0 + i).collect(),
-        tokens,
-        seqs: vec![SeqDesc {
-            slot: 0,
-            start: 0,
-            len: n,
-            pos0: pos0 as usize,
-            table_start: 0,
-            table_len: 0,
-        }],
-        block_tables: Vec::new(),
-        block_size: 0,
-        logit_rows: Vec::new(),
-    };
-    Ok(be.prepare_batch(desc)?)
 }
 
 impl Drafter {
@@ -1074,16 +1049,6 @@ impl Drafter {
     }
 }
 
-/// `Err` unless positions `pos .. pos + n` fit in a `u32`.
-fn check_positions(pos: u32, n: usize) -> Result<()> {
-    match u32::try_from(n).ok().and_then(|n| pos.checked_add(n)) {
-        Some(_) => Ok(()),
-        None => Err(ModelError::Batch(format!(
-            "{n} positions from {pos} overflow"
-        ))),
-    }
-}
-
 /// No bias, or `b`; never accumulating.
 fn epilogue(b: Option<&Tensor>) -> Epilogue<'_> {
     Epilogue {
@@ -1306,7 +1271,7 @@ fn select(
 }
 
 /// Index of the largest value (first on ties).
-fn argmax(x: &[f32]) -> u32 {
+pub(crate) fn argmax(x: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &v) in x.iter().enumerate() {
         if v > x[best] {
@@ -1317,7 +1282,7 @@ fn argmax(x: &[f32]) -> u32 {
 }
 
 /// `softmax(x / t)`.
-fn softmax(x: &[f32], t: f32) -> Vec<f32> {
+pub(crate) fn softmax(x: &[f32], t: f32) -> Vec<f32> {
     let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
     let mut p: Vec<f32> = x.iter().map(|&v| ((v - max) / t).exp()).collect();
     let sum: f32 = p.iter().sum();
@@ -1327,7 +1292,7 @@ fn softmax(x: &[f32], t: f32) -> Vec<f32> {
 
 /// The index whose cumulative probability first exceeds `u` (the last one if rounding
 /// leaves `u` above the total).
-fn sample(p: &[f32], u: f32) -> u32 {
+pub(crate) fn sample(p: &[f32], u: f32) -> u32 {
     let mut acc = 0f32;
     for (i, &v) in p.iter().enumerate() {
         acc += v;

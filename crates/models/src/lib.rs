@@ -9,6 +9,7 @@ pub mod config;
 pub mod dflash;
 pub mod error;
 pub mod layers;
+pub mod mtp;
 pub mod nemotron_h;
 pub mod qwen2;
 pub mod qwen3;
@@ -115,6 +116,13 @@ pub trait CausalLm: Send + Sync {
     fn output_head(&self, x: &Tensor, n: usize, out: &mut Tensor) -> Result<()> {
         let _ = (x, n, out);
         Err(not_supported(self.spec(), "its output head"))
+    }
+
+    /// The model's own multi-token-prediction head as loaded (host weights), for
+    /// [`mtp::MtpDrafter::for_model`]; `None` (the default) when the architecture has none
+    /// or the file carries no MTP weights.
+    fn mtp_parts(&self) -> Option<mtp::MtpParts<'_>> {
+        None
     }
 }
 

@@ -25,6 +25,7 @@ use crate::layers::attention::Attention;
 use crate::layers::decoder::{Block, BlockOp, Decoder, DecoderParts};
 use crate::layers::ffn::{Act, Experts, Ffn, Gating, Latent, Mlp, Moe};
 use crate::layers::mamba2::Mamba2;
+use crate::mtp::MtpParts;
 use crate::{
     BatchInputs, CausalLm, KvCache, Logits, ModelError, ModelSource, ModelSpec, Result, Tensor,
 };
@@ -61,6 +62,11 @@ pub struct NemotronMtp {
     pub head_norm: Vec<f32>,
     /// Attention block then MoE block.
     pub blocks: Vec<Block>,
+    /// The trunk's final norm `norm_f` `[n_embd]` (the head reads the trunk's hidden after
+    /// it, as vLLM and TensorRT-LLM feed it).
+    pub out_norm: Vec<f32>,
+    /// RMSNorm epsilon.
+    pub eps: f32,
 }
 
 /// A loaded Nemotron-H model.
@@ -224,7 +230,9 @@ impl NemotronH {
                     "{arch}: {n_mtp} MTP layers (only 1 is supported)"
                 )));
             }
-            Some(load_mtp(src, &names, &hp)?)
+            let mut m = load_mtp(src, &names, &hp)?;
+            m.out_norm.clone_from(&parts.out_norm);
+            Some(m)
         } else {
             None
         };
@@ -255,6 +263,8 @@ fn load_mtp(src: &ModelSource, names: &Names, hp: &Hp) -> Result<NemotronMtp> {
             enorm: v(l("nextn.enorm.weight"))?,
             hnorm: v(l("nextn.hnorm.weight"))?,
             head_norm: v(l("nextn.shared_head_norm.weight"))?,
+            out_norm: Vec::new(),
+            eps: hp.eps,
             blocks: vec![
                 Block {
                     layer: b,
@@ -280,6 +290,8 @@ fn load_mtp(src: &ModelSource, names: &Names, hp: &Hp) -> Result<NemotronMtp> {
             enorm: v("mtp.layers.0.enorm.weight".into())?,
             hnorm: v("mtp.layers.0.hnorm.weight".into())?,
             head_norm: v("mtp.layers.1.final_layernorm.weight".into())?,
+            out_norm: Vec::new(),
+            eps: hp.eps,
             blocks: vec![
                 Block {
                     layer: 0,
@@ -501,5 +513,17 @@ impl CausalLm for NemotronH {
 
     fn output_head(&self, x: &Tensor, n: usize, out: &mut Tensor) -> Result<()> {
         self.inner.output_head(x, n, out)
+    }
+
+    fn mtp_parts(&self) -> Option<MtpParts<'_>> {
+        self.mtp.as_ref().map(|m| MtpParts {
+            fc: &m.eh_proj,
+            embed_norm: &m.enorm,
+            hidden_norm: &m.hnorm,
+            trunk_norm: &m.out_norm,
+            blocks: &m.blocks,
+            head_norm: &m.head_norm,
+            eps: m.eps,
+        })
     }
 }

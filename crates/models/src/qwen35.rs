@@ -38,6 +38,7 @@ use crate::config::Hparams;
 use crate::layers::decoder::{Block, BlockOp, Decoder};
 use crate::layers::ffn::Ffn;
 use crate::layers::gdn::{head_order, GatedDeltaNet};
+use crate::mtp::MtpParts;
 use crate::{
     BatchInputs, CausalLm, KvCache, Logits, ModelError, ModelSource, ModelSpec, Result, Tensor,
 };
@@ -265,6 +266,10 @@ pub struct Qwen35Mtp {
     pub norm: Vec<f32>,
     /// The MTP decoder layer: attention block then FFN block.
     pub blocks: Vec<Block>,
+    /// The trunk's final norm `[n_embd]` (the head reads the trunk's hidden after it).
+    pub out_norm: Vec<f32>,
+    /// RMSNorm epsilon.
+    pub eps: f32,
 }
 
 /// A loaded Qwen3.5/3.6 model (MoE or dense).
@@ -307,7 +312,9 @@ impl Qwen35 {
             blocks.push(ffn);
         }
         let mtp = if hy.n_mtp > 0 {
-            Some(load_mtp(src, &names, &c, &hy, &attn_opts, off)?)
+            let mut m = load_mtp(src, &names, &c, &hy, &attn_opts, off)?;
+            m.out_norm.clone_from(&parts.out_norm);
+            Some(m)
         } else {
             None
         };
@@ -492,6 +499,8 @@ fn load_mtp(
         )?,
         norm,
         blocks: vec![attn, ffn],
+        out_norm: Vec::new(),
+        eps: c.rms_eps,
     })
 }
 
@@ -520,5 +529,17 @@ impl CausalLm for Qwen35 {
 
     fn output_head(&self, x: &Tensor, n: usize, out: &mut Tensor) -> Result<()> {
         self.inner.output_head(x, n, out)
+    }
+
+    fn mtp_parts(&self) -> Option<MtpParts<'_>> {
+        self.mtp.as_ref().map(|m| MtpParts {
+            fc: &m.fc,
+            embed_norm: &m.norm_embedding,
+            hidden_norm: &m.norm_hidden,
+            trunk_norm: &m.out_norm,
+            blocks: &m.blocks,
+            head_norm: &m.norm,
+            eps: m.eps,
+        })
     }
 }

@@ -346,6 +346,56 @@ impl Weight {
         Ok(self)
     }
 
+    /// Split a 2-D weight `[n_out, n_in]` by input columns into `[n_out, at]` and
+    /// `[n_out, n_in - at]` (owned copies named `<name>[:at]` and `<name>[at:]`): the bytes
+    /// as they are when `at` falls on a block boundary of the type, else dequantised to f32.
+    /// For a product with a concatenation, `W · [a | b] = W[:, :at] · a + W[:, at:] · b`.
+    pub fn split_cols(&self, at: usize) -> Result<(Weight, Weight)> {
+        self.check_2d()?;
+        let (rows, n_in) = (self.shape[0], self.shape[1]);
+        if at == 0 || at >= n_in {
+            return Err(ModelError::Config(format!(
+                "tensor '{}': cannot split {n_in} columns at {at}",
+                self.name
+            )));
+        }
+        let names = (
+            format!("{}[:{at}]", self.name),
+            format!("{}[{at}:]", self.name),
+        );
+        let widths = [at, n_in - at];
+        let raw = match (
+            self.dtype.row_bytes(n_in),
+            self.dtype.row_bytes(at),
+            self.dtype.row_bytes(n_in - at),
+        ) {
+            (Some(rb), Some(a), Some(b)) if a + b == rb => Some((rb, a)),
+            _ => None,
+        };
+        if let Some((rb, a)) = raw {
+            let bytes = self.bytes()?;
+            let (mut left, mut right) = (Vec::new(), Vec::new());
+            for row in bytes.chunks_exact(rb).take(rows) {
+                left.extend_from_slice(&row[..a]);
+                right.extend_from_slice(&row[a..]);
+            }
+            return Ok((
+                Weight::from_bytes(&names.0, self.dtype, vec![rows, widths[0]], left)?,
+                Weight::from_bytes(&names.1, self.dtype, vec![rows, widths[1]], right)?,
+            ));
+        }
+        let all = self.to_f32()?;
+        let (mut left, mut right) = (Vec::new(), Vec::new());
+        for row in all.chunks_exact(n_in) {
+            left.extend_from_slice(&row[..at]);
+            right.extend_from_slice(&row[at..]);
+        }
+        Ok((
+            Weight::from_f32(&names.0, vec![rows, widths[0]], &left),
+            Weight::from_f32(&names.1, vec![rows, widths[1]], &right),
+        ))
+    }
+
     /// All elements dequantised to f32 (norm weights, biases).
     pub fn to_f32(&self) -> Result<Vec<f32>> {
         let n = self.n_elements();
@@ -370,5 +420,55 @@ impl Weight {
 impl std::fmt::Debug for Weight {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Weight({} {} {:?})", self.name, self.dtype, self.shape)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Splitting by columns keeps every value, in f32 and in a block-quantised type (on a
+    /// block boundary: bytes as they are; off one: dequantised).
+    #[test]
+    fn split_cols_keeps_every_value() {
+        let (rows, cols) = (3, 96);
+        let vals: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7) % 13) as f32 - 6.0)
+            .collect();
+        let w = Weight::from_f32("w", vec![rows, cols], &vals);
+        let (a, b) = w.split_cols(40).unwrap();
+        assert_eq!(
+            (a.shape.clone(), b.shape.clone()),
+            (vec![3, 40], vec![3, 56])
+        );
+        let (fa, fb) = (a.to_f32().unwrap(), b.to_f32().unwrap());
+        for r in 0..rows {
+            assert_eq!(fa[r * 40..(r + 1) * 40], vals[r * cols..r * cols + 40]);
+            assert_eq!(
+                fb[r * 56..(r + 1) * 56],
+                vals[r * cols + 40..(r + 1) * cols]
+            );
+        }
+        // Q8_0 blocks: an f16 scale and 32 int8 values
+        let mut q = Vec::new();
+        for (i, block) in vals.chunks_exact(32).enumerate() {
+            let scale = half::f16::from_f32(0.25 * (i + 1) as f32);
+            q.extend_from_slice(&scale.to_le_bytes());
+            q.extend(block.iter().map(|&v| (v as i8) as u8));
+        }
+        let wq = Weight::from_bytes("q", GgmlType::Q8_0, vec![rows, cols], q).unwrap();
+        let full = wq.to_f32().unwrap();
+        for at in [32, 40] {
+            let (a, b) = wq.split_cols(at).unwrap();
+            assert_eq!(a.dtype == GgmlType::Q8_0, at == 32);
+            let (fa, fb) = (a.to_f32().unwrap(), b.to_f32().unwrap());
+            let n = cols - at;
+            for r in 0..rows {
+                assert_eq!(fa[r * at..(r + 1) * at], full[r * cols..r * cols + at]);
+                assert_eq!(fb[r * n..(r + 1) * n], full[r * cols + at..(r + 1) * cols]);
+            }
+        }
+        assert!(w.split_cols(0).is_err());
+        assert!(w.split_cols(cols).is_err());
     }
 }

@@ -368,6 +368,7 @@ impl Metrics {
                 ("ngram", &e.spec.ngram),
                 ("draft", &e.spec.draft),
                 ("dflash", &e.spec.dflash),
+                ("mtp", &e.spec.mtp),
             ] {
                 let _ = writeln!(out, "{name}{{proposer=\"{label}\"}} {}", get(c));
             }

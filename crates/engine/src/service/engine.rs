@@ -48,6 +48,8 @@ struct Active {
     spec: Option<SpecState>,
     /// The request's DFlash drafter context (when it may use the engine's drafter).
     dflash: Option<kapitsa_models::dflash::DraftState>,
+    /// The request's MTP head context (when it may use the model's MTP head).
+    mtp: Option<kapitsa_models::mtp::MtpState>,
 }
 
 impl Active {
@@ -81,6 +83,8 @@ pub(super) struct Engine {
     drafter: Option<DraftRunner>,
     /// The DFlash drafter, when one was given.
     dflash: Option<Arc<kapitsa_models::dflash::Drafter>>,
+    /// The model's MTP head as a drafter, when it was loaded.
+    mtp: Option<Arc<kapitsa_models::mtp::MtpDrafter>>,
     /// Recent requests' tokens for the n-gram proposer.
     suffix: SuffixIndex,
     /// Requests speculate unless they say otherwise (finished requests then feed `suffix`).
@@ -163,6 +167,7 @@ impl Engine {
         Ok(Engine {
             drafter,
             dflash: cfg.spec.dflash.clone(),
+            mtp: cfg.spec.mtp.clone(),
             suffix: SuffixIndex::new(suffix_cap),
             spec_default_on: cfg.spec.mode != crate::spec::SpecMode::Off,
             step_cost: crate::spec::cost::StepCost::new(),
@@ -296,7 +301,12 @@ impl Engine {
                         dflash: self
                             .dflash
                             .as_ref()
-                            .filter(|_| uses_dflash(&spec))
+                            .filter(|_| uses(&spec, crate::spec::SpecMode::Dflash))
+                            .map(|d| d.new_state()),
+                        mtp: self
+                            .mtp
+                            .as_ref()
+                            .filter(|_| uses(&spec, crate::spec::SpecMode::Mtp))
                             .map(|d| d.new_state()),
                         spec,
                     },
@@ -407,6 +417,14 @@ impl Engine {
             if wanted {
                 batch.tap_layers = d.tap_layers().to_vec();
             }
+        } else if let Some(d) = &self.mtp {
+            let wanted = plan
+                .seqs
+                .iter()
+                .any(|s| self.active.get(&s.id).is_some_and(|a| a.mtp.is_some()));
+            if wanted {
+                batch.tap_layers = d.tap_layers().to_vec();
+            }
         }
         let snapshots = self.snapshot_drafting(&plan.seqs);
         let started = Instant::now();
@@ -425,6 +443,7 @@ impl Engine {
                     outcomes.push((s.id, self.process(s, &rows)));
                 }
                 self.feed_dflash(&plan.seqs, &outcomes, &logits);
+                self.feed_mtp(&plan.seqs, &outcomes, &logits);
             }
             Err(msg) => self.recover(&plan.seqs, &msg, &mut outcomes),
         }
@@ -634,14 +653,11 @@ impl Engine {
     }
 }
 
-/// Whether a request with these settings may draft with DFlash.
-fn uses_dflash(spec: &Option<SpecState>) -> bool {
-    spec.as_ref().is_some_and(|s| {
-        matches!(
-            s.mode(),
-            crate::spec::SpecMode::Dflash | crate::spec::SpecMode::Auto
-        )
-    })
+/// Whether a request with these settings may draft with `mode`'s drafter (its own mode, or
+/// auto).
+fn uses(spec: &Option<SpecState>, mode: crate::spec::SpecMode) -> bool {
+    spec.as_ref()
+        .is_some_and(|s| s.mode() == mode || s.mode() == crate::spec::SpecMode::Auto)
 }
 
 /// Append `s`'s tokens to `batch`, asking for its logit rows ([`ScheduledSeq::n_logit_rows`]:

@@ -17,6 +17,8 @@
 //!   target's hidden states at its tapped layers; one pass drafts a whole block. The engine
 //!   asks the target for the taps of every token it runs and adds the committed ones to the
 //!   request's drafter context.
+//! - **MTP** ([`kapitsa_models::mtp::MtpDrafter`]): the model's own multi-token-prediction
+//!   head, chained for depth k; fed like DFlash (the last layer's taps and the next tokens).
 //!
 //! The controller ([`SpecState`]) picks the proposer and the number of proposals per request
 //! and step. With [`SpecMode::Auto`] it speculates only where it is expected to pay: the
@@ -35,6 +37,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use kapitsa_models::dflash::Drafter;
+use kapitsa_models::mtp::MtpDrafter;
 use kapitsa_models::CausalLm;
 
 /// Which proposer, if any, speculates.
@@ -51,9 +54,9 @@ pub enum SpecMode {
     Ngram,
     /// The draft model only (`--draft-model`).
     Draft,
-    /// The model's own multi-token-prediction head (not available yet).
+    /// The model's own multi-token-prediction head (Qwen3.5/3.6, Nemotron 3 files with one).
     Mtp,
-    /// A DFlash / DFlash2 block drafter (not available yet).
+    /// A DFlash / DFlash2 block drafter.
     Dflash,
 }
 
@@ -113,6 +116,9 @@ pub struct SpecConfig {
     /// The DFlash / DFlash2 drafter for [`SpecMode::Dflash`] (and [`SpecMode::Auto`]), made
     /// for the engine's model.
     pub dflash: Option<Arc<Drafter>>,
+    /// The model's own MTP head as a drafter, for [`SpecMode::Mtp`] (and [`SpecMode::Auto`]
+    /// when there is no DFlash drafter).
+    pub mtp: Option<Arc<MtpDrafter>>,
 }
 
 impl std::fmt::Debug for SpecConfig {
@@ -126,6 +132,7 @@ impl std::fmt::Debug for SpecConfig {
             )
             .field("suffix_tokens", &self.suffix_tokens)
             .field("dflash", &self.dflash.as_ref().map(|d| d.kind()))
+            .field("mtp", &self.mtp.is_some())
             .finish()
     }
 }
@@ -140,7 +147,7 @@ impl SpecConfig {
     }
 
     /// Check that `mode` can run with these settings: a draft model for `draft`, a DFlash
-    /// drafter for `dflash`; `mtp` is not available yet.
+    /// drafter for `dflash`, the model's MTP head for `mtp`.
     pub fn check_mode(&self, mode: SpecMode) -> Result<(), String> {
         match mode {
             SpecMode::Draft if self.draft_model.is_none() => {
@@ -151,8 +158,9 @@ impl SpecConfig {
                  DFlash or DFlash2 checkpoint)"
                     .into(),
             ),
-            SpecMode::Mtp => Err(
-                "speculative mode \"mtp\" is not available yet (use auto, ngram, draft or dflash)"
+            SpecMode::Mtp if self.mtp.is_none() => Err(
+                "speculative mode \"mtp\" needs the model's MTP head loaded (start with --spec \
+                 mtp or auto on a model whose file has MTP weights)"
                     .into(),
             ),
             _ => Ok(()),
@@ -179,6 +187,8 @@ pub enum Proposer {
     Draft,
     /// The DFlash / DFlash2 drafter.
     Dflash,
+    /// The model's MTP head.
+    Mtp,
 }
 
 /// Counters of one proposer.
@@ -227,6 +237,8 @@ pub struct SpecMetrics {
     pub draft: SpecCounters,
     /// The DFlash / DFlash2 drafter.
     pub dflash: SpecCounters,
+    /// The model's MTP head.
+    pub mtp: SpecCounters,
 }
 
 impl SpecMetrics {
@@ -236,6 +248,7 @@ impl SpecMetrics {
             Proposer::Ngram => &self.ngram,
             Proposer::Draft => &self.draft,
             Proposer::Dflash => &self.dflash,
+            Proposer::Mtp => &self.mtp,
         }
     }
 
@@ -245,6 +258,7 @@ impl SpecMetrics {
             Proposer::Ngram => self.ngram.add(drafted, accepted),
             Proposer::Draft => self.draft.add(drafted, accepted),
             Proposer::Dflash => self.dflash.add(drafted, accepted),
+            Proposer::Mtp => self.mtp.add(drafted, accepted),
         }
     }
 }
@@ -304,6 +318,8 @@ pub struct Drafters {
     pub model: bool,
     /// A DFlash drafter, with its most proposals per block.
     pub dflash: Option<usize>,
+    /// The model's MTP head, with its most proposals per draft.
+    pub mtp: Option<usize>,
 }
 
 /// What the controller wants for one sequence in one step.
@@ -317,6 +333,8 @@ pub enum Plan {
     Draft(usize),
     /// This many DFlash proposals.
     Dflash(usize),
+    /// This many MTP proposals.
+    Mtp(usize),
 }
 
 /// The per-request controller (module docs).
@@ -330,6 +348,7 @@ pub struct SpecState {
     ngram: Gate,
     draft: Gate,
     dflash: Gate,
+    mtp: Gate,
     /// The proposer of the proposals in flight.
     pub in_flight: Option<Proposer>,
 }
@@ -344,6 +363,7 @@ impl SpecState {
             ngram: Gate::default(),
             draft: Gate::default(),
             dflash: Gate::default(),
+            mtp: Gate::default(),
             in_flight: None,
         }
     }
@@ -365,6 +385,7 @@ impl SpecState {
             Proposer::Ngram => self.ngram.ema,
             Proposer::Draft => self.draft.ema,
             Proposer::Dflash => self.dflash.ema,
+            Proposer::Mtp => self.mtp.ema,
         }
     }
 
@@ -381,6 +402,10 @@ impl SpecState {
             SpecMode::Draft if have.model => Plan::Draft(self.draft_len.min(self.max)),
             SpecMode::Dflash => match have.dflash {
                 Some(block) => Plan::Dflash(block.min(self.max)),
+                None => Plan::None,
+            },
+            SpecMode::Mtp => match have.mtp {
+                Some(cap) => Plan::Mtp(cap.min(self.draft_len.max(1)).min(self.max)),
                 None => Plan::None,
             },
             SpecMode::Auto if n_decoding <= AUTO_MAX_DECODING => {
@@ -400,8 +425,9 @@ impl SpecState {
         if self.mode != SpecMode::Auto {
             return Plan::None;
         }
-        match have.dflash {
-            Some(block) if self.dflash.open(step) => Plan::Dflash(block.min(self.max)),
+        match (have.dflash, have.mtp) {
+            (Some(block), _) if self.dflash.open(step) => Plan::Dflash(block.min(self.max)),
+            (_, Some(cap)) if self.mtp.open(step) => Plan::Mtp(cap.min(self.max)),
             _ if have.model && self.draft.open(step) => Plan::Draft(self.draft_len.min(self.max)),
             _ => Plan::None,
         }
@@ -423,14 +449,24 @@ impl SpecState {
         match p {
             Proposer::Ngram => self.ngram.observe(drafted, accepted, step, auto),
             Proposer::Dflash => self.dflash.observe(drafted, accepted, step, auto),
+            Proposer::Mtp => {
+                self.mtp.observe(drafted, accepted, step, auto);
+                self.adapt_len(drafted, accepted);
+            }
             Proposer::Draft => {
                 self.draft.observe(drafted, accepted, step, auto);
-                if accepted == drafted {
-                    self.draft_len = (self.draft_len + 1).min(self.max.max(1));
-                } else if 2 * accepted < drafted {
-                    self.draft_len = self.draft_len.saturating_sub(1).max(1);
-                }
+                self.adapt_len(drafted, accepted);
             }
+        }
+    }
+
+    /// The adaptive length of the chained drafters (draft model, MTP): one more after a
+    /// fully accepted round, one fewer after a round that accepted less than half.
+    fn adapt_len(&mut self, drafted: usize, accepted: usize) {
+        if accepted == drafted {
+            self.draft_len = (self.draft_len + 1).min(self.max.max(1));
+        } else if 2 * accepted < drafted {
+            self.draft_len = self.draft_len.saturating_sub(1).max(1);
         }
     }
 }
@@ -442,10 +478,12 @@ mod tests {
     const NONE: Drafters = Drafters {
         model: false,
         dflash: None,
+        mtp: None,
     };
     const MODEL: Drafters = Drafters {
         model: true,
         dflash: None,
+        mtp: None,
     };
 
     #[test]
@@ -453,6 +491,7 @@ mod tests {
         let both = Drafters {
             model: true,
             dflash: Some(7),
+            mtp: None,
         };
         let mut s = SpecState::new(SpecMode::Auto, 16);
         for step in 1..=4 {

@@ -7,7 +7,7 @@
 //! projection output is `[n_tokens, n_head * head_dim]`, or with a gate
 //! `[n_tokens, n_head, 2 * head_dim]` holding `[q_h | gate_h]` per head.
 
-use kapitsa_backend::{AttnShape, Backend, Epilogue, KvLayer, RopeDesc, Tensor};
+use kapitsa_backend::{AttnShape, Backend, Batch, Epilogue, KvLayer, RopeDesc, Tensor};
 
 use crate::layers::{check_matrix, check_vec, tensor, upload_opt, ForwardCtx};
 use crate::{ModelError, Result, Weight};
@@ -227,15 +227,111 @@ impl DeviceAttention {
         let mut att = tensor(be, n * q_dim)?;
         let (kc, vc) = cx.cache.kv_tensors(layer)?;
         be.attention(self.shape(), &q, kc, vc, cx.dev_batch, &mut att)?;
-        if let Some(g) = &gate {
-            be.mul_sigmoid(&mut att, g)?;
+        self.output_add(be, &mut att, gate.as_ref(), n, x)
+    }
+
+    /// Width of a K (or V) row: `n_head_kv * head_dim`.
+    pub fn kv_dim(&self) -> usize {
+        self.n_head_kv * self.head_dim
+    }
+
+    /// Width of a query row (without the gate): `n_head * head_dim`.
+    pub fn q_dim(&self) -> usize {
+        self.n_head * self.head_dim
+    }
+
+    /// The K and V rows (`[n, kv_dim]` each) of `n` normed inputs `h` `[n, d]`: projections,
+    /// biases, the k norm and RoPE at the positions of `batch` (`n` tokens). For attention
+    /// over dense K/V ([`Backend::attention_spans`]) outside the paged cache (MTP heads).
+    pub fn keys_values(
+        &self,
+        be: &dyn Backend,
+        h: &Tensor,
+        n: usize,
+        batch: &Batch,
+    ) -> Result<(Tensor, Tensor)> {
+        let hd = self.head_dim;
+        let mut k = tensor(be, n * self.kv_dim())?;
+        let mut v = tensor(be, n * self.kv_dim())?;
+        fn ep(b: &Option<Tensor>) -> Epilogue<'_> {
+            Epilogue {
+                bias: b.as_ref(),
+                accumulate: false,
+            }
+        }
+        be.matmul_many_with(
+            &[&self.wk, &self.wv],
+            h,
+            n,
+            &mut [&mut k, &mut v],
+            &[ep(&self.bk), ep(&self.bv)],
+        )?;
+        if let Some(w) = &self.k_norm {
+            be.rms_norm(&mut k, hd, w, self.eps)?;
+        }
+        if let Some(rope) = self.rope {
+            be.rope(&mut k, self.n_head_kv, hd, rope, batch)?;
+        }
+        Ok((k, v))
+    }
+
+    /// The query rows (`[n, q_dim]`) of `n` normed inputs `h` and, when gated, the output
+    /// gate (`[n, q_dim]`): projection, bias, the q norm and RoPE at the positions of
+    /// `batch`. The companion of [`DeviceAttention::keys_values`].
+    pub fn queries(
+        &self,
+        be: &dyn Backend,
+        h: &Tensor,
+        n: usize,
+        batch: &Batch,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (hd, q_dim) = (self.head_dim, self.q_dim());
+        let mut q = tensor(be, n * q_dim)?;
+        let mut gate = None;
+        if self.gated {
+            let mut qg = tensor(be, n * 2 * q_dim)?;
+            be.matmul(&self.wq, h, n, &mut qg)?;
+            let mut g = tensor(be, n * q_dim)?;
+            be.split_cols(&qg, n * self.n_head, &[hd, hd], &mut [&mut q, &mut g])?;
+            gate = Some(g);
+            if let Some(b) = &self.bq {
+                be.add_bias(&mut q, b)?;
+            }
+        } else {
+            let ep = Epilogue {
+                bias: self.bq.as_ref(),
+                accumulate: false,
+            };
+            be.matmul_with(&self.wq, h, n, &mut q, ep)?;
+        }
+        if let Some(w) = &self.q_norm {
+            be.rms_norm(&mut q, hd, w, self.eps)?;
+        }
+        if let Some(rope) = self.rope {
+            be.rope(&mut q, self.n_head, hd, rope, batch)?;
+        }
+        Ok((q, gate))
+    }
+
+    /// `x[n, d] += Wo · (att ⊙ sigmoid(gate))` (the gate only when given): the attention
+    /// output `att` `[n, q_dim]` (overwritten) into the residual stream.
+    pub fn output_add(
+        &self,
+        be: &dyn Backend,
+        att: &mut Tensor,
+        gate: Option<&Tensor>,
+        n: usize,
+        x: &mut Tensor,
+    ) -> Result<()> {
+        if let Some(g) = gate {
+            be.mul_sigmoid(att, g)?;
         }
         // the residual connection in the output projection's epilogue
         let ep = Epilogue {
             bias: None,
             accumulate: true,
         };
-        be.matmul_with(&self.wo, &att, n, x, ep)?;
+        be.matmul_with(&self.wo, att, n, x, ep)?;
         Ok(())
     }
 }

@@ -13,7 +13,7 @@ pub mod gdn;
 pub mod mamba2;
 pub mod recorded;
 
-use kapitsa_backend::{Backend, Batch, DType, Tensor};
+use kapitsa_backend::{Backend, Batch, BatchDesc, DType, SeqDesc, Tensor};
 
 use crate::{BatchInputs, KvCache, ModelError, Result, Weight};
 
@@ -75,4 +75,36 @@ pub fn upload_opt(be: &dyn Backend, v: &Option<Vec<f32>>) -> Result<Option<Tenso
         Some(v) => Some(be.upload_f32(v)?),
         None => None,
     })
+}
+
+/// A batch of `tokens` at consecutive positions from `pos0` (for the embedding gather and
+/// RoPE).
+pub fn positions_batch(be: &dyn Backend, tokens: Vec<u32>, pos0: u32) -> Result<Batch> {
+    let n = tokens.len();
+    let desc = BatchDesc {
+        positions: (0..n as u32).map(|i| pos0 + i).collect(),
+        tokens,
+        seqs: vec![SeqDesc {
+            slot: 0,
+            start: 0,
+            len: n,
+            pos0: pos0 as usize,
+            table_start: 0,
+            table_len: 0,
+        }],
+        block_tables: Vec::new(),
+        block_size: 0,
+        logit_rows: Vec::new(),
+    };
+    Ok(be.prepare_batch(desc)?)
+}
+
+/// `Err` unless positions `pos .. pos + n` fit in a `u32`.
+pub fn check_positions(pos: u32, n: usize) -> Result<()> {
+    match u32::try_from(n).ok().and_then(|n| pos.checked_add(n)) {
+        Some(_) => Ok(()),
+        None => Err(ModelError::Batch(format!(
+            "{n} positions from {pos} overflow"
+        ))),
+    }
 }

@@ -52,6 +52,7 @@ impl Engine {
         let have = Drafters {
             model: self.drafter.is_some(),
             dflash: self.dflash.as_ref().map(|d| d.max_draft()),
+            mtp: self.mtp.as_ref().map(|d| d.max_draft()),
         };
         let mut cands: Vec<Candidate> = Vec::new();
         for &(id, room) in &decoding {
@@ -98,6 +99,7 @@ impl Engine {
                 Plan::Draft(_) if auto => Some((Proposer::Draft, st.max_draft())),
                 Plan::Draft(k) => Some((Proposer::Draft, k)),
                 Plan::Dflash(k) if a.dflash.is_some() => Some((Proposer::Dflash, k)),
+                Plan::Mtp(k) if a.mtp.is_some() => Some((Proposer::Mtp, k)),
                 _ => None,
             };
             if let Some((proposer, k)) = drafter {
@@ -141,6 +143,10 @@ impl Engine {
                 Proposer::Dflash => {
                     let tokens = self.dflash_draft(c.id, c.k);
                     self.set_proposals(c.id, Proposer::Dflash, tokens);
+                }
+                Proposer::Mtp => {
+                    let tokens = self.mtp_draft(c.id, c.k);
+                    self.set_proposals(c.id, Proposer::Mtp, tokens);
                 }
             }
         }
@@ -224,6 +230,70 @@ impl Engine {
             }
             if let Some(rows) = logits.tap_rows(at..at + kept) {
                 let _ = d.append_context(st, rows, pos);
+            }
+        }
+    }
+
+    /// Up to `k` MTP proposals after `id`'s last token: the head's context must end with the
+    /// row that read that token (none otherwise, or if drafting fails).
+    fn mtp_draft(&mut self, id: SeqId, k: usize) -> Vec<u32> {
+        let (Some(d), Some(a)) = (self.mtp.as_ref(), self.active.get_mut(&id)) else {
+            return Vec::new();
+        };
+        let (Some(st), Some(&anchor)) = (a.mtp.as_mut(), a.history.last()) else {
+            return Vec::new();
+        };
+        let pos = (a.history.len() - 1) as u32;
+        let k = k.min(d.max_draft());
+        if k == 0 || st.next_pos() != pos {
+            return Vec::new();
+        }
+        d.draft(&*self.model, st, anchor, pos, k)
+            .map(|dr| dr.tokens)
+            .unwrap_or_default()
+    }
+
+    /// After a pass with taps: add each MTP request's committed rows to its head context,
+    /// each with the token after it (the chunk's next token, the token sampled after it, or
+    /// the accepted proposals and the model's token). Rows whose next token is not known
+    /// (the request ended) are not added. A chunk that starts before the context's end (a
+    /// recomputation) cuts it back first.
+    pub(super) fn feed_mtp(
+        &mut self,
+        seqs: &[ScheduledSeq],
+        outcomes: &[(SeqId, Outcome)],
+        logits: &Logits,
+    ) {
+        let Some(d) = self.mtp.clone() else {
+            return;
+        };
+        if logits.tap_width == 0 {
+            return;
+        }
+        let by_id: HashMap<SeqId, &Outcome> = outcomes.iter().map(|(id, o)| (*id, o)).collect();
+        let mut start = 0;
+        for s in seqs {
+            let at = start;
+            start += s.tokens.len();
+            let Some(a) = self.active.get_mut(&s.id) else {
+                continue;
+            };
+            let Some(st) = a.mtp.as_mut() else { continue };
+            let kept = match by_id.get(&s.id) {
+                Some(Outcome::Tokens(ts)) if s.n_draft > 0 => ts.len(),
+                Some(Outcome::Tokens(_) | Outcome::Computed) => s.tokens.len(),
+                _ => continue,
+            };
+            let p = s.start_pos;
+            // The tokens after the kept rows: history[p + 1 ..= p + kept].
+            let Some(next) = a.history.get(p + 1..p + 1 + kept) else {
+                continue;
+            };
+            if (p as u32) < st.next_pos() {
+                st.truncate(p as u32);
+            }
+            if let Some(rows) = logits.tap_rows(at..at + kept) {
+                let _ = d.append_context(&*self.model, st, rows, next, p as u32);
             }
         }
     }
