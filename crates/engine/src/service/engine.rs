@@ -91,6 +91,8 @@ pub(super) struct Engine {
     spec_default_on: bool,
     /// Time of a forward pass against its size (for speculation in auto mode).
     step_cost: crate::spec::cost::StepCost,
+    /// Seconds per proposal of each drafter (moving averages; for auto mode).
+    proposer_secs: HashMap<crate::spec::Proposer, f64>,
 }
 
 impl Engine {
@@ -171,6 +173,7 @@ impl Engine {
             suffix: SuffixIndex::new(suffix_cap),
             spec_default_on: cfg.spec.mode != crate::spec::SpecMode::Off,
             step_cost: crate::spec::cost::StepCost::new(),
+            proposer_secs: HashMap::new(),
             model,
             tok,
             cache,

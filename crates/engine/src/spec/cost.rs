@@ -83,6 +83,8 @@ pub struct Offer {
     /// Chance that a proposal is accepted (the proposer's recent acceptance for this
     /// request), taken as independent per token.
     pub acceptance: f64,
+    /// Seconds the proposer itself spends per proposal (a drafter's passes; 0 for n-gram).
+    pub extra: f64,
 }
 
 /// Splits a step's proposals among sequences so that expected tokens per second grow.
@@ -93,25 +95,30 @@ impl SpecAllocator {
     /// Proposals per offer for a step whose batch has `n_tokens` tokens without proposals:
     /// add them one at a time, each to the sequence whose next proposal is likeliest accepted
     /// (`acceptance^(k+1)` after `k`), while the expected tokens per second of the step grow
-    /// under the cost model `(a, b)`: a proposal worth `g` expected tokens is added when
-    /// `g (a + b N) > b T` (N tokens in the batch, T expected tokens so far).
+    /// under the cost model `(a, b)`: a proposal worth `g` expected tokens that costs its
+    /// proposer `e` seconds is added when `g (a + b N + E) > (b + e) T` (N tokens in the
+    /// batch, E the proposers' time so far, T expected tokens so far).
     pub fn allocate(offers: &[Offer], n_tokens: usize, (a, b): (f64, f64)) -> Vec<usize> {
         let mut k = vec![0usize; offers.len()];
         let mut time = a + b * n_tokens as f64;
         let mut expected = n_tokens as f64;
         loop {
+            // the proposal with the most expected tokens per second it costs
             let best = offers
                 .iter()
                 .enumerate()
                 .filter(|(i, o)| k[*i] < o.available)
-                .map(|(i, o)| (i, o.acceptance.clamp(0.0, 1.0).powi(k[i] as i32 + 1)))
-                .max_by(|x, y| x.1.total_cmp(&y.1));
-            let Some((i, g)) = best else { break };
-            if g * time <= b * expected {
+                .map(|(i, o)| {
+                    let g = o.acceptance.clamp(0.0, 1.0).powi(k[i] as i32 + 1);
+                    (i, g, b + o.extra.max(0.0))
+                })
+                .max_by(|x, y| (x.1 / x.2.max(1e-12)).total_cmp(&(y.1 / y.2.max(1e-12))));
+            let Some((i, g, cost)) = best else { break };
+            if g * time <= cost * expected {
                 break;
             }
             k[i] += 1;
-            time += b;
+            time += cost;
             expected += g;
         }
         k
@@ -145,10 +152,12 @@ mod tests {
         let good = Offer {
             available: 8,
             acceptance: 0.9,
+            extra: 0.0,
         };
         let poor = Offer {
             available: 8,
             acceptance: 0.1,
+            extra: 0.0,
         };
         // nearly free verification: take what is likely
         let k = SpecAllocator::allocate(&[good, poor], 2, (1.0, 0.01));
@@ -163,5 +172,19 @@ mod tests {
         let one = SpecAllocator::allocate(&[good], 1, (1.0, 0.1))[0];
         let big = SpecAllocator::allocate(&[good], 16, (1.0, 0.1))[0];
         assert!(one > big, "{one} vs {big}");
+        // a drafter whose every proposal costs as much as a pass (a 0.5B drafting for a 1.5B on
+        // two CPU cores) is not worth it even at 85% acceptance
+        let drafter = Offer {
+            extra: 1.0,
+            acceptance: 0.85,
+            ..good
+        };
+        assert_eq!(SpecAllocator::allocate(&[drafter], 1, (1.0, 0.2)), [0]);
+        // ...but a cheap one is
+        let cheap = Offer {
+            extra: 0.02,
+            ..drafter
+        };
+        assert!(SpecAllocator::allocate(&[cheap], 1, (1.0, 0.05))[0] > 0);
     }
 }

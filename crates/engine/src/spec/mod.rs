@@ -179,7 +179,7 @@ pub struct SpecRequest {
 }
 
 /// The proposers (for counters).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Proposer {
     /// n-gram / suffix matching.
     Ngram,

@@ -122,6 +122,11 @@ impl Engine {
                 .map(|&i| Offer {
                     available: cands[i].k,
                     acceptance: cands[i].acceptance,
+                    extra: self
+                        .proposer_secs
+                        .get(&cands[i].proposer)
+                        .copied()
+                        .unwrap_or(0.0),
                 })
                 .collect();
             let ks = SpecAllocator::allocate(&offers, n_decoding, model);
@@ -141,11 +146,15 @@ impl Engine {
                     }
                 }
                 Proposer::Dflash => {
+                    let t0 = std::time::Instant::now();
                     let tokens = self.dflash_draft(c.id, c.k);
+                    self.time_proposer(Proposer::Dflash, t0, tokens.len());
                     self.set_proposals(c.id, Proposer::Dflash, tokens);
                 }
                 Proposer::Mtp => {
+                    let t0 = std::time::Instant::now();
                     let tokens = self.mtp_draft(c.id, c.k);
+                    self.time_proposer(Proposer::Mtp, t0, tokens.len());
                     self.set_proposals(c.id, Proposer::Mtp, tokens);
                 }
             }
@@ -168,9 +177,12 @@ impl Engine {
             return;
         }
         // A failed draft pass only costs the proposals: decode without them this step.
+        let t0 = std::time::Instant::now();
         let Ok(drafts) = drafter.propose(&list) else {
             return;
         };
+        let n: usize = drafts.iter().map(Vec::len).sum();
+        self.time_proposer(Proposer::Draft, t0, n);
         for ((id, _, _), d) in asks.into_iter().zip(drafts) {
             self.set_proposals(id, Proposer::Draft, d);
         }
@@ -296,6 +308,17 @@ impl Engine {
                 let _ = d.append_context(&*self.model, st, rows, next, p as u32);
             }
         }
+    }
+
+    /// Record what a drafter's proposals cost: a moving average of seconds per proposal,
+    /// which [`SpecAllocator`] charges to its offers in auto mode.
+    fn time_proposer(&mut self, p: Proposer, t0: std::time::Instant, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let s = t0.elapsed().as_secs_f64() / n as f64;
+        let e = self.proposer_secs.entry(p).or_insert(s);
+        *e = 0.8 * *e + 0.2 * s;
     }
 
     /// Hand `id`'s proposals (if any) to the scheduler and remember who made them.
