@@ -208,9 +208,9 @@ impl Engine {
     }
 
     /// After a pass with taps: add each DFlash request's committed tokens to its drafter
-    /// context: a whole chunk without proposals, else the last sampled token and the
-    /// accepted proposals. A chunk that starts before the context's end (a recomputation)
-    /// cuts the context back first. A failure leaves a gap (drafting goes on, less well).
+    /// context ([`committed_rows`]). A chunk that starts before the context's end (a
+    /// recomputation) cuts the context back first. A failure leaves a gap (drafting goes on,
+    /// less well).
     pub(super) fn feed_dflash(
         &mut self,
         seqs: &[ScheduledSeq],
@@ -220,29 +220,15 @@ impl Engine {
         let Some(d) = self.dflash.clone() else {
             return;
         };
-        if logits.tap_width == 0 {
-            return;
-        }
-        let by_id: HashMap<SeqId, &Outcome> = outcomes.iter().map(|(id, o)| (*id, o)).collect();
-        let mut start = 0;
-        for s in seqs {
-            let at = start;
-            start += s.tokens.len();
+        for (s, rows) in committed_rows(seqs, outcomes, logits) {
             let Some(st) = self.active.get_mut(&s.id).and_then(|a| a.dflash.as_mut()) else {
                 continue;
-            };
-            let kept = match by_id.get(&s.id) {
-                Some(Outcome::Tokens(ts)) if s.n_draft > 0 => ts.len(),
-                Some(Outcome::Tokens(_) | Outcome::Computed) => s.tokens.len(),
-                _ => continue,
             };
             let pos = s.start_pos as u32;
             if pos < st.next_pos() {
                 st.truncate(pos);
             }
-            if let Some(rows) = logits.tap_rows(at..at + kept) {
-                let _ = d.append_context(st, rows, pos);
-            }
+            let _ = d.append_context(st, rows, pos);
         }
     }
 
@@ -265,11 +251,11 @@ impl Engine {
             .unwrap_or_default()
     }
 
-    /// After a pass with taps: add each MTP request's committed rows to its head context,
-    /// each with the token after it (the chunk's next token, the token sampled after it, or
-    /// the accepted proposals and the model's token). Rows whose next token is not known
-    /// (the request ended) are not added. A chunk that starts before the context's end (a
-    /// recomputation) cuts it back first.
+    /// After a pass with taps: add each MTP request's committed rows ([`committed_rows`]) to
+    /// its head context, each with the token after it (the chunk's next token, the token
+    /// sampled after it, or the accepted proposals and the model's token). Rows whose next
+    /// token is not known (the request ended) are not added. A chunk that starts before the
+    /// context's end (a recomputation) cuts it back first.
     pub(super) fn feed_mtp(
         &mut self,
         seqs: &[ScheduledSeq],
@@ -279,24 +265,13 @@ impl Engine {
         let Some(d) = self.mtp.clone() else {
             return;
         };
-        if logits.tap_width == 0 {
-            return;
-        }
-        let by_id: HashMap<SeqId, &Outcome> = outcomes.iter().map(|(id, o)| (*id, o)).collect();
-        let mut start = 0;
-        for s in seqs {
-            let at = start;
-            start += s.tokens.len();
+        for (s, rows) in committed_rows(seqs, outcomes, logits) {
             let Some(a) = self.active.get_mut(&s.id) else {
                 continue;
             };
             let Some(st) = a.mtp.as_mut() else { continue };
-            let kept = match by_id.get(&s.id) {
-                Some(Outcome::Tokens(ts)) if s.n_draft > 0 => ts.len(),
-                Some(Outcome::Tokens(_) | Outcome::Computed) => s.tokens.len(),
-                _ => continue,
-            };
             let p = s.start_pos;
+            let kept = rows.len() / logits.tap_width;
             // The tokens after the kept rows: history[p + 1 ..= p + kept].
             let Some(next) = a.history.get(p + 1..p + 1 + kept) else {
                 continue;
@@ -304,9 +279,7 @@ impl Engine {
             if (p as u32) < st.next_pos() {
                 st.truncate(p as u32);
             }
-            if let Some(rows) = logits.tap_rows(at..at + kept) {
-                let _ = d.append_context(&*self.model, st, rows, next, p as u32);
-            }
+            let _ = d.append_context(&*self.model, st, rows, next, p as u32);
         }
     }
 
@@ -393,4 +366,33 @@ impl Engine {
             }
         }
     }
+}
+
+/// The tap rows of the tokens each sequence of a finished pass committed: a whole chunk
+/// without proposals, else the last sampled token and the accepted proposals; nothing for
+/// a sequence that ended or failed, or when the pass returned no taps.
+fn committed_rows<'a>(
+    seqs: &'a [ScheduledSeq],
+    outcomes: &[(SeqId, Outcome)],
+    logits: &'a Logits,
+) -> Vec<(&'a ScheduledSeq, &'a [f32])> {
+    if logits.tap_width == 0 {
+        return Vec::new();
+    }
+    let by_id: HashMap<SeqId, &Outcome> = outcomes.iter().map(|(id, o)| (*id, o)).collect();
+    let mut out = Vec::new();
+    let mut start = 0;
+    for s in seqs {
+        let at = start;
+        start += s.tokens.len();
+        let kept = match by_id.get(&s.id) {
+            Some(Outcome::Tokens(ts)) if s.n_draft > 0 => ts.len(),
+            Some(Outcome::Tokens(_) | Outcome::Computed) => s.tokens.len(),
+            _ => continue,
+        };
+        if let Some(rows) = logits.tap_rows(at..at + kept) {
+            out.push((s, rows));
+        }
+    }
+    out
 }
