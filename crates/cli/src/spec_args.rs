@@ -24,7 +24,7 @@ pub struct SpecArgs {
     /// model.safetensors), used by `--spec dflash` and `auto`.
     #[arg(long, value_name = "PATH")]
     pub draft_model: Option<PathBuf>,
-    /// Most proposed tokens per sequence and step (0 = 8).
+    /// Most proposed tokens per sequence and step (0 = 16 in auto, 8 in the other modes).
     #[arg(long, default_value_t = 0)]
     pub spec_max: usize,
 }
@@ -56,6 +56,13 @@ impl SpecArgs {
     pub fn config(&self, target: &OpenedModel, load_mode: LoadMode) -> Result<SpecConfig> {
         let (mut draft_model, mut dflash) = (None, None);
         match &self.draft_model {
+            // One set of taps feeds one hidden-state drafter: the engine asks the target for
+            // the DFlash drafter's layers when it has one, and the MTP head (which wants the
+            // last layer's) would never draft.
+            Some(p) if self.mode == SpecMode::Mtp && is_dflash_dir(p) => anyhow::bail!(
+                "--spec mtp drafts with the model's own MTP head, but --draft-model {} is a                  DFlash drafter: use --spec dflash (or auto) with it, or drop --draft-model",
+                p.display()
+            ),
             Some(p) if is_dflash_dir(p) => {
                 let d = kapitsa_models::dflash::Drafter::load(p, &*target.model)
                     .with_context(|| format!("loading the DFlash drafter {}", p.display()))?;

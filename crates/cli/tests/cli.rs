@@ -1419,3 +1419,26 @@ fn chat_tools_reach_the_template_and_tool_without_a_call_is_refused() {
     );
     assert_eq!(o.stdout.lines().count(), 1, "{o:?}");
 }
+
+#[test]
+fn error_spec_modes_that_cannot_run() {
+    let (_d, model) = tiny_default();
+    // draft mode without a draft model
+    let o = run_greedy(&model, "hi", 2, &["--spec", "draft"]);
+    assert_error(&o, &["--spec", "needs a draft model"]);
+    // mtp on a file without an MTP head
+    let o = run_greedy(&model, "hi", 2, &["--spec", "mtp"]);
+    assert_error(&o, &["--spec", "MTP head"]);
+    // mtp with a DFlash drafter: one set of taps feeds one drafter
+    let dflash = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/dflash/dflash");
+    let o = run_greedy(
+        &model,
+        "hi",
+        2,
+        &["--spec", "mtp", "--draft-model", s(&dflash)],
+    );
+    assert_error(&o, &["--spec mtp", "DFlash drafter", "--spec dflash"]);
+    // an unknown mode
+    let o = run_greedy(&model, "hi", 2, &["--spec", "eagle"]);
+    assert_error(&o, &["eagle"]);
+}

@@ -591,7 +591,7 @@ impl EngineHandle {
             return Ok(None);
         }
         cfg.check_mode(mode).map_err(SubmitError::BadRequest)?;
-        let max = r.max_draft.unwrap_or(cfg.max_draft());
+        let max = r.max_draft.unwrap_or(cfg.max_draft(mode));
         Ok(Some(SpecState::new(mode, max.min(crate::spec::MAX_DRAFT))))
     }
 

@@ -23,10 +23,11 @@
 //! The controller ([`SpecState`]) picks the proposer and the number of proposals per request
 //! and step. With [`SpecMode::Auto`] it speculates only where it is expected to pay: the
 //! number of proposals comes from the measured cost of a pass against its size and each
-//! request's recent acceptance ([`cost`]: proposals are added while expected tokens per
-//! second grow), not when many sequences decode at once ([`AUTO_MAX_DECODING`]), and a
-//! proposer whose recent acceptance is low pauses for a while (the draft model's cache
-//! catches up when it resumes). The explicit modes propose whenever they can: n-gram up to
+//! request's recent per-token acceptance ([`cost`]: proposals are added while expected tokens
+//! per second grow; n-gram acceptance is kept per match-length class), not when many
+//! sequences decode at once ([`AUTO_MAX_DECODING`]), and a proposer (or n-gram match class)
+//! whose recent acceptance is low pauses for a while (the draft model's cache catches up
+//! when it resumes). The explicit modes propose whenever they can: n-gram up to
 //! twice the match length, the draft model an adaptive length.
 
 pub mod cost;
@@ -97,6 +98,14 @@ impl FromStr for SpecMode {
 /// Most proposals verified in one step ([`SpecConfig::max_draft`] is capped here).
 pub const MAX_DRAFT: usize = 32;
 
+/// Default proposal cap of the explicit modes.
+pub const DEFAULT_MAX_DRAFT: usize = 8;
+
+/// Default proposal cap of [`SpecMode::Auto`]: its allocator adds proposals only while they
+/// pay, so the cap matters only in long verbatim stretches, where 16 beat 8 on the code-edit
+/// set (BENCHMARKS.md, 2-core Xeon: 44.3 vs 42.2 t/s).
+pub const AUTO_DEFAULT_MAX_DRAFT: usize = 16;
+
 /// With [`SpecMode::Auto`], no speculation in a step where more sequences than this decode
 /// (the batch already uses the compute that verification would take).
 pub const AUTO_MAX_DECODING: usize = 4;
@@ -106,7 +115,8 @@ pub const AUTO_MAX_DECODING: usize = 4;
 pub struct SpecConfig {
     /// Default mode of requests (a request may override it, [`SpecRequest`]).
     pub mode: SpecMode,
-    /// Most proposals per sequence and step (0: the default, 8; capped at [`MAX_DRAFT`]).
+    /// Most proposals per sequence and step (0: the default, [`DEFAULT_MAX_DRAFT`] or in auto
+    /// [`AUTO_DEFAULT_MAX_DRAFT`]; capped at [`MAX_DRAFT`]).
     pub max_draft: usize,
     /// The draft model for [`SpecMode::Draft`] (and [`SpecMode::Auto`]): same vocabulary as
     /// the target, attention layers only.
@@ -138,11 +148,14 @@ impl std::fmt::Debug for SpecConfig {
 }
 
 impl SpecConfig {
-    /// The proposal cap in effect.
-    pub fn max_draft(&self) -> usize {
-        match self.max_draft {
-            0 => 8,
-            n => n.min(MAX_DRAFT),
+    /// The proposal cap in effect for a request in `mode`: the setting, or by default
+    /// [`AUTO_DEFAULT_MAX_DRAFT`] in auto (its cost model picks the length) and
+    /// [`DEFAULT_MAX_DRAFT`] in the explicit modes (which propose whenever they can).
+    pub fn max_draft(&self, mode: SpecMode) -> usize {
+        match (self.max_draft, mode) {
+            (0, SpecMode::Auto) => AUTO_DEFAULT_MAX_DRAFT,
+            (0, _) => DEFAULT_MAX_DRAFT,
+            (n, _) => n.min(MAX_DRAFT),
         }
     }
 
@@ -269,11 +282,27 @@ const LOW_ACCEPTANCE: f64 = 0.25;
 const FIRST_PAUSE: u64 = 8;
 const MAX_PAUSE: u64 = 256;
 
-/// Running acceptance of one proposer for one request, and its pause.
+/// Weight of a [`Gate`]'s prior, in rounds.
+const PRIOR_ROUNDS: f64 = 2.0;
+/// Per-token acceptance a [`Gate`] starts from (hopeful) and restarts from after a pause.
+const PRIOR_ACCEPTANCE: f64 = 0.6;
+/// Weight an older round keeps at each new one in a [`Gate`].
+const GATE_DECAY: f64 = 0.8;
+
+/// Running per-token acceptance of one proposer for one request, and its pause.
+///
+/// A round verifies its proposals in order and stops at the first rejection, so a round of `k`
+/// proposals that accepted `j` shows `j` acceptances and, if `j < k`, one rejection; the later
+/// proposals were never tested. The chance that one proposal is accepted (given the ones
+/// before it were) is therefore estimated as `A / (A + R)` over (decayed) counts of
+/// acceptances `A` and rejections `R`, not as the accepted share `j / k`, which reads a fully
+/// accepted eight-token round at 90% per token as 64% and would keep drafts short.
 #[derive(Debug, Clone, Copy)]
 struct Gate {
-    /// Exponential moving average of the accepted share of proposals (starts hopeful).
-    ema: f64,
+    /// Decayed count of accepted proposals (with the prior's).
+    accepted: f64,
+    /// Decayed count of rejections (rounds that stopped before their last proposal).
+    rejected: f64,
     /// No proposals from it before this step.
     paused_until: u64,
     /// Length of the next pause.
@@ -282,32 +311,55 @@ struct Gate {
 
 impl Default for Gate {
     fn default() -> Self {
-        Gate {
-            ema: 0.6,
-            paused_until: 0,
-            pause: FIRST_PAUSE,
-        }
+        Gate::fresh(FIRST_PAUSE, 0)
     }
 }
 
 impl Gate {
+    /// A gate at the prior, with `pause` as its next pause and paused until `until`.
+    fn fresh(pause: u64, until: u64) -> Gate {
+        Gate {
+            accepted: PRIOR_ROUNDS * PRIOR_ACCEPTANCE,
+            rejected: PRIOR_ROUNDS * (1.0 - PRIOR_ACCEPTANCE),
+            paused_until: until,
+            pause,
+        }
+    }
+
+    /// Estimated chance that the next proposal is accepted.
+    fn acceptance(&self) -> f64 {
+        self.accepted / (self.accepted + self.rejected)
+    }
+
     fn observe(&mut self, drafted: usize, accepted: usize, step: u64, auto: bool) {
         if drafted == 0 {
             return;
         }
-        let r = accepted as f64 / drafted as f64;
-        self.ema = 0.7 * self.ema + 0.3 * r;
-        if auto && self.ema < LOW_ACCEPTANCE {
-            self.paused_until = step + self.pause;
-            self.pause = (self.pause * 2).min(MAX_PAUSE);
-            self.ema = 0.5; // a fresh start after the pause
-        } else if self.ema >= 0.5 {
+        let accepted = accepted.min(drafted);
+        self.accepted = GATE_DECAY * self.accepted + accepted as f64;
+        self.rejected = GATE_DECAY * self.rejected + f64::from(u8::from(accepted < drafted));
+        if auto && self.acceptance() < LOW_ACCEPTANCE {
+            // a fresh start after the pause, which doubles while acceptance stays low
+            *self = Gate::fresh((self.pause * 2).min(MAX_PAUSE), step + self.pause);
+        } else if self.acceptance() >= 0.5 {
             self.pause = FIRST_PAUSE;
         }
     }
 
     fn open(&self, step: u64) -> bool {
         step >= self.paused_until
+    }
+}
+
+/// Match-length classes of n-gram acceptance ([`ngram_bucket`]).
+const NGRAM_BUCKETS: usize = 3;
+
+/// The class of an n-gram match of `len` tokens: 2-3, 4-7, 8 or more.
+fn ngram_bucket(len: usize) -> usize {
+    match len {
+        0..=3 => 0,
+        4..=7 => 1,
+        _ => 2,
     }
 }
 
@@ -345,7 +397,11 @@ pub struct SpecState {
     /// Adaptive draft-model length: grows after a fully accepted round, shrinks after a
     /// round that accepted less than half.
     draft_len: usize,
-    ngram: Gate,
+    /// n-gram acceptance by match length ([`ngram_bucket`]): a continuation after a long
+    /// match is likelier right than one after two common tokens.
+    ngram: [Gate; NGRAM_BUCKETS],
+    /// Match length of the n-gram proposals in flight.
+    ngram_match: usize,
     draft: Gate,
     dflash: Gate,
     mtp: Gate,
@@ -360,7 +416,8 @@ impl SpecState {
             mode,
             max: max.min(MAX_DRAFT),
             draft_len: max.clamp(1, 4),
-            ngram: Gate::default(),
+            ngram: [Gate::default(); NGRAM_BUCKETS],
+            ngram_match: 0,
             draft: Gate::default(),
             dflash: Gate::default(),
             mtp: Gate::default(),
@@ -378,14 +435,15 @@ impl SpecState {
         self.max
     }
 
-    /// Recent acceptance of `p`'s proposals for this request (a moving average; starts at
-    /// 0.6).
-    pub fn acceptance(&self, p: Proposer) -> f64 {
+    /// Recent per-token acceptance of `p`'s proposals for this request (`Gate`: decayed
+    /// counts under the stop-at-first-rejection model; starts at 0.6). For n-gram, after a
+    /// match of `match_len` tokens.
+    pub fn acceptance(&self, p: Proposer, match_len: usize) -> f64 {
         match p {
-            Proposer::Ngram => self.ngram.ema,
-            Proposer::Draft => self.draft.ema,
-            Proposer::Dflash => self.dflash.ema,
-            Proposer::Mtp => self.mtp.ema,
+            Proposer::Ngram => self.ngram[ngram_bucket(match_len)].acceptance(),
+            Proposer::Draft => self.draft.acceptance(),
+            Proposer::Dflash => self.dflash.acceptance(),
+            Proposer::Mtp => self.mtp.acceptance(),
         }
     }
 
@@ -409,7 +467,7 @@ impl SpecState {
                 None => Plan::None,
             },
             SpecMode::Auto if n_decoding <= AUTO_MAX_DECODING => {
-                if self.ngram.open(step) {
+                if self.ngram.iter().any(|g| g.open(step)) {
                     Plan::Ngram(self.max)
                 } else {
                     self.draft_plan(step, have)
@@ -433,11 +491,24 @@ impl SpecState {
         }
     }
 
+    /// Whether auto may use an n-gram match of `match_len` tokens in `step` (its bucket is not
+    /// paused).
+    pub fn ngram_open(&self, match_len: usize, step: u64) -> bool {
+        self.ngram[ngram_bucket(match_len)].open(step)
+    }
+
+    /// Record that the proposals about to be verified are `p`'s (after an n-gram match of
+    /// `match_len` tokens; 0 for the drafters).
+    pub fn proposing(&mut self, p: Proposer, match_len: usize) {
+        self.in_flight = Some(p);
+        self.ngram_match = match_len;
+    }
+
     /// How many of `available` n-gram proposals (after a match of `match_len` tokens) to
     /// use, capped at `cap`: twice the match length, halved while acceptance is poor.
     pub fn ngram_len(&self, match_len: usize, available: usize, cap: usize) -> usize {
         let mut k = (2 * match_len).min(cap).min(available);
-        if self.ngram.ema < 0.5 {
+        if self.acceptance(Proposer::Ngram, match_len) < 0.5 {
             k = k.div_ceil(2);
         }
         k
@@ -447,7 +518,9 @@ impl SpecState {
     pub fn observe(&mut self, p: Proposer, drafted: usize, accepted: usize, step: u64) {
         let auto = self.mode == SpecMode::Auto;
         match p {
-            Proposer::Ngram => self.ngram.observe(drafted, accepted, step, auto),
+            Proposer::Ngram => {
+                self.ngram[ngram_bucket(self.ngram_match)].observe(drafted, accepted, step, auto)
+            }
             Proposer::Dflash => self.dflash.observe(drafted, accepted, step, auto),
             Proposer::Mtp => {
                 self.mtp.observe(drafted, accepted, step, auto);
@@ -486,6 +559,16 @@ mod tests {
         mtp: None,
     };
 
+    /// `rounds` fully rejected n-gram rounds in steps 1.., in every match-length class.
+    fn fail_ngram(s: &mut SpecState, rounds: u64) {
+        for step in 1..=rounds {
+            for len in [2, 5, 9] {
+                s.proposing(Proposer::Ngram, len);
+                s.observe(Proposer::Ngram, 8, 0, step);
+            }
+        }
+    }
+
     #[test]
     fn dflash_is_preferred_in_auto_and_capped_by_its_block() {
         let both = Drafters {
@@ -494,9 +577,7 @@ mod tests {
             mtp: None,
         };
         let mut s = SpecState::new(SpecMode::Auto, 16);
-        for step in 1..=4 {
-            s.observe(Proposer::Ngram, 8, 0, step);
-        }
+        fail_ngram(&mut s, 4);
         assert_eq!(s.plan(5, 1, both), Plan::Dflash(7));
         assert_eq!(
             SpecState::new(SpecMode::Dflash, 4).plan(1, 1, both),
@@ -528,9 +609,7 @@ mod tests {
         let mut s = SpecState::new(SpecMode::Auto, 8);
         assert_eq!(s.plan(1, 1, NONE), Plan::Ngram(8));
         assert_eq!(s.plan(1, AUTO_MAX_DECODING + 1, MODEL), Plan::None);
-        for step in 1..=4 {
-            s.observe(Proposer::Ngram, 8, 0, step);
-        }
+        fail_ngram(&mut s, 4);
         // paused: falls to the draft model if there is one
         assert_eq!(s.plan(5, 1, NONE), Plan::None);
         assert!(matches!(s.plan(5, 1, MODEL), Plan::Draft(_)));
@@ -541,6 +620,56 @@ mod tests {
             s.observe(Proposer::Ngram, 4, 0, step);
         }
         assert_eq!(s.plan(11, 100, NONE), Plan::Ngram(4));
+    }
+
+    #[test]
+    fn acceptance_is_per_token_not_the_accepted_share() {
+        // rounds of 8 that accept 7 and stop at the 8th: 7 of 8 tested proposals accepted
+        let mut g = Gate::default();
+        for step in 1..=30 {
+            g.observe(8, 7, step, true);
+        }
+        assert!((g.acceptance() - 0.875).abs() < 0.01, "{}", g.acceptance());
+        // fully accepted rounds: no rejection seen, the estimate goes to 1 (the share would
+        // say the same, but a 3-of-8 round must not read as 37.5% per token: it is 3 of 4)
+        let mut g = Gate::default();
+        for step in 1..=30 {
+            g.observe(8, 8, step, true);
+        }
+        assert!(g.acceptance() > 0.97, "{}", g.acceptance());
+        let mut g = Gate::default();
+        for step in 1..=30 {
+            g.observe(8, 3, step, true);
+        }
+        assert!((g.acceptance() - 0.75).abs() < 0.01, "{}", g.acceptance());
+        // nothing accepted: pauses, and restarts from the prior
+        let mut g = Gate::default();
+        let mut step = 1;
+        while g.open(step) {
+            g.observe(4, 0, step, true);
+            step += 1;
+        }
+        assert!(step <= 4, "paused after {step} rounds");
+        assert!((g.acceptance() - PRIOR_ACCEPTANCE).abs() < 1e-12);
+        assert!(g.open(step - 1 + FIRST_PAUSE));
+    }
+
+    #[test]
+    fn ngram_acceptance_is_kept_by_match_length() {
+        let mut s = SpecState::new(SpecMode::Auto, 8);
+        // short matches keep failing, long ones keep landing
+        for step in 1..=6 {
+            s.proposing(Proposer::Ngram, 2);
+            s.observe(Proposer::Ngram, 4, 0, step);
+            s.proposing(Proposer::Ngram, 12);
+            s.observe(Proposer::Ngram, 8, 8, step);
+        }
+        assert!(!s.ngram_open(2, 7), "short matches paused");
+        assert!(s.ngram_open(12, 7) && s.ngram_open(5, 7));
+        assert!(s.acceptance(Proposer::Ngram, 12) > 0.9);
+        assert!((s.acceptance(Proposer::Ngram, 5) - PRIOR_ACCEPTANCE).abs() < 1e-12);
+        // n-gram as a whole still plans while one class is open
+        assert_eq!(s.plan(7, 1, NONE), Plan::Ngram(8));
     }
 
     #[test]

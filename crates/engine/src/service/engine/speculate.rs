@@ -32,6 +32,8 @@ struct Candidate {
     k: usize,
     acceptance: f64,
     auto: bool,
+    /// n-gram: the match length (0 for the drafters).
+    match_len: usize,
 }
 
 impl Engine {
@@ -74,7 +76,9 @@ impl Engine {
                     (o, g) => o.or(g),
                 };
                 plan = match best {
-                    Some(f) => {
+                    // (auto: a match-length class whose acceptance paused it falls through
+                    // to the drafters)
+                    Some(f) if !auto || st.ngram_open(f.len, step) => {
                         let k = if auto {
                             f.next.len()
                         } else {
@@ -85,12 +89,13 @@ impl Engine {
                             proposer: Proposer::Ngram,
                             tokens: f.next,
                             k,
-                            acceptance: st.acceptance(Proposer::Ngram),
+                            acceptance: st.acceptance(Proposer::Ngram, f.len),
                             auto,
+                            match_len: f.len,
                         });
                         Plan::None
                     }
-                    None => st.draft_plan(step, have),
+                    _ => st.draft_plan(step, have),
                 };
             }
             // (auto: the draft model may propose up to the request's cap, the allocator
@@ -108,8 +113,9 @@ impl Engine {
                     proposer,
                     tokens: Vec::new(),
                     k: k.min(room),
-                    acceptance: st.acceptance(proposer),
+                    acceptance: st.acceptance(proposer, 0),
                     auto,
+                    match_len: 0,
                 });
             }
         }
@@ -138,7 +144,8 @@ impl Engine {
         for c in cands.iter().filter(|c| c.k > 0) {
             match c.proposer {
                 Proposer::Ngram => {
-                    self.set_proposals(c.id, Proposer::Ngram, c.tokens[..c.k].to_vec());
+                    let tokens = c.tokens[..c.k].to_vec();
+                    self.set_proposals(c.id, Proposer::Ngram, c.match_len, tokens);
                 }
                 Proposer::Draft => {
                     if let Some(slot) = self.sched.slot_of(c.id) {
@@ -149,13 +156,13 @@ impl Engine {
                     let t0 = std::time::Instant::now();
                     let tokens = self.dflash_draft(c.id, c.k);
                     self.time_proposer(Proposer::Dflash, t0, tokens.len());
-                    self.set_proposals(c.id, Proposer::Dflash, tokens);
+                    self.set_proposals(c.id, Proposer::Dflash, 0, tokens);
                 }
                 Proposer::Mtp => {
                     let t0 = std::time::Instant::now();
                     let tokens = self.mtp_draft(c.id, c.k);
                     self.time_proposer(Proposer::Mtp, t0, tokens.len());
-                    self.set_proposals(c.id, Proposer::Mtp, tokens);
+                    self.set_proposals(c.id, Proposer::Mtp, 0, tokens);
                 }
             }
         }
@@ -184,7 +191,7 @@ impl Engine {
         let n: usize = drafts.iter().map(Vec::len).sum();
         self.time_proposer(Proposer::Draft, t0, n);
         for ((id, _, _), d) in asks.into_iter().zip(drafts) {
-            self.set_proposals(id, Proposer::Draft, d);
+            self.set_proposals(id, Proposer::Draft, 0, d);
         }
     }
 
@@ -294,13 +301,14 @@ impl Engine {
         *e = 0.8 * *e + 0.2 * s;
     }
 
-    /// Hand `id`'s proposals (if any) to the scheduler and remember who made them.
-    fn set_proposals(&mut self, id: SeqId, p: Proposer, tokens: Vec<u32>) {
+    /// Hand `id`'s proposals (if any) to the scheduler and remember who made them (after an
+    /// n-gram match of `match_len` tokens).
+    fn set_proposals(&mut self, id: SeqId, p: Proposer, match_len: usize, tokens: Vec<u32>) {
         if tokens.is_empty() {
             return;
         }
         if let Some(st) = self.active.get_mut(&id).and_then(|a| a.spec.as_mut()) {
-            st.in_flight = Some(p);
+            st.proposing(p, match_len);
         }
         self.sched.set_draft(id, tokens);
     }
