@@ -60,7 +60,8 @@ impl SpecArgs {
             // the DFlash drafter's layers when it has one, and the MTP head (which wants the
             // last layer's) would never draft.
             Some(p) if self.mode == SpecMode::Mtp && is_dflash_dir(p) => anyhow::bail!(
-                "--spec mtp drafts with the model's own MTP head, but --draft-model {} is a                  DFlash drafter: use --spec dflash (or auto) with it, or drop --draft-model",
+                "--spec mtp drafts with the model's own MTP head, but --draft-model {} is a \
+                 DFlash drafter: use --spec dflash (or auto) with it, or drop --draft-model",
                 p.display()
             ),
             Some(p) if is_dflash_dir(p) => {

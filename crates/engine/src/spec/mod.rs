@@ -295,8 +295,8 @@ const GATE_DECAY: f64 = 0.8;
 /// proposals that accepted `j` shows `j` acceptances and, if `j < k`, one rejection; the later
 /// proposals were never tested. The chance that one proposal is accepted (given the ones
 /// before it were) is therefore estimated as `A / (A + R)` over (decayed) counts of
-/// acceptances `A` and rejections `R`, not as the accepted share `j / k`, which reads a fully
-/// accepted eight-token round at 90% per token as 64% and would keep drafts short.
+/// acceptances `A` and rejections `R`, not as the accepted share `j / k`, which reads
+/// eight-token rounds at 90% per token as about 64% and would keep drafts short.
 #[derive(Debug, Clone, Copy)]
 struct Gate {
     /// Decayed count of accepted proposals (with the prior's).
@@ -630,13 +630,13 @@ mod tests {
             g.observe(8, 7, step, true);
         }
         assert!((g.acceptance() - 0.875).abs() < 0.01, "{}", g.acceptance());
-        // fully accepted rounds: no rejection seen, the estimate goes to 1 (the share would
-        // say the same, but a 3-of-8 round must not read as 37.5% per token: it is 3 of 4)
+        // fully accepted rounds: no rejection seen, the estimate goes to 1
         let mut g = Gate::default();
         for step in 1..=30 {
             g.observe(8, 8, step, true);
         }
         assert!(g.acceptance() > 0.97, "{}", g.acceptance());
+        // rounds of 8 that accept 3: 3 of the 4 tested proposals (the share would say 37.5%)
         let mut g = Gate::default();
         for step in 1..=30 {
             g.observe(8, 3, step, true);
