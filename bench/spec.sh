@@ -45,11 +45,9 @@ results="${SPEC_RESULTS:-$cache/bench-results/spec-$stamp}"
 mkdir -p "$results"
 say() { echo "bench/spec.sh: $*" >&2; }
 
-kapitsa="${KAPITSA_BIN:-$root/target/release/kapitsa}"
-if [ ! -x "$kapitsa" ]; then
-  say "building kapitsa"
-  cargo build --release -p kapitsa-cli >&2
-fi
+# shellcheck source=bench/lib.sh
+. "$root/bench/lib.sh"
+kapitsa=$(kapitsa_binary)
 
 # The prompt sets, capped as asked.
 for s in ${sets//,/ }; do

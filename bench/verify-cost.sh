@@ -33,11 +33,9 @@ results="$cache/bench-results/verify-cost-$stamp"
 mkdir -p "$results"
 say() { echo "bench/verify-cost.sh: $*" >&2; }
 
-kapitsa="${KAPITSA_BIN:-$root/target/release/kapitsa}"
-if [ ! -x "$kapitsa" ]; then
-  say "building kapitsa"
-  cargo build --release -p kapitsa-cli >&2
-fi
+# shellcheck source=bench/lib.sh
+. "$root/bench/lib.sh"
+kapitsa=$(kapitsa_binary)
 
 if [ "$#" -eq 0 ]; then
   synth="$cache/synth"
