@@ -87,7 +87,8 @@ for p in sorted(glob.glob(os.path.join(results, "*.json"))):
 # Per preset: the measured files, and the production depth extrapolated from two of them.
 tables = {}
 for (preset, layers), ms in sorted(runs.items()):
-    tables.setdefault(preset, []).append((f"{layers} layers (measured)", ms))
+    label = f"{layers} layers (measured)" if layers else "measured"
+    tables.setdefault(preset, []).append((label, ms))
 for preset, full in PRODUCTION.items():
     got = sorted(l for (p, l) in runs if p == preset)
     if len(got) >= 2:
