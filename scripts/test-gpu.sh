@@ -4,9 +4,13 @@
 # bench/.cache/kapitsa.xz; see scripts/build-gpu-binary.sh). Logs go to $OUT (or /tmp).
 #
 #   1. `kapitsa selftest --device cuda`: every backend op against the CPU scalar reference on
-#      random shapes (odd sizes and tails), the tiny qwen2/qwen3 fixtures within 1e-4 of
-#      transformers with 32 equal greedy tokens, one chunk == pieces == token by token, a batch
-#      of 3 == each alone, and a dense synthetic file's logits against the CPU engine's.
+#      random shapes (odd sizes and tails), every tiny fixture (dense, MoE, Gated DeltaNet and
+#      Mamba2 hybrids; `TEST_GPU_ARCHS` narrows it, e.g. qwen2,qwen3) within 1e-4 of
+#      transformers with 32 equal greedy tokens (decode steps recorded as CUDA graphs), one
+#      chunk == pieces == token by token, a batch of 3 == each alone, speculative == plain,
+#      and synthetic files' logits against the CPU engine's: dense Qwen2.5-Coder-1.5B, and the
+#      Qwen3.6-35B-A3B, Qwen3-30B-A3B and Nemotron 3 Nano shapes with a few layers
+#      (`TEST_GPU_SYNTH` lists `preset:layers`).
 #   2. `kapitsa serve --device cuda` answering the same HTTP checks as on the CPU (streaming,
 #      concurrency) on the tiny qwen2 fixture.
 set -euo pipefail
@@ -32,14 +36,21 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 
 status=0
 echo "== selftest (ops, tiny fixtures, synthetic file) =="
-SYN=/tmp/kapitsa-syn-qwen2.gguf
-if ! "$BIN" synth --preset qwen2.5-coder-1.5b --layers 4 \
-    --tokenizer-from tests/fixtures/tiny/qwen2-a/model-f32.gguf -o "$SYN" >"$OUT/synth.log" 2>&1; then
-  echo "note: synth of the dense preset failed (see synth.log); the synthetic check is skipped"
-  SYN=""
-fi
-"$BIN" selftest --device cuda --fixtures tests/fixtures/tiny --archs qwen2,qwen3 \
-  ${SYN:+--model "$SYN"} 2>&1 | tee "$OUT/selftest.log" || status=1
+SYNTH="${TEST_GPU_SYNTH:-qwen2.5-coder-1.5b:4 qwen3.6-35b-a3b:4 qwen3-30b-a3b:4 nemotron-3-nano-30b-a3b:8}"
+models=()
+for pl in $SYNTH; do
+  preset="${pl%%:*}" layers="${pl##*:}"
+  f="/tmp/kapitsa-syn-$preset-L$layers.gguf"
+  if [[ -f "$f" ]] || "$BIN" synth --preset "$preset" --layers "$layers" \
+      --tokenizer-from tests/fixtures/tiny/qwen2-a/model-f32.gguf -o "$f" >>"$OUT/synth.log" 2>&1; then
+    models+=(--model "$f")
+  else
+    echo "FAIL synth of $preset ($layers layers) failed (see synth.log)"
+    status=1
+  fi
+done
+"$BIN" selftest --device cuda --fixtures tests/fixtures/tiny \
+  --archs "${TEST_GPU_ARCHS:-}" "${models[@]}" 2>&1 | tee "$OUT/selftest.log" || status=1
 
 echo "== serve --device cuda =="
 PORT=18931

@@ -68,6 +68,7 @@ fn fast_kernels_match_the_scalar_reference() {
         "kv_write Q8_0",
         "attention F16",
         "conv1d_causal",
+        "gdn_preamble",
         "gdn",
         "mamba2",
         "argmax_rows",

@@ -17,6 +17,12 @@
 // - `gemv_<ty>_1xs`: the one-token GEMV with x staged in shared memory (dynamic, 4 * (n_in +
 //   4 * ceil(n_in / 64)) bytes) and a grid of at most the resident blocks looping over the
 //   `vblocks` row-group blocks; same contract otherwise.
+// - `gemv_id_<ty>`: the expert-routed GEMV (llama.cpp's mul_mat_id): one (token, slot) pair
+//   per grid.y. Pair q computes part p's rows of expert e = ids[q] (rows
+//   `row0 + e * rpe[p] + r`) against x row `q / x_div` (x_div = top_k for the expert inputs,
+//   1 for rows already per pair) into `y + q * ldy`. One token's GEMV otherwise (no staging),
+//   the GLU pair allowed; a pair whose id is not below `n_exp` writes nothing. Launch: one
+//   `GemvArgs` and one `GemvIdArgs` by value, grid (vblocks, n_pairs).
 // - `dequant_<ty>_f32`, `dequant_<ty>_f16` (quantised types): `out[r * n_in + k] =
 //   dequant(W[src(r), k])` for r < n_rows, src(r) = row0 + ids[r] when `ids` is non-null
 //   (embedding gather; ids[r] >= n_src_rows gives a zero row), else row0 + r (tiles for the
@@ -170,17 +176,27 @@ struct GemvArgs {
   int vblocks, unused;  // row-group blocks of all parts (grid-stride over them), padding
 };
 
+// The routing of `gemv_id_<ty>` (mirrored by src/matmul/gemv.rs `GemvIdArgs`): expert ids
+// `[n_pairs]` (u32, device), each part's rows per expert, the x row divisor, the expert count.
+struct GemvIdArgs {
+  const uint32_t* ids;
+  uint64_t rpe[GEMV_MAX_PARTS];
+  int x_div, n_exp;
+};
+
 // XS: one token, x staged once per block in dynamic shared memory (gemv_xs_idx layout) and
 // the blocks looping over the row-group blocks `vb` (grid-stride), so the staging is paid
 // once per resident block. Lanes read x 64 elements apart: through L1 every such warp load
 // touches 32 cache lines, from shared memory it is one conflict-free pass.
-template <int T, int NT, bool XS>
-__device__ __forceinline__ void gemv_impl(const GemvArgs& a) {
+// ID: the expert-routed form (`gemv_id_<ty>`, NT == 1, no staging): blockIdx.y is the pair.
+template <int T, int NT, bool XS, bool ID>
+__device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& ida) {
   using F = KqFmt<T>;
   constexpr int R = GemvTune<T, NT>::R;
   constexpr int U = GemvTune<T, NT>::U;
   static_assert(NT * R <= 32, "one reduced value per lane");
   static_assert(!XS || NT == 1, "staged activations: one token");
+  static_assert(!ID || (NT == 1 && !XS), "routed: one pair per grid row, unstaged");
   __shared__ float red[GEMV_WARPS][NT * R];
   extern __shared__ float4 gemv_xs[];
 
@@ -193,8 +209,19 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a) {
   const int n_chunks = a.n_in / F::CE;
   const int step = 32 * G;
   const int n_in = a.n_in;
-  const float* __restrict__ x = XS ? reinterpret_cast<const float*>(gemv_xs) : a.x;
-  const bool early = (a.flags & GEMV_PREFETCH) != 0;
+  // routed: the pair's expert (written by an earlier kernel: read after the PDL wait), its x
+  // row and y offset
+  uint64_t e = 0;
+  size_t x_off = 0, y_pair = 0;
+  if constexpr (ID) {
+    pdl_enter();
+    e = ida.ids[blockIdx.y];
+    if (e >= (uint64_t)ida.n_exp) return;  // uniform over the block
+    x_off = (size_t)(blockIdx.y / ida.x_div) * n_in;
+    y_pair = blockIdx.y;
+  }
+  const float* __restrict__ x = XS ? reinterpret_cast<const float*>(gemv_xs) : a.x + x_off;
+  const bool early = !ID && (a.flags & GEMV_PREFETCH) != 0;
 
   int vb = blockIdx.x;
   // the part of block vb (plain launches); with GLU the matrix of this warp
@@ -215,8 +242,9 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a) {
     n_rows = a.part[pm].n_rows;                                                            \
     r_first = ((vb - a.part[p].block0) * (wpm / G) + rg) * R;                              \
     m = KqMat{a.part[pm].w, a.part[pm].off1, a.part[pm].off2, a.part[pm].off3, a.part[pm].stride}; \
+    const uint64_t row_base = a.part[pm].row0 + (ID ? e * ida.rpe[pm] : 0);                \
     _Pragma("unroll") for (int i = 0; i < R; i++) rows[i] =                                \
-        a.part[pm].row0 + (uint64_t)min(r_first + i, n_rows - 1);                          \
+        row_base + (uint64_t)min(r_first + i, n_rows - 1);                                  \
     j0 = ks * 32 + lane;                                                                   \
   }
   // the loads of chunks j0 + u * step
@@ -227,7 +255,7 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a) {
       _Pragma("unroll") for (int i = 0; i < R; i++) raw[u][i] = F::load(m, rows[i], j); \
     }                                                                   \
   }
-  if (!early) pdl_enter();
+  if (!early && !ID) pdl_enter();
   GEMV_SETUP_BLOCK
   GEMV_LOAD_CHUNKS
   if (early) pdl_enter();
@@ -270,7 +298,7 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a) {
       const int r = r_first + i;
       if (r < n_rows) {
         const GemvPart& P = a.part[p];
-        float* yp = P.y + (size_t)t * P.ldy + r;
+        float* yp = P.y + (ID ? y_pair : (size_t)t) * P.ldy + r;
         if (glu) {
           float u = red[warp + wpm][lane];
           for (int k = 1; k < G; k++) u += red[warp + wpm + k][lane];
@@ -295,11 +323,15 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a) {
 #define GEMV_KERNEL_V(NAME, T, NT, XS, SUFFIX)                                                        \
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GemvTune<T, NT>::MIN_BLOCKS)            \
       gemv_##NAME##_##NT##SUFFIX(const __grid_constant__ GemvArgs a) {                                \
-    gemv_impl<T, NT, XS>(a);                                                                          \
+    gemv_impl<T, NT, XS, false>(a, GemvIdArgs{});                                                     \
   }
 #define GEMV_KERNEL(NAME, T, NT) GEMV_KERNEL_V(NAME, T, NT, false, )
 
 #define GEMV_ALL_NT(NAME, T) \
+  extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GemvTune<T, 1>::MIN_BLOCKS)           \
+      gemv_id_##NAME(const __grid_constant__ GemvArgs a, const __grid_constant__ GemvIdArgs ida) {  \
+    gemv_impl<T, 1, false, true>(a, ida);                                                            \
+  }                                                                                                  \
   GEMV_KERNEL_V(NAME, T, 1, true, xs) \
   GEMV_KERNEL(NAME, T, 1)    \
   GEMV_KERNEL(NAME, T, 2)    \

@@ -58,6 +58,93 @@ extern "C" __global__ void conv1d_causal_f32(const float* __restrict__ x, const 
 
 // ---- Gated DeltaNet ---------------------------------------------------------------------------------
 
+// The Gated DeltaNet preamble (Backend::gdn_preamble: gdn_gates + conv1d_causal with SiLU +
+// split_cols + the q/k l2_norms, in one launch) of sequence blockIdx.y, unit blockIdx.x:
+// units 0 .. nk - 1 are the q heads, nk .. 2 nk - 1 the k heads (dk channels each), the next
+// nv the v heads (dv channels each), the last one the gates. Thread t of a head unit owns
+// channel c0 + t of qkv `[n_tokens, C]` (C = 2 nk dk + nv dv) and runs conv1d_causal_f32's
+// arithmetic (same tap order) over the sequence's tokens with its window of state
+// `[n_slots, K - 1, C]`, written back at the end (each channel has one owner). q/k heads are
+// then normalised per token as l2_norm_f32 does (x * (1 / sqrt(sum x^2 + eps)) * scale,
+// scale = qscale for q, 1 for k) into q, k `[n_tokens, nk dk]`; v heads go to
+// v `[n_tokens, nv dv]`. The gates unit: beta = sigmoid(beta), g = a_neg[h] *
+// softplus(g + dt_bias[h]) in place, `[n_tokens, nv]`. blockDim: 32 * ceil(max(dk, dv) / 32).
+extern "C" __global__ void __launch_bounds__(1024)
+    gdn_preamble_f32(const float* __restrict__ qkv, const float* __restrict__ w, float* __restrict__ state,
+                     float* __restrict__ q, float* __restrict__ k, float* __restrict__ v, float* __restrict__ beta,
+                     float* __restrict__ g, const float* __restrict__ dt_bias, const float* __restrict__ a_neg,
+                     const uint32_t* __restrict__ seqs, uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv,
+                     uint32_t K, float l2_eps, float qscale, uint32_t n_slots) {
+  pdl_enter();
+  __shared__ float scratch[32];
+  const uint32_t* seq = seqs + blockIdx.y * SEQ_FIELDS;
+  const uint32_t slot = seq[SEQ_SLOT], start = seq[SEQ_START], len = seq[SEQ_LEN];
+  if (slot >= n_slots) return;  // uniform across the block
+  const uint32_t u = blockIdx.x;
+  const uint32_t kd = nk * dk, C = 2 * kd + nv * dv;
+  if (u == 2 * nk + nv) {
+    for (uint32_t r = 0; r < len; ++r)
+      for (uint32_t h = threadIdx.x; h < nv; h += blockDim.x) {
+        const uint64_t i = (uint64_t)(start + r) * nv + h;
+        beta[i] = sigmoid_f(beta[i]);
+        g[i] = a_neg[h] * softplus_f(g[i] + dt_bias[h]);
+      }
+    return;
+  }
+  const bool is_v = u >= 2 * nk;
+  const uint32_t width = is_v ? dv : dk;
+  const uint32_t t = threadIdx.x;
+  const bool ok = t < width;
+  const uint32_t ch = (is_v ? 2 * kd + (u - 2 * nk) * dv : u * dk) + t;
+  float* dst;
+  uint32_t ldd;
+  if (is_v) {
+    dst = v + (u - 2 * nk) * dv;
+    ldd = nv * dv;
+  } else if (u < nk) {
+    dst = q + u * dk;
+    ldd = kd;
+  } else {
+    dst = k + (u - nk) * dk;
+    ldd = kd;
+  }
+  const float scale = u < nk ? qscale : 1.0f;
+  const uint32_t h = K - 1;
+  float* st = state + (uint64_t)slot * h * C;
+  float win[CONV_MAXK - 1], wt[CONV_MAXK];
+#pragma unroll
+  for (int j = 0; j < CONV_MAXK - 1; ++j) win[j] = (ok && j < (int)h) ? st[(uint64_t)j * C + ch] : 0.0f;
+#pragma unroll
+  for (int j = 0; j < CONV_MAXK; ++j) wt[j] = (ok && j < (int)K) ? w[(uint64_t)ch * K + j] : 0.0f;
+  for (uint32_t r = 0; r < len; ++r) {
+    const uint64_t tok = start + r;
+    const float xc = ok ? qkv[tok * C + ch] : 0.0f;
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < CONV_MAXK - 1; ++j)
+      if (j < (int)h) acc += wt[j] * win[j];
+#pragma unroll
+    for (int j = 0; j < CONV_MAXK; ++j)
+      if (j == (int)h) acc += wt[j] * xc;
+    const float y = silu_f(acc);
+#pragma unroll
+    for (int j = 0; j < CONV_MAXK - 1; ++j)
+      if (j < (int)h) win[j] = (j + 1 < (int)h) ? win[j + 1] : xc;
+    if (is_v) {
+      if (ok) dst[tok * ldd + t] = y;
+    } else {
+      const float ss = block_sum(ok ? y * y : 0.0f, scratch);
+      const float f = (1.0f / sqrtf(ss + l2_eps)) * scale;
+      if (ok) dst[tok * ldd + t] = y * f;
+    }
+  }
+  if (ok) {
+#pragma unroll
+    for (int j = 0; j < CONV_MAXK - 1; ++j)
+      if (j < (int)h) st[(uint64_t)j * C + ch] = win[j];
+  }
+}
+
 #define GDN_MAX_WARPS 8  // dk <= 256
 
 // Gated DeltaNet recurrence of sequence blockIdx.z, value head blockIdx.y, state columns

@@ -22,7 +22,7 @@ use kapitsa_backend::{
 
 use crate::device::{dev_err, elem_cfg, row_threads, u32_arg};
 use crate::launch::KernelLaunch;
-use crate::matmul::{CudaWeight, GemvEpilogue, GemvPart};
+use crate::matmul::{fuse_on, CudaWeight, GemvEpilogue, GemvPart, GemvRoute};
 use crate::CudaBackend;
 
 /// One operand of an expert MLP: rows `rows` of expert `e` of a device weight (`e = 0` and
@@ -579,36 +579,6 @@ impl CudaBackend {
             // n * k entries, k <= n_exp.
             unsafe { b.launch(cfg) }.map_err(dev_err)?;
         }
-        let mut ids_h = vec![0u32; n * k];
-        self.stream
-            .memcpy_dtoh(&ids.slice(0..n * k), &mut ids_h[..])
-            .map_err(dev_err)?;
-        self.stream.synchronize().map_err(dev_err)?;
-
-        // group the (token, slot) pairs r = t * k + j by expert, ascending r within an expert
-        let mut counts = vec![0usize; n_exp + 1];
-        for &e in &ids_h {
-            if e as usize >= n_exp {
-                return Err(BackendError::Device(format!(
-                    "moe: routed to expert {e} of {n_exp}"
-                )));
-            }
-            counts[e as usize + 1] += 1;
-        }
-        for e in 0..n_exp {
-            counts[e + 1] += counts[e];
-        }
-        let mut fill = counts.clone();
-        let mut order = vec![0u32; n * k];
-        for (r, &e) in ids_h.iter().enumerate() {
-            order[fill[e as usize]] = r as u32;
-            fill[e as usize] += 1;
-        }
-        let mut order_d = self.scratch::<u32>(n * k)?;
-        self.stream
-            .memcpy_htod(&order[..], &mut order_d)
-            .map_err(dev_err)?;
-
         // expert inputs (projected into the latent space when there is one)
         let x_lat = match &latent {
             Some((down, _, ld)) => {
@@ -620,18 +590,10 @@ impl CudaBackend {
         };
         let xe = x_lat.as_ref().unwrap_or(xb);
         let mut ye = self.scratch::<f32>(n * k * de)?;
-        for (e, mats) in mats.iter().enumerate() {
-            let (a, b) = (counts[e], counts[e + 1]);
-            if a == b {
-                continue;
-            }
-            let cnt = b - a;
-            let idx = order_d.slice(a..b);
-            let mut xg = self.scratch::<f32>(cnt * de)?;
-            self.gather_rows_dev(xe, n, &idx, k, cnt, de, &mut xg)?;
-            let mut yg = self.scratch::<f32>(cnt * de)?;
-            self.mlp_dev(mats, w.act, w.n_ff, cnt, &xg, &mut yg)?;
-            self.scatter_rows_dev(&yg, &idx, cnt, de, &mut ye, n * k)?;
+        if n <= MOE_ROUTED_MAX_TOKENS && routed_on() && routed_stacks(&mats) {
+            self.moe_routed(&mats[0], w.act, w.n_ff, n, k, xe, &ids, &mut ye)?;
+        } else {
+            self.moe_grouped(&mats, w.act, w.n_ff, n, k, xe, &ids, &mut ye)?;
         }
 
         // weighted sum in top-k order, projected back from the latent space
@@ -680,4 +642,202 @@ impl CudaBackend {
         }
         Ok(())
     }
+    /// Whether `moe` of `w` over `n` tokens reads the routing back (see
+    /// [`kapitsa_backend::Backend::moe_reads_back`]): not where the routed form takes it.
+    pub(crate) fn moe_reads_back_impl(&self, w: &MoeWeights, n: usize) -> bool {
+        const OP: &str = "moe";
+        if n > MOE_ROUTED_MAX_TOKENS || !routed_on() {
+            return true;
+        }
+        let de = match &w.latent {
+            Some(l) => match l.down.dims2(OP) {
+                Ok((ld, _)) => ld,
+                Err(_) => return true,
+            },
+            None => match w.router.dims2(OP) {
+                Ok((_, d)) => d,
+                Err(_) => return true,
+            },
+        };
+        match self.expert_mats(w, de, OP) {
+            Ok(mats) => !routed_stacks(&mats),
+            Err(_) => true,
+        }
+    }
+
+    /// The routed experts on the device (kernels/matmul.cu `gemv_id_<ty>`): pair
+    /// q = t * k + j runs expert `ids[q]`'s MLP on `xe` row t into `ye` row q. `m` is any
+    /// expert's matrices of stacks that [`routed_stacks`] accepted (the kernel adds
+    /// `ids[q] * rows per expert`). `xe [n, de]`, `ids [n * k]`, `ye [n * k, de]` (device).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_routed(
+        &self,
+        m: &ExpertMats<'_>,
+        act: Act,
+        n_ff: usize,
+        n: usize,
+        k: usize,
+        xe: &CudaSlice<f32>,
+        ids: &CudaSlice<u32>,
+        ye: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        const OP: &str = "moe";
+        let np = n * k;
+        let ids_v = ids.slice(0..np);
+        let per_token = GemvRoute {
+            ids: &ids_v,
+            n_pairs: np,
+            x_div: k,
+        };
+        fn part<'a>(mat: &Mat<'a>, n_rows: usize) -> (&'a CudaWeight, usize, usize) {
+            (mat.w, mat.rows.start, n_rows)
+        }
+        let mut h = self.scratch::<f32>(np * n_ff)?;
+        let mut u = self.scratch::<f32>(np * n_ff)?;
+        let launch = |ps: &[(&CudaWeight, usize, usize)],
+                      ys: Vec<&mut CudaSlice<f32>>,
+                      x: &CudaSlice<f32>,
+                      route: &GemvRoute<'_>,
+                      glu: bool| self.routed_launch(ps, ys, x, route, glu);
+        match (act, &m.gate) {
+            (Act::SwiGlu, Some(gate)) => {
+                let (g, up) = (part(gate, n_ff), part(&m.up, n_ff));
+                if gate.w.dtype() == m.up.w.dtype() && fuse_on() {
+                    // gate and up in one launch, silu(gate) * up in its epilogue
+                    launch(&[g, up], vec![&mut h, &mut u], xe, &per_token, true)?;
+                } else {
+                    launch(&[g], vec![&mut h], xe, &per_token, false)?;
+                    launch(&[up], vec![&mut u], xe, &per_token, false)?;
+                    self.silu_mul_dev(&mut h, &u, np * n_ff)?;
+                }
+            }
+            (Act::Relu2, None) => {
+                launch(&[part(&m.up, n_ff)], vec![&mut h], xe, &per_token, false)?;
+                self.relu2_dev(&mut h, np * n_ff)?;
+            }
+            (Act::SwiGlu, None) => return shape_err(OP, "a SwiGLU expert without a gate"),
+            (Act::Relu2, Some(_)) => return shape_err(OP, "a squared-ReLU expert with a gate"),
+        }
+        let per_pair = GemvRoute {
+            ids: &ids_v,
+            n_pairs: np,
+            x_div: 1,
+        };
+        let de = m.down.rows.len();
+        launch(&[part(&m.down, de)], vec![ye], &h, &per_pair, false)
+    }
+
+    /// One `gemv_id` launch of the products `ps` (weight, first row within an expert, rows)
+    /// into `ys` (`[n_pairs, rows]` each).
+    fn routed_launch(
+        &self,
+        ps: &[(&CudaWeight, usize, usize)],
+        ys: Vec<&mut CudaSlice<f32>>,
+        x: &CudaSlice<f32>,
+        route: &GemvRoute<'_>,
+        glu: bool,
+    ) -> Result<()> {
+        let mut views: Vec<_> = ys.into_iter().map(|y| y.as_view_mut()).collect();
+        let mut parts: Vec<GemvPart<'_, '_>> = ps
+            .iter()
+            .zip(views.iter_mut())
+            .map(|(&(w, row0, n_rows), y)| GemvPart {
+                w,
+                row0,
+                n_rows,
+                y,
+                ep: GemvEpilogue::default(),
+            })
+            .collect();
+        self.mm
+            .gemv_id(&self.stream, &mut parts, &x.as_view(), route, glu)
+    }
+
+    /// The grouped experts: the `[n, k]` ids come back to the host (one synchronisation),
+    /// which groups the (token, slot) pairs by expert; each used expert's pairs are gathered
+    /// from `xe`, run through its MLP and scattered into `ye` (shapes as in
+    /// [`Self::moe_routed`]).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_grouped(
+        &self,
+        mats: &[ExpertMats<'_>],
+        act: Act,
+        n_ff: usize,
+        n: usize,
+        k: usize,
+        xe: &CudaSlice<f32>,
+        ids: &CudaSlice<u32>,
+        ye: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let n_exp = mats.len();
+        let de = mats.first().map_or(0, |m| m.down.rows.len());
+        let mut ids_h = vec![0u32; n * k];
+        self.stream
+            .memcpy_dtoh(&ids.slice(0..n * k), &mut ids_h[..])
+            .map_err(dev_err)?;
+        self.stream.synchronize().map_err(dev_err)?;
+
+        // group the (token, slot) pairs r = t * k + j by expert, ascending r within an expert
+        let mut counts = vec![0usize; n_exp + 1];
+        for &e in &ids_h {
+            if e as usize >= n_exp {
+                return Err(BackendError::Device(format!(
+                    "moe: routed to expert {e} of {n_exp}"
+                )));
+            }
+            counts[e as usize + 1] += 1;
+        }
+        for e in 0..n_exp {
+            counts[e + 1] += counts[e];
+        }
+        let mut fill = counts.clone();
+        let mut order = vec![0u32; n * k];
+        for (r, &e) in ids_h.iter().enumerate() {
+            order[fill[e as usize]] = r as u32;
+            fill[e as usize] += 1;
+        }
+        let mut order_d = self.scratch::<u32>(n * k)?;
+        self.stream
+            .memcpy_htod(&order[..], &mut order_d)
+            .map_err(dev_err)?;
+        for (e, mats) in mats.iter().enumerate() {
+            let (a, b) = (counts[e], counts[e + 1]);
+            if a == b {
+                continue;
+            }
+            let cnt = b - a;
+            let idx = order_d.slice(a..b);
+            let mut xg = self.scratch::<f32>(cnt * de)?;
+            self.gather_rows_dev(xe, n, &idx, k, cnt, de, &mut xg)?;
+            let mut yg = self.scratch::<f32>(cnt * de)?;
+            self.mlp_dev(mats, act, n_ff, cnt, &xg, &mut yg)?;
+            self.scatter_rows_dev(&yg, &idx, cnt, de, ye, n * k)?;
+        }
+        Ok(())
+    }
+}
+
+/// Largest token count whose MoE runs routed on the device ([`CudaBackend::moe_routed`]):
+/// every (token, slot) pair streams its own expert's rows, which pays while few tokens share
+/// experts and keeps the op free of host round trips (recordable); larger batches group the
+/// tokens by expert ([`CudaBackend::moe_grouped`]). The recorded steps' limit
+/// (`MAX_RECORDED_TOKENS`, 16).
+const MOE_ROUTED_MAX_TOKENS: usize = 16;
+
+/// Whether the routed form is on (`KAPITSA_MOE_ROUTED=0` turns it off, for measurements).
+fn routed_on() -> bool {
+    static CELL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CELL.get_or_init(|| std::env::var("KAPITSA_MOE_ROUTED").map_or(true, |v| v != "0"))
+}
+
+/// Whether the experts' matrices are stacks of all experts the GEMV kernels take (the
+/// routed form indexes rows by expert id; per-expert uploads cannot be).
+fn routed_stacks(mats: &[ExpertMats<'_>]) -> bool {
+    let n_exp = mats.len();
+    mats.first().is_some_and(|m| {
+        [Some(&m.up), Some(&m.down), m.gate.as_ref()]
+            .into_iter()
+            .flatten()
+            .all(|x| x.w.n_experts() == n_exp && n_exp > 1 && x.w.gemv_ok())
+    })
 }

@@ -105,9 +105,9 @@ mod imp {
     use cudarc::cublas::CudaBlas;
     use cudarc::driver::{CudaContext, CudaStream};
     use kapitsa_backend::{
-        AttnShape, Backend, BackendError, Batch, BatchDesc, DType, Device, Epilogue, GdnShape,
-        HostWeight, KvLayer, Mamba2Shape, MlpWeights, MoeWeights, Recording, Result, RopeDesc,
-        Tensor, Weight,
+        AttnShape, Backend, BackendError, Batch, BatchDesc, DType, Device, Epilogue, GdnConv,
+        GdnShape, HostWeight, KvLayer, Mamba2Shape, MlpWeights, MoeWeights, Recording, Result,
+        RopeDesc, Tensor, Weight,
     };
 
     use crate::device::{self, dev_err, DeviceInfo, Kernels, KERNELS};
@@ -310,6 +310,10 @@ mod imp {
             self.moe_impl(w, x, n, out)
         }
 
+        fn moe_reads_back(&self, w: &MoeWeights, n: usize) -> bool {
+            self.moe_reads_back_impl(w, n)
+        }
+
         fn rms_norm(&self, x: &mut Tensor, width: usize, w: &Tensor, eps: f32) -> Result<()> {
             self.rms_norm_impl(x, width, w, eps)
         }
@@ -457,6 +461,20 @@ mod imp {
             out: &mut Tensor,
         ) -> Result<()> {
             self.conv1d_causal_impl(x, channels, k, w, bias, silu, conv_state, batch, out)
+        }
+
+        fn gdn_preamble(
+            &self,
+            shape: GdnShape,
+            w: &GdnConv<'_>,
+            qkv: &Tensor,
+            conv_state: &mut Tensor,
+            batch: &Batch,
+            beta: &mut Tensor,
+            g: &mut Tensor,
+            qkv_out: [&mut Tensor; 3],
+        ) -> Result<()> {
+            self.gdn_preamble_impl(shape, w, qkv, conv_state, batch, beta, g, qkv_out)
         }
 
         fn gdn(

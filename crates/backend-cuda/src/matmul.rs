@@ -50,7 +50,7 @@ use crate::device::dev_err;
 use crate::launch::KernelLaunch;
 
 mod gemv;
-pub(crate) use gemv::{fuse_on, GemvPart, GEMV_MAX_PARTS};
+pub(crate) use gemv::{fuse_on, GemvPart, GemvRoute, GEMV_MAX_PARTS};
 
 /// The GEMV kernels' epilogue: a bias added to every row, accumulation into `y`.
 #[derive(Clone, Copy, Default)]
@@ -262,7 +262,7 @@ impl CudaWeight {
 
     /// Whether the GEMV kernels take this matrix (rows of whole chunks; always true for the
     /// quantised formats).
-    fn gemv_ok(&self) -> bool {
+    pub(crate) fn gemv_ok(&self) -> bool {
         self.n_in.is_multiple_of(self.fmt.chunk())
     }
 
@@ -335,6 +335,8 @@ pub(crate) struct MatmulKernels {
     gemv: Vec<CudaFunction>,
     /// `gemv_<fmt>_1xs` by `fmt.id()`.
     gemv_xs: Vec<CudaFunction>,
+    /// `gemv_id_<fmt>` (expert-routed) by `fmt.id()`.
+    gemv_id: Vec<CudaFunction>,
     /// `dequant_<fmt>_f32` / `_f16` by `fmt.id()` (`None` for the float formats).
     dequant_f32: Vec<Option<CudaFunction>>,
     dequant_f16: Vec<Option<CudaFunction>>,
@@ -371,6 +373,7 @@ impl MatmulKernels {
         };
         let mut gemv = Vec::with_capacity(Fmt::ALL.len() * GEMV_MAX_TOKENS);
         let mut gemv_xs = Vec::with_capacity(Fmt::ALL.len());
+        let mut gemv_id = Vec::with_capacity(Fmt::ALL.len());
         let mut dequant_f32 = Vec::with_capacity(Fmt::ALL.len());
         let mut dequant_f16 = Vec::with_capacity(Fmt::ALL.len());
         for fmt in Fmt::ALL {
@@ -384,6 +387,7 @@ impl MatmulKernels {
             )
             .map_err(|e| BackendError::Unavailable(format!("{MODULE} kernel attribute: {e}")))?;
             gemv_xs.push(xs);
+            gemv_id.push(f(&format!("gemv_id_{}", fmt.name()))?);
             if fmt.is_float() {
                 dequant_f32.push(None);
                 dequant_f16.push(None);
@@ -398,6 +402,7 @@ impl MatmulKernels {
         Ok(MatmulKernels {
             gemv,
             gemv_xs,
+            gemv_id,
             dequant_f32,
             dequant_f16,
             gather: [f("gather_f32")?, f("gather_f16")?, f("gather_bf16")?],

@@ -9,7 +9,9 @@
 //! forms (FLA's WY form for Gated DeltaNet, SSD for Mamba2) are future work.
 
 use cudarc::driver::LaunchConfig;
-use kapitsa_backend::{shape_err, Batch, GdnShape, HeadOrder, Mamba2Shape, Result, Tensor};
+use kapitsa_backend::{
+    shape_err, Batch, GdnConv, GdnShape, HeadOrder, Mamba2Shape, Result, Tensor,
+};
 
 use crate::batch::DevBatch;
 use crate::device::{dev_err, u32_arg};
@@ -113,6 +115,99 @@ impl CudaBackend {
         // uint32_t silu, uint32_t n_slots), grid (channel blocks, sequences): x and out hold
         // n_tokens * C floats, w C * K, bias C, state n_slots * (K - 1) * C; the sequences tile
         // the tokens (prepare_batch) and slots are checked on host and device.
+        unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        Ok(())
+    }
+
+    /// [`kapitsa_backend::Backend::gdn_preamble`] in one launch (kernels/recurrent.cu
+    /// `gdn_preamble_f32`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gdn_preamble_impl(
+        &self,
+        shape: GdnShape,
+        w: &GdnConv<'_>,
+        qkv: &Tensor,
+        conv_state: &mut Tensor,
+        batch: &Batch,
+        beta: &mut Tensor,
+        g: &mut Tensor,
+        qkv_out: [&mut Tensor; 3],
+    ) -> Result<()> {
+        const OP: &str = "gdn_preamble";
+        let db = self.dev_batch(batch, OP)?;
+        let GdnShape {
+            n_k_heads: nk,
+            n_v_heads: nv,
+            dk,
+            dv,
+            ..
+        } = shape;
+        let width = dk.max(dv);
+        if nk == 0 || nv == 0 || dk == 0 || dv == 0 || width > 1024 {
+            return shape_err(OP, format!("{shape:?} (head widths at most 1024)"));
+        }
+        if w.k == 0 || w.k > CONV_MAXK {
+            return shape_err(OP, format!("kernel width {} (1..={CONV_MAXK})", w.k));
+        }
+        let n = db.n_tokens;
+        let (kd, vd) = (nk * dk, nv * dv);
+        let c = 2 * kd + vd;
+        let xb = self.f32_len(qkv, n * c, OP, "qkv")?;
+        let wb = self.f32_len(w.w, c * w.k, OP, "conv weights")?;
+        let dtb = self.f32_len(w.dt_bias, nv, OP, "dt_bias")?;
+        let anb = self.f32_len(w.a_neg, nv, OP, "a_neg")?;
+        let slots = n_slots(OP, conv_state, (w.k - 1) * c, db)?;
+        let sb = self.buf_mut::<f32>(conv_state, OP, "conv_state")?;
+        let bb = self.f32_len_mut(beta, n * nv, OP, "beta")?;
+        let gb = self.f32_len_mut(g, n * nv, OP, "g")?;
+        let [q, k, v] = qkv_out;
+        let qb = self.f32_len_mut(q, n * kd, OP, "q")?;
+        let kb = self.f32_len_mut(k, n * kd, OP, "k")?;
+        let vb = self.f32_len_mut(v, n * vd, OP, "v")?;
+        if n == 0 || db.n_seqs == 0 {
+            return Ok(());
+        }
+        let units = 2 * nk + nv + 1;
+        let (nka, nva, dka, dva, kk, ns, nseq) = (
+            u32_arg(OP, "k heads", nk)?,
+            u32_arg(OP, "v heads", nv)?,
+            u32_arg(OP, "dk", dk)?,
+            u32_arg(OP, "dv", dv)?,
+            u32_arg(OP, "k", w.k)?,
+            u32_arg(OP, "slots", slots)?,
+            u32_arg(OP, "sequences", db.n_seqs)?,
+        );
+        u32_arg(OP, "channels", c)?;
+        if nseq > 65535 {
+            return shape_err(OP, format!("{} sequences (at most 65535)", db.n_seqs));
+        }
+        let qscale = 1.0 / (dk as f32).sqrt();
+        let seqs = db.seqs();
+        let mut b = self.stream.kernel(&self.k.gdn_preamble_f32);
+        b.arg(xb)
+            .arg(wb)
+            .arg(sb)
+            .arg(qb)
+            .arg(kb)
+            .arg(vb)
+            .arg(bb)
+            .arg(gb);
+        b.arg(dtb).arg(anb).arg(&seqs);
+        b.arg(&nka).arg(&nva).arg(&dka).arg(&dva).arg(&kk);
+        b.arg(&w.l2_eps).arg(&qscale).arg(&ns);
+        let cfg = LaunchConfig {
+            grid_dim: (u32_arg(OP, "units", units)?, nseq, 1),
+            block_dim: (32 * width.div_ceil(32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: gdn_preamble_f32(const float* qkv, const float* w, float* state, float* q,
+        // float* k, float* v, float* beta, float* g, const float* dt_bias, const float* a_neg,
+        // const uint32_t* seqs, uint32_t nk, nv, dk, dv, K, float l2_eps, float qscale,
+        // uint32_t n_slots), grid (2 nk + nv + 1 units, sequences), 32 * ceil(max(dk, dv) / 32)
+        // <= 1024 threads: qkv holds n_tokens * C floats (C = 2 nk dk + nv dv), w C * K, state
+        // n_slots * (K - 1) * C, q and k n_tokens * nk * dk, v n_tokens * nv * dv, beta and g
+        // n_tokens * nv, dt_bias and a_neg nv (all checked); K <= CONV_MAXK; the sequences
+        // tile the tokens (prepare_batch) and slots are checked on host and device.
         unsafe { b.launch(cfg) }.map_err(dev_err)?;
         Ok(())
     }

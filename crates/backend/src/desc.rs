@@ -58,6 +58,23 @@ impl GdnShape {
     }
 }
 
+/// The weights of a Gated DeltaNet layer's per-token preamble ([`crate::Backend::gdn_preamble`]),
+/// device tensors: the causal conv over the q | k | v channels and the gate parameters.
+#[derive(Clone, Copy, Debug)]
+pub struct GdnConv<'a> {
+    /// Conv kernel width (taps per channel).
+    pub k: usize,
+    /// Conv weights `[2 * n_k_heads * dk + n_v_heads * dv, k]` (tap `k - 1` multiplies the
+    /// current token).
+    pub w: &'a crate::Tensor,
+    /// `[n_v_heads]`: added to `a` before the softplus.
+    pub dt_bias: &'a crate::Tensor,
+    /// `[n_v_heads]`: `-exp(A_log)`.
+    pub a_neg: &'a crate::Tensor,
+    /// Epsilon of the q/k L2 norms (added to the sum of squares).
+    pub l2_eps: f32,
+}
+
 /// Dimensions of one Mamba2 layer's scan. The state of one sequence is
 /// `[n_heads, head_dim, d_state]` f32.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

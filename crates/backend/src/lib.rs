@@ -30,8 +30,8 @@ pub mod tensor;
 pub mod testing;
 
 pub use desc::{
-    Act, AttnShape, Batch, BatchDesc, Epilogue, Experts, Gating, GdnShape, HeadOrder, KvLayer,
-    Latent, Mamba2Shape, MlpWeights, MoeWeights, Recording, RopeDesc, SeqDesc,
+    Act, AttnShape, Batch, BatchDesc, Epilogue, Experts, Gating, GdnConv, GdnShape, HeadOrder,
+    KvLayer, Latent, Mamba2Shape, MlpWeights, MoeWeights, Recording, RopeDesc, SeqDesc,
 };
 pub use device::{Device, DeviceChoice};
 pub use error::{check_len, shape_err, BackendError, Result};
@@ -308,6 +308,14 @@ pub trait Backend: Send + Sync {
     /// MLPs and the weighted combination all happen inside.
     fn moe(&self, w: &MoeWeights, x: &Tensor, n: usize, out: &mut Tensor) -> Result<()>;
 
+    /// Whether [`Backend::moe`] of `w` over `n` tokens reads results back to the host mid-op
+    /// (routing grouped there); a step containing such an op cannot be recorded. Backends
+    /// that do not record never need to say.
+    fn moe_reads_back(&self, w: &MoeWeights, n: usize) -> bool {
+        let _ = (w, n);
+        false
+    }
+
     // ---- element-wise and row ops --------------------------------------------------------
 
     /// RMSNorm of each `width`-wide row of `x` in place with weight `w[width]`:
@@ -489,6 +497,48 @@ pub trait Backend: Send + Sync {
         batch: &Batch,
         out: &mut Tensor,
     ) -> Result<()>;
+
+    /// A Gated DeltaNet layer's per-token preamble, between its input projections and
+    /// [`Backend::gdn`]: from `qkv [n_tokens, 2 kd + vd]` (kd = n_k_heads * dk, vd =
+    /// n_v_heads * dv; q | k | v columns) the causal conv with SiLU (no bias; `conv_state`
+    /// `[n_slots, w.k - 1, 2 kd + vd]` read and updated as [`Backend::conv1d_causal`] does),
+    /// split into `q, k [n_tokens, kd]` and `v [n_tokens, vd]`, q and k L2-normalised per head
+    /// (eps `w.l2_eps`; q also scaled by `1 / sqrt(dk)`); and the gates in place, `beta`
+    /// and `g` `[n_tokens, n_v_heads]` holding the projections `b` and `a` on entry:
+    /// `beta = sigmoid(b)`, `g = a_neg * softplus(a + dt_bias)` (as [`Backend::gdn_gates`]).
+    /// The default is those five ops, which defines the result; a device backend fuses them.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_preamble(
+        &self,
+        shape: GdnShape,
+        w: &GdnConv<'_>,
+        qkv: &Tensor,
+        conv_state: &mut Tensor,
+        batch: &Batch,
+        beta: &mut Tensor,
+        g: &mut Tensor,
+        qkv_out: [&mut Tensor; 3],
+    ) -> Result<()> {
+        let (kd, vd) = (shape.n_k_heads * shape.dk, shape.n_v_heads * shape.dv);
+        let n = batch.desc().n_tokens();
+        self.gdn_gates(beta, g, w.dt_bias, w.a_neg)?;
+        let mut conv = self.alloc_scratch(DType::F32, n * (2 * kd + vd))?;
+        self.conv1d_causal(
+            qkv,
+            2 * kd + vd,
+            w.k,
+            w.w,
+            None,
+            true,
+            conv_state,
+            batch,
+            &mut conv,
+        )?;
+        let [q, k, v] = qkv_out;
+        self.split_cols(&conv, n, &[kd, kd, vd], &mut [&mut *q, &mut *k, &mut *v])?;
+        self.l2_norm(q, shape.dk, w.l2_eps, 1.0 / (shape.dk as f32).sqrt())?;
+        self.l2_norm(k, shape.dk, w.l2_eps, 1.0)
+    }
 
     /// Mamba2 SSD scan per sequence: `x [n_tokens, H * P]`, `dt [n_tokens, H]` (after
     /// softplus), `a [H]` (`-exp(A_log)`), `b, c [n_tokens, G * N]`, `d [H]`, state

@@ -25,7 +25,7 @@ pub struct SelftestArgs {
     /// Folder of tiny reference checkpoints (each with a `reference.json`).
     #[arg(long, default_value = "tests/fixtures/tiny")]
     fixtures: PathBuf,
-    /// Only checkpoints whose `arch` is in this comma-separated list (empty: all).
+    /// Only checkpoints whose `arch` is in this comma-separated list (`""`: all).
     #[arg(long, default_value = "qwen2,qwen3")]
     archs: String,
     /// Random cases per op.

@@ -115,6 +115,22 @@ impl<'a> KernelArg<'a> for &'a GemvArgs {
     }
 }
 
+/// kernels/matmul.cu `GemvIdArgs`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct GemvIdArgs {
+    ids: u64,
+    rpe: [u64; GEMV_MAX_PARTS],
+    x_div: i32,
+    n_exp: i32,
+}
+
+impl<'a> KernelArg<'a> for &'a GemvIdArgs {
+    fn push_to(self, l: &mut Launch<'a>) {
+        l.push_host((self as *const GemvIdArgs).cast());
+    }
+}
+
 /// One product of a launch: rows `row0 .. row0 + n_rows` of `w` (global row index, experts
 /// stacked) into `y` (`[n_tok, n_rows]`), with an epilogue.
 pub(crate) struct GemvPart<'a, 'y> {
@@ -143,7 +159,137 @@ pub(super) fn ksplit(
     g
 }
 
+/// The routing of an expert-routed GEMV ([`MatmulKernels::gemv_id`]).
+pub(crate) struct GemvRoute<'a> {
+    /// Expert id of each pair `[n_pairs]` (device); ids `>= n_exp` leave the pair's rows
+    /// unwritten.
+    pub(crate) ids: &'a CudaView<'a, u32>,
+    /// Pairs (grid rows).
+    pub(crate) n_pairs: usize,
+    /// Pair q reads x row `q / x_div`.
+    pub(crate) x_div: usize,
+}
+
 impl MatmulKernels {
+    /// The expert-routed GEMV (kernels/matmul.cu `gemv_id_<ty>`): for every pair q,
+    /// `parts[p].y[q, r] = x[q / x_div, :] . W_p[ids[q] * rows_per_expert_p + row0_p + r, :]`
+    /// (or, with `glu`, `silu(gate) * up` into part 0's y). `parts` as in
+    /// [`Self::gemv_parts`], each y `[n_pairs, n_rows]`, its weight a stack of experts
+    /// (`n_experts() > 1` or not: rows per expert are its `n_out`), all of one expert count;
+    /// no epilogues. x `[n_pairs / x_div (rounded up), n_in]`, 16-byte aligned. Views checked
+    /// by the caller.
+    pub(crate) fn gemv_id(
+        &self,
+        stream: &Arc<CudaStream>,
+        parts: &mut [GemvPart<'_, '_>],
+        x: &CudaView<'_, f32>,
+        route: &GemvRoute<'_>,
+        glu: bool,
+    ) -> Result<()> {
+        const OP: &str = "moe";
+        let Some(first) = parts.first() else {
+            return Ok(());
+        };
+        let (fmt, n_in, n_exp) = (first.w.fmt, first.w.n_in, first.w.n_exp);
+        if parts.len() > GEMV_MAX_PARTS
+            || parts
+                .iter()
+                .any(|p| p.w.fmt != fmt || p.w.n_in != n_in || p.w.n_exp != n_exp || !p.w.gemv_ok())
+            || (glu && (parts.len() != 2 || parts[0].n_rows != parts[1].n_rows))
+            || parts.iter().any(|p| p.ep.bias.is_some() || p.ep.accumulate)
+        {
+            return shape_err(
+                OP,
+                "routed GEMV parts of different formats, widths or expert counts",
+            );
+        }
+        if route.n_pairs == 0 {
+            return Ok(());
+        }
+        if route.x_div == 0 || route.ids.len() < route.n_pairs {
+            return shape_err(OP, "routed GEMV: no x divisor or too few ids");
+        }
+        let (xp, _sync) = x.device_ptr(stream);
+        if xp % 16 != 0 {
+            return shape_err(OP, "x must start 16-byte aligned for the GEMV kernels");
+        }
+        let n_chunks = n_in / fmt.chunk();
+        let groups: Vec<usize> = parts.iter().map(|p| p.n_rows.div_ceil(GEMV_ROWS)).collect();
+        // the split as for one token's launch; the pairs multiply the grid
+        let (g, per_block) = if glu {
+            let g = ksplit(groups[0] * route.n_pairs, n_chunks, self.sms, 16, 2);
+            (g, GEMV_WARPS / 2 / g)
+        } else {
+            let total: usize = groups.iter().sum();
+            let g = ksplit(total * route.n_pairs, n_chunks, self.sms, 16, GEMV_WARPS);
+            (g, GEMV_WARPS / g)
+        };
+        let mut args = GemvArgs {
+            n_parts: parts.len() as i32,
+            n_in: i32_arg(OP, "n_in", n_in)?,
+            ksplit: g as i32,
+            flags: if glu { FLAG_GLU } else { 0 },
+            x: xp,
+            ..GemvArgs::default()
+        };
+        let (ids_p, _ids_sync) = route.ids.device_ptr(stream);
+        let mut ida = GemvIdArgs {
+            ids: ids_p,
+            x_div: i32_arg(OP, "top_k", route.x_div)?,
+            n_exp: i32_arg(OP, "experts", n_exp)?,
+            ..GemvIdArgs::default()
+        };
+        let mut blocks = 0usize;
+        for (i, p) in parts.iter_mut().enumerate() {
+            let a = &mut args.part[i];
+            let w = p.w;
+            a.w = w.buf.device_ptr(stream).0;
+            a.off1 = w.off[0];
+            a.off2 = w.off[1];
+            a.off3 = w.off[2];
+            a.stride = w.stride;
+            a.row0 = p.row0 as u64;
+            a.y = p.y.device_ptr_mut(stream).0;
+            a.n_rows = i32_arg(OP, "rows", p.n_rows)?;
+            a.ldy = a.n_rows;
+            a.block0 = i32_arg(OP, "blocks", blocks)?;
+            ida.rpe[i] = w.n_out as u64;
+            if !glu || i == 0 {
+                blocks += groups[i].div_ceil(per_block);
+            }
+        }
+        args.vblocks = i32_arg(OP, "blocks", blocks)?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(blocks).map_err(|_| kapitsa_backend::BackendError::Shape {
+                    op: OP,
+                    msg: format!("{blocks} GEMV blocks"),
+                })?,
+                u32::try_from(route.n_pairs)
+                    .ok()
+                    .filter(|&p| p <= 65_535)
+                    .ok_or_else(|| kapitsa_backend::BackendError::Shape {
+                        op: OP,
+                        msg: format!("{} routed pairs (at most 65535)", route.n_pairs),
+                    })?,
+                1,
+            ),
+            block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.kernel(&self.gemv_id[fmt.id()]);
+        b.arg(&args).arg(&ida);
+        // SAFETY: gemv_id_<ty>(GemvArgs, GemvIdArgs): every part's weight image, plane offsets
+        // and stride come from `upload`; rows row0 + e * n_out + r (r < n_rows, e < n_exp, the
+        // kernel skips other ids) exist when row0 + n_rows <= n_out (the caller's contract);
+        // each y holds n_pairs * n_rows floats, x holds the rows q / x_div < n_pairs / x_div
+        // rounded up (the caller's contract), 16-byte aligned (checked), n_in a multiple of the
+        // chunk (checked); ids hold n_pairs u32 (checked); no bias, no accumulate (checked);
+        // grid (blocks, n_pairs) and ksplit follow the kernel's launch contract.
+        unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        Ok(())
+    }
+
     /// The products `parts` (at most [`GEMV_MAX_PARTS`], one format and `n_in`) of `x`
     /// (`[n_tok, n_in]`) in launches of up to [`GEMV_MAX_TOKENS`] tokens. With `glu`, exactly
     /// two parts (gate, up) of equal row counts without epilogues: part 0's y receives

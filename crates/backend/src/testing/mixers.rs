@@ -117,6 +117,67 @@ pub(super) fn conv1d(s: &mut Suite<'_>) -> R<()> {
     Ok(())
 }
 
+/// `gdn_preamble` (the fused conv + split + L2 norms + gates of a device backend against the
+/// reference's composition of those ops).
+pub(super) fn gdn_preamble(s: &mut Suite<'_>) -> R<()> {
+    const SLOTS: usize = 4;
+    for _ in 0..s.cases {
+        let n_k_heads = s.rng.range(1, 3);
+        let n_v_heads = n_k_heads * s.rng.range(1, 3);
+        let (dk, dv) = (s.rng.range(2, 70), s.rng.range(2, 140));
+        let shape = GdnShape {
+            n_k_heads,
+            n_v_heads,
+            dk,
+            dv,
+            order: HeadOrder::Grouped,
+        };
+        let k = s.rng.range(1, 5);
+        let c = 2 * n_k_heads * dk + n_v_heads * dv;
+        let max_len = s.rng.pick(&[1, 3, 9]);
+        let d = state_batch(s, SLOTS, max_len);
+        let b = s.batch(&d)?;
+        let nt = d.n_tokens();
+        let qkv = s.rand(nt * c, 1.0)?;
+        let w = s.rand(c * k, 0.7)?;
+        let dt_bias = s.rand(n_v_heads, 0.5)?;
+        let a_neg: Vec<f32> = (0..n_v_heads).map(|_| -(0.1 + s.rng.unit())).collect();
+        let a_neg = s.up(&a_neg)?;
+        // projections past the softplus threshold of 20 included
+        let mut gv = s.rng.vals(nt * n_v_heads, 3.0);
+        if let Some(x) = gv.first_mut() {
+            *x = 25.0;
+        }
+        let mut g = s.up(&gv)?;
+        let mut beta = s.rand(nt * n_v_heads, 3.0)?;
+        let mut st = s.rand(SLOTS * k.saturating_sub(1) * c, 1.0)?;
+        let mut q = s.alloc(DType::F32, nt * n_k_heads * dk)?;
+        let mut kk = s.alloc(DType::F32, nt * n_k_heads * dk)?;
+        let mut v = s.alloc(DType::F32, nt * n_v_heads * dv)?;
+        s.both("gdn_preamble", |be, i| {
+            let conv = GdnConv {
+                k,
+                w: &w[i],
+                dt_bias: &dt_bias[i],
+                a_neg: &a_neg[i],
+                l2_eps: 1e-6,
+            };
+            be.gdn_preamble(
+                shape,
+                &conv,
+                &qkv[i],
+                &mut st[i],
+                &b[i],
+                &mut beta[i],
+                &mut g[i],
+                [&mut q[i], &mut kk[i], &mut v[i]],
+            )
+        })?;
+        s.cmp_all("gdn_preamble", s.tol.scan, &[&q, &kk, &v, &st, &beta, &g])?;
+    }
+    Ok(())
+}
+
 /// Unit-norm rows of `w` values (times `scale`), as the model's L2 norm leaves q and k.
 fn unit_rows(rng: &mut Rng, n: usize, w: usize, scale: f32) -> Vec<f32> {
     let mut v = rng.vals(n * w, 1.0);

@@ -28,9 +28,9 @@ use std::fmt;
 use kapitsa_base::GgmlType;
 
 use crate::{
-    Act, AttnShape, Backend, Batch, BatchDesc, DType, Experts, Gating, GdnShape, HeadOrder,
-    HostBytes, HostWeight, KvLayer, Latent, Mamba2Shape, MlpWeights, MoeWeights, RopeDesc, SeqDesc,
-    Tensor, Weight,
+    Act, AttnShape, Backend, Batch, BatchDesc, DType, Experts, Gating, GdnConv, GdnShape,
+    HeadOrder, HostBytes, HostWeight, KvLayer, Latent, Mamba2Shape, MlpWeights, MoeWeights,
+    RopeDesc, SeqDesc, Tensor, Weight,
 };
 
 mod mixers;
@@ -298,6 +298,7 @@ pub fn check_ops_with(
         mixers::attention(&mut s, dt)?;
     }
     mixers::conv1d(&mut s)?;
+    mixers::gdn_preamble(&mut s)?;
     mixers::gdn(&mut s)?;
     mixers::mamba2(&mut s)?;
     argmax(&mut s)?;
@@ -1195,7 +1196,9 @@ fn moe(s: &mut Suite<'_>, sigmoid: bool) -> R<()> {
             Act::Relu2
         };
         let top_k = s.rng.range(1, 4);
-        let n = s.rng.pick(&[1, 2, 3, 4, 5, 8, 12]);
+        // up to 16 tokens a GPU routes each (token, expert) pair on the device; more are
+        // grouped by expert (both forms covered)
+        let n = s.rng.pick(&[1, 2, 3, 4, 5, 8, 12, 20]);
 
         let router = s.rand_weight("router", GgmlType::F32, vec![N_EXP, d], 1.0)?;
         let bias = match sigmoid && s.rng.coin() {

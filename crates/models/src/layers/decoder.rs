@@ -95,8 +95,6 @@ pub struct Decoder {
     out_norm: Tensor,
     /// `None` when tied to the embedding.
     output: Option<kapitsa_backend::Weight>,
-    /// Some block reads results back mid-step (MoE routing): steps are never recorded.
-    host_sync: bool,
     /// Recorded decode steps (layers/recorded.rs). Every forward pass holds this lock from
     /// start to end: passes from several threads (the engine, the embeddings endpoint) must
     /// not interleave their ops on a device backend's one stream, least of all while a step
@@ -201,9 +199,6 @@ impl Decoder {
         };
         let output = p.output.as_ref().map(|o| o.upload(be)).transpose()?;
         let out_norm = be.upload_f32(&p.out_norm)?;
-        let host_sync = blocks
-            .iter()
-            .any(|b| matches!(b.op, DeviceOp::Ffn(DeviceFfn::Moe(_))));
         let spec = ModelSpec {
             arch: p.arch,
             n_vocab,
@@ -223,7 +218,6 @@ impl Decoder {
             blocks,
             out_norm,
             output,
-            host_sync,
             recordings: Mutex::new(Recordings::default()),
         })
     }
@@ -348,14 +342,15 @@ impl Decoder {
         let rows = &batch.logit_rows;
         let width = if hidden { self.n_embd } else { n_vocab };
         let mut data = vec![0f32; rows.len() * width];
-        // Recorded steps are checked on the GPU for attention models only so far; hybrids
-        // (recurrent states) run op by op until that check exists (the hybrid CUDA issue).
+        // A step is recorded unless an op reads back to the host (an MoE routed there).
         let taps = &batch.tap_layers;
         let record = !hidden
             && taps.is_empty()
-            && !self.host_sync
-            && !cache.has_recurrent()
-            && recorded::recordable(be, batch);
+            && recorded::recordable(be, batch)
+            && !self.blocks.iter().any(|b| match &b.op {
+                DeviceOp::Ffn(DeviceFfn::Moe(w)) => be.moe_reads_back(w, batch.n_tokens()),
+                _ => false,
+            });
         let mut done = false;
         if record {
             let table_capacity = if cache.has_kv() {

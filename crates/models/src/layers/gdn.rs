@@ -12,7 +12,7 @@
 //!
 //! References: transformers `Qwen3_5MoeGatedDeltaNet`; llama.cpp `build_layer_attn_linear`.
 
-use kapitsa_backend::{Backend, Epilogue, GdnShape, HeadOrder, Tensor};
+use kapitsa_backend::{Backend, Epilogue, GdnConv, GdnShape, HeadOrder, Tensor};
 
 use crate::layers::{check_matrix, check_vec, tensor, ForwardCtx};
 use crate::{ModelError, RecurrentShape, Result, Weight};
@@ -166,27 +166,29 @@ impl DeviceGdn {
             n,
             &mut [&mut qkv, &mut z, &mut beta, &mut g],
         )?;
-        // beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias) for every token.
-        be.gdn_gates(&mut beta, &mut g, &self.dt_bias, &self.a_neg)?;
-        let mut conv = tensor(be, n * cd)?;
+        // conv + SiLU, split, q/k L2 norms, and the gates beta = sigmoid(b),
+        // g = -exp(A_log) * softplus(a + dt_bias), in one op
         let (conv_state, state) = cx.cache.recurrent_tensors_mut(layer)?;
-        be.conv1d_causal(
-            &qkv,
-            cd,
-            self.conv_k,
-            &self.conv_w,
-            None,
-            true,
-            conv_state,
-            cx.dev_batch,
-            &mut conv,
-        )?;
         let mut q = tensor(be, n * kd)?;
         let mut k = tensor(be, n * kd)?;
         let mut v = tensor(be, n * vd)?;
-        be.split_cols(&conv, n, &[kd, kd, vd], &mut [&mut q, &mut k, &mut v])?;
-        be.l2_norm(&mut q, s.dk, self.l2_eps, 1.0 / (s.dk as f32).sqrt())?;
-        be.l2_norm(&mut k, s.dk, self.l2_eps, 1.0)?;
+        let conv = GdnConv {
+            k: self.conv_k,
+            w: &self.conv_w,
+            dt_bias: &self.dt_bias,
+            a_neg: &self.a_neg,
+            l2_eps: self.l2_eps,
+        };
+        be.gdn_preamble(
+            *s,
+            &conv,
+            &qkv,
+            conv_state,
+            cx.dev_batch,
+            &mut beta,
+            &mut g,
+            [&mut q, &mut k, &mut v],
+        )?;
         let mut o = tensor(be, n * vd)?;
         be.gdn(*s, &q, &k, &v, &g, &beta, state, cx.dev_batch, &mut o)?;
         be.gated_rms_norm(&mut o, &z, s.dv, &self.norm, self.eps)?;
