@@ -70,6 +70,7 @@ fn fast_kernels_match_the_scalar_reference() {
         "conv1d_causal",
         "gdn_preamble",
         "gdn",
+        "mamba2_preamble",
         "mamba2",
         "argmax_rows",
     ] {

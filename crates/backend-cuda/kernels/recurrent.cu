@@ -226,6 +226,90 @@ extern "C" __global__ void __launch_bounds__(32 * GDN_MAX_WARPS)
 
 // ---- Mamba2 --------------------------------------------------------------------------------------------
 
+// The Mamba2 preamble (Backend::mamba2_preamble: split_cols + softplus_bias + conv1d_causal
+// with SiLU + split_cols, in one launch) of sequence blockIdx.y. proj `[n_tokens, di + cd + H]`
+// holds z | xBC | dt (cd = di + 2 gn). Blocks 0 .. ceil(cd / blockDim) - 1: thread channel
+// ch < cd of xBC runs conv1d_causal_f32's arithmetic (same tap order, bias added last) over
+// the sequence's tokens with its window of state `[n_slots, K - 1, cd]` (written back at the
+// end; one owner per channel) into x `[n_tokens, di]`, b or c `[n_tokens, gn]`. The next
+// ceil(di / blockDim) blocks copy z `[n_tokens, di]`; the last one writes
+// dt = softplus(dt + dt_bias[h]) `[n_tokens, H]`.
+extern "C" __global__ void mamba2_preamble_f32(const float* __restrict__ proj, const float* __restrict__ w,
+                                               const float* __restrict__ bias, const float* __restrict__ dt_bias,
+                                               float* __restrict__ state, float* __restrict__ z,
+                                               float* __restrict__ x, float* __restrict__ b, float* __restrict__ c,
+                                               float* __restrict__ dt, const uint32_t* __restrict__ seqs, uint32_t di,
+                                               uint32_t gn, uint32_t nh, uint32_t K, uint32_t n_slots) {
+  pdl_enter();
+  const uint32_t* seq = seqs + blockIdx.y * SEQ_FIELDS;
+  const uint32_t slot = seq[SEQ_SLOT], start = seq[SEQ_START], len = seq[SEQ_LEN];
+  if (slot >= n_slots) return;
+  const uint32_t cd = di + 2 * gn, width = di + cd + nh;
+  const uint32_t conv_blocks = (cd + blockDim.x - 1) / blockDim.x;
+  const uint32_t z_blocks = (di + blockDim.x - 1) / blockDim.x;
+  if (blockIdx.x >= conv_blocks + z_blocks) {
+    for (uint32_t r = 0; r < len; ++r)
+      for (uint32_t h = threadIdx.x; h < nh; h += blockDim.x) {
+        const uint64_t tok = start + r;
+        dt[tok * nh + h] = softplus_f(proj[tok * width + di + cd + h] + dt_bias[h]);
+      }
+    return;
+  }
+  if (blockIdx.x >= conv_blocks) {
+    const uint32_t i = (blockIdx.x - conv_blocks) * blockDim.x + threadIdx.x;
+    if (i >= di) return;
+    for (uint32_t r = 0; r < len; ++r) {
+      const uint64_t tok = start + r;
+      z[tok * di + i] = proj[tok * width + i];
+    }
+    return;
+  }
+  const uint32_t ch = blockIdx.x * blockDim.x + threadIdx.x;
+  if (ch >= cd) return;
+  float* dst;
+  uint32_t col, ldd;
+  if (ch < di) {
+    dst = x;
+    col = ch;
+    ldd = di;
+  } else if (ch < di + gn) {
+    dst = b;
+    col = ch - di;
+    ldd = gn;
+  } else {
+    dst = c;
+    col = ch - di - gn;
+    ldd = gn;
+  }
+  const uint32_t h = K - 1;
+  float* st = state + (uint64_t)slot * h * cd;
+  float win[CONV_MAXK - 1], wt[CONV_MAXK];
+#pragma unroll
+  for (int j = 0; j < CONV_MAXK - 1; ++j) win[j] = j < (int)h ? st[(uint64_t)j * cd + ch] : 0.0f;
+#pragma unroll
+  for (int j = 0; j < CONV_MAXK; ++j) wt[j] = j < (int)K ? w[(uint64_t)ch * K + j] : 0.0f;
+  const float bv = bias ? bias[ch] : 0.0f;
+  for (uint32_t r = 0; r < len; ++r) {
+    const uint64_t tok = start + r;
+    const float xc = proj[tok * width + di + ch];
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < CONV_MAXK - 1; ++j)
+      if (j < (int)h) acc += wt[j] * win[j];
+#pragma unroll
+    for (int j = 0; j < CONV_MAXK; ++j)
+      if (j == (int)h) acc += wt[j] * xc;
+    if (bias) acc += bv;
+    dst[tok * ldd + col] = silu_f(acc);
+#pragma unroll
+    for (int j = 0; j < CONV_MAXK - 1; ++j)
+      if (j < (int)h) win[j] = (j + 1 < (int)h) ? win[j + 1] : xc;
+  }
+#pragma unroll
+  for (int j = 0; j < CONV_MAXK - 1; ++j)
+    if (j < (int)h) st[(uint64_t)j * cd + ch] = win[j];
+}
+
 #define M2_WARPS 4
 #define M2_MAX_NI 8  // d_state <= 256
 

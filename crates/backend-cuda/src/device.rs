@@ -249,7 +249,9 @@ kernel_table! {
         attn_tile_f16_8, attn_tile_f16_16, attn_tile_f16_32,
         attn_tile_q8_0_8, attn_tile_q8_0_16, attn_tile_q8_0_32,
     ],
-    "recurrent" => [conv1d_causal_f32, gdn_preamble_f32, gdn_recurrent_f32, mamba2_recurrent_f32],
+    "recurrent" => [
+        conv1d_causal_f32, gdn_preamble_f32, gdn_recurrent_f32, mamba2_preamble_f32, mamba2_recurrent_f32,
+    ],
     "ffn" => [moe_topk_f32, moe_combine_f32, moe_shared_add_f32],
 }
 

@@ -106,8 +106,8 @@ mod imp {
     use cudarc::driver::{CudaContext, CudaStream};
     use kapitsa_backend::{
         AttnShape, Backend, BackendError, Batch, BatchDesc, DType, Device, Epilogue, GdnConv,
-        GdnShape, HostWeight, KvLayer, Mamba2Shape, MlpWeights, MoeWeights, Recording, Result,
-        RopeDesc, Tensor, Weight,
+        GdnShape, HostWeight, KvLayer, Mamba2Conv, Mamba2Shape, MlpWeights, MoeWeights, Recording,
+        Result, RopeDesc, Tensor, Weight,
     };
 
     use crate::device::{self, dev_err, DeviceInfo, Kernels, KERNELS};
@@ -490,6 +490,18 @@ mod imp {
             out: &mut Tensor,
         ) -> Result<()> {
             self.gdn_impl(shape, q, k, v, g, beta, state, batch, out)
+        }
+
+        fn mamba2_preamble(
+            &self,
+            shape: Mamba2Shape,
+            w: &Mamba2Conv<'_>,
+            proj: &Tensor,
+            conv_state: &mut Tensor,
+            batch: &Batch,
+            outs: [&mut Tensor; 5],
+        ) -> Result<()> {
+            self.mamba2_preamble_impl(shape, w, proj, conv_state, batch, outs)
         }
 
         fn mamba2(

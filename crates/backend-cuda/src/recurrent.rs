@@ -10,7 +10,7 @@
 
 use cudarc::driver::LaunchConfig;
 use kapitsa_backend::{
-    shape_err, Batch, GdnConv, GdnShape, HeadOrder, Mamba2Shape, Result, Tensor,
+    shape_err, Batch, GdnConv, GdnShape, HeadOrder, Mamba2Conv, Mamba2Shape, Result, Tensor,
 };
 
 use crate::batch::DevBatch;
@@ -289,6 +289,92 @@ impl CudaBackend {
         // buffer length was checked against the shape and the batch's token count; slots are
         // checked on host and device.
         unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        Ok(())
+    }
+
+    /// [`kapitsa_backend::Backend::mamba2_preamble`] in one launch (kernels/recurrent.cu
+    /// `mamba2_preamble_f32`).
+    pub(crate) fn mamba2_preamble_impl(
+        &self,
+        shape: Mamba2Shape,
+        w: &Mamba2Conv<'_>,
+        proj: &Tensor,
+        conv_state: &mut Tensor,
+        batch: &Batch,
+        outs: [&mut Tensor; 5],
+    ) -> Result<()> {
+        const OP: &str = "mamba2_preamble";
+        let db = self.dev_batch(batch, OP)?;
+        let (di, nh) = (shape.d_inner(), shape.n_heads);
+        let gn = shape.n_groups * shape.d_state;
+        let cd = di + 2 * gn;
+        if w.k == 0 || w.k > CONV_MAXK {
+            return shape_err(OP, format!("kernel width {} (1..={CONV_MAXK})", w.k));
+        }
+        let n = db.n_tokens;
+        let pb = self.f32_len(proj, n * (di + cd + nh), OP, "proj")?;
+        let wb = self.f32_len(w.w, cd * w.k, OP, "conv weights")?;
+        let bb = match w.bias {
+            Some(b) => Some(self.f32_len(b, cd, OP, "conv bias")?),
+            None => None,
+        };
+        let dtb = self.f32_len(w.dt_bias, nh, OP, "dt_bias")?;
+        let slots = n_slots(OP, conv_state, (w.k - 1) * cd, db)?;
+        let sb = self.buf_mut::<f32>(conv_state, OP, "conv_state")?;
+        let [z, x, b, c, dt] = outs;
+        let zb = self.f32_len_mut(z, n * di, OP, "z")?;
+        let xb = self.f32_len_mut(x, n * di, OP, "x")?;
+        let bmb = self.f32_len_mut(b, n * gn, OP, "b")?;
+        let cmb = self.f32_len_mut(c, n * gn, OP, "c")?;
+        let dtob = self.f32_len_mut(dt, n * nh, OP, "dt")?;
+        if n == 0 || db.n_seqs == 0 {
+            return Ok(());
+        }
+        const THREADS: usize = 128;
+        let blocks = cd.div_ceil(THREADS) + di.div_ceil(THREADS) + 1;
+        let (dia, gna, nha, kk, ns, nseq) = (
+            u32_arg(OP, "d_inner", di)?,
+            u32_arg(OP, "groups * d_state", gn)?,
+            u32_arg(OP, "heads", nh)?,
+            u32_arg(OP, "k", w.k)?,
+            u32_arg(OP, "slots", slots)?,
+            u32_arg(OP, "sequences", db.n_seqs)?,
+        );
+        u32_arg(OP, "proj width", di + cd + nh)?;
+        if nseq > 65535 {
+            return shape_err(OP, format!("{} sequences (at most 65535)", db.n_seqs));
+        }
+        let seqs = db.seqs();
+        let null = 0u64;
+        let mut l = self.stream.kernel(&self.k.mamba2_preamble_f32);
+        l.arg(pb).arg(wb);
+        match bb {
+            Some(bb) => l.arg(bb),
+            None => l.arg(&null),
+        };
+        l.arg(dtb)
+            .arg(sb)
+            .arg(zb)
+            .arg(xb)
+            .arg(bmb)
+            .arg(cmb)
+            .arg(dtob)
+            .arg(&seqs);
+        l.arg(&dia).arg(&gna).arg(&nha).arg(&kk).arg(&ns);
+        let cfg = LaunchConfig {
+            grid_dim: (u32_arg(OP, "blocks", blocks)?, nseq, 1),
+            block_dim: (THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: mamba2_preamble_f32(const float* proj, const float* w, const float* bias (or
+        // null), const float* dt_bias, float* state, float* z, float* x, float* b, float* c,
+        // float* dt, const uint32_t* seqs, uint32_t di, gn, nh, K, n_slots), grid
+        // (ceil(cd / 128) + ceil(di / 128) + 1 blocks, sequences) of 128 threads: proj holds
+        // n_tokens * (di + cd + nh) floats, w cd * K, bias cd, dt_bias nh, state
+        // n_slots * (K - 1) * cd, z and x n_tokens * di, b and c n_tokens * gn, dt
+        // n_tokens * nh (all checked); K <= CONV_MAXK; the sequences tile the tokens and slots
+        // are checked on host and device.
+        unsafe { l.launch(cfg) }.map_err(dev_err)?;
         Ok(())
     }
 

@@ -75,6 +75,21 @@ pub struct GdnConv<'a> {
     pub l2_eps: f32,
 }
 
+/// The weights of a Mamba2 layer's per-token preamble ([`crate::Backend::mamba2_preamble`]),
+/// device tensors.
+#[derive(Clone, Copy, Debug)]
+pub struct Mamba2Conv<'a> {
+    /// Conv kernel width (taps per channel).
+    pub k: usize,
+    /// Conv weights `[H * P + 2 * G * N, k]` over the x | B | C channels (tap `k - 1`
+    /// multiplies the current token).
+    pub w: &'a crate::Tensor,
+    /// Conv bias `[H * P + 2 * G * N]`, if any.
+    pub bias: Option<&'a crate::Tensor>,
+    /// `[H]`: added to the step sizes before the softplus.
+    pub dt_bias: &'a crate::Tensor,
+}
+
 /// Dimensions of one Mamba2 layer's scan. The state of one sequence is
 /// `[n_heads, head_dim, d_state]` f32.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

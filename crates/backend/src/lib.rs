@@ -31,7 +31,7 @@ pub mod testing;
 
 pub use desc::{
     Act, AttnShape, Batch, BatchDesc, Epilogue, Experts, Gating, GdnConv, GdnShape, HeadOrder,
-    KvLayer, Latent, Mamba2Shape, MlpWeights, MoeWeights, Recording, RopeDesc, SeqDesc,
+    KvLayer, Latent, Mamba2Conv, Mamba2Shape, MlpWeights, MoeWeights, Recording, RopeDesc, SeqDesc,
 };
 pub use device::{Device, DeviceChoice};
 pub use error::{check_len, shape_err, BackendError, Result};
@@ -538,6 +538,39 @@ pub trait Backend: Send + Sync {
         self.split_cols(&conv, n, &[kd, kd, vd], &mut [&mut *q, &mut *k, &mut *v])?;
         self.l2_norm(q, shape.dk, w.l2_eps, 1.0 / (shape.dk as f32).sqrt())?;
         self.l2_norm(k, shape.dk, w.l2_eps, 1.0)
+    }
+
+    /// A Mamba2 layer's per-token preamble, between its input projection and
+    /// [`Backend::mamba2`]: `proj [n_tokens, di + cd + H]` (di = H * P, cd = di + 2 G N; the
+    /// z | xBC | dt columns) becomes `z [n_tokens, di]`, the causal conv of xBC with SiLU
+    /// (bias `w.bias`; `conv_state [n_slots, w.k - 1, cd]` read and updated as
+    /// [`Backend::conv1d_causal`] does) split into `x [n_tokens, di]`, `b, c [n_tokens, G N]`,
+    /// and `dt = softplus(dt + dt_bias)` `[n_tokens, H]`. Outputs in the order z, x, b, c, dt.
+    /// The default is those ops (split_cols, softplus_bias, conv1d_causal, split_cols), which
+    /// defines the result; a device backend fuses them.
+    #[allow(clippy::too_many_arguments)]
+    fn mamba2_preamble(
+        &self,
+        shape: Mamba2Shape,
+        w: &Mamba2Conv<'_>,
+        proj: &Tensor,
+        conv_state: &mut Tensor,
+        batch: &Batch,
+        outs: [&mut Tensor; 5],
+    ) -> Result<()> {
+        let (di, nh) = (shape.d_inner(), shape.n_heads);
+        let gn = shape.n_groups * shape.d_state;
+        let cd = di + 2 * gn;
+        let n = batch.desc().n_tokens();
+        let [z, x, b, c, dt] = outs;
+        let mut xbc = self.alloc_scratch(DType::F32, n * cd)?;
+        self.split_cols(proj, n, &[di, cd, nh], &mut [&mut *z, &mut xbc, &mut *dt])?;
+        self.softplus_bias(dt, w.dt_bias)?;
+        let mut conv = self.alloc_scratch(DType::F32, n * cd)?;
+        self.conv1d_causal(
+            &xbc, cd, w.k, w.w, w.bias, true, conv_state, batch, &mut conv,
+        )?;
+        self.split_cols(&conv, n, &[di, gn, gn], &mut [x, b, c])
     }
 
     /// Mamba2 SSD scan per sequence: `x [n_tokens, H * P]`, `dt [n_tokens, H]` (after

@@ -241,6 +241,66 @@ pub(super) fn gdn(s: &mut Suite<'_>) -> R<()> {
     Ok(())
 }
 
+/// `mamba2_preamble` (the fused split + softplus + conv of a device backend against the
+/// reference's composition of those ops).
+pub(super) fn mamba2_preamble(s: &mut Suite<'_>) -> R<()> {
+    const SLOTS: usize = 4;
+    for _ in 0..s.cases {
+        let n_groups = s.rng.range(1, 3);
+        let shape = Mamba2Shape {
+            n_heads: n_groups * s.rng.range(1, 4),
+            head_dim: s.rng.range(1, 40),
+            d_state: s.rng.range(1, 40),
+            n_groups,
+        };
+        let (di, nh) = (shape.d_inner(), shape.n_heads);
+        let gn = n_groups * shape.d_state;
+        let cd = di + 2 * gn;
+        let k = s.rng.range(1, 5);
+        let max_len = s.rng.pick(&[1, 3, 9]);
+        let d = state_batch(s, SLOTS, max_len);
+        let b = s.batch(&d)?;
+        let nt = d.n_tokens();
+        let mut pv = s.rng.vals(nt * (di + cd + nh), 1.0);
+        // a step size past the softplus threshold of 20
+        if let Some(x) = pv.get_mut(di + cd) {
+            *x = 25.0;
+        }
+        let proj = s.up(&pv)?;
+        let w = s.rand(cd * k, 0.7)?;
+        let bias = if s.rng.coin() {
+            Some(s.rand(cd, 0.5)?)
+        } else {
+            None
+        };
+        let dt_bias = s.rand(nh, 0.5)?;
+        let mut st = s.rand(SLOTS * (k - 1) * cd, 1.0)?;
+        let mut z = s.alloc(DType::F32, nt * di)?;
+        let mut x = s.alloc(DType::F32, nt * di)?;
+        let mut bm = s.alloc(DType::F32, nt * gn)?;
+        let mut cm = s.alloc(DType::F32, nt * gn)?;
+        let mut dt = s.alloc(DType::F32, nt * nh)?;
+        s.both("mamba2_preamble", |be, i| {
+            let conv = Mamba2Conv {
+                k,
+                w: &w[i],
+                bias: bias.as_ref().map(|t| &t[i]),
+                dt_bias: &dt_bias[i],
+            };
+            be.mamba2_preamble(
+                shape,
+                &conv,
+                &proj[i],
+                &mut st[i],
+                &b[i],
+                [&mut z[i], &mut x[i], &mut bm[i], &mut cm[i], &mut dt[i]],
+            )
+        })?;
+        s.cmp_all("mamba2_preamble", s.tol.scan, &[&z, &x, &bm, &cm, &dt, &st])?;
+    }
+    Ok(())
+}
+
 pub(super) fn mamba2(s: &mut Suite<'_>) -> R<()> {
     const SLOTS: usize = 4;
     for _ in 0..s.cases {

@@ -10,7 +10,7 @@
 //! References: transformers `NemotronHMamba2Mixer`, `NemotronHRMSNormGated`; llama.cpp
 //! `build_mamba2_layer`.
 
-use kapitsa_backend::{Backend, Epilogue, Mamba2Shape, Tensor};
+use kapitsa_backend::{Backend, Epilogue, Mamba2Conv, Mamba2Shape, Tensor};
 
 use crate::layers::{check_matrix, check_vec, tensor, upload_opt, ForwardCtx};
 use crate::{ModelError, RecurrentShape, Result, Weight};
@@ -146,27 +146,26 @@ impl DeviceMamba2 {
         let mut proj = tensor(be, n * (di + cd + nh))?;
         be.matmul(&self.w_in, h, n, &mut proj)?;
         let mut z = tensor(be, n * di)?;
-        let mut xbc = tensor(be, n * cd)?;
         let mut dt = tensor(be, n * nh)?;
-        be.split_cols(&proj, n, &[di, cd, nh], &mut [&mut z, &mut xbc, &mut dt])?;
-        be.softplus_bias(&mut dt, &self.dt_bias)?;
-        let mut conv = tensor(be, n * cd)?;
-        let (conv_state, state) = cx.cache.recurrent_tensors_mut(layer)?;
-        be.conv1d_causal(
-            &xbc,
-            cd,
-            self.conv_k,
-            &self.conv_w,
-            self.conv_b.as_ref(),
-            true,
-            conv_state,
-            cx.dev_batch,
-            &mut conv,
-        )?;
         let mut x = tensor(be, n * di)?;
         let mut bm = tensor(be, n * gn)?;
         let mut cm = tensor(be, n * gn)?;
-        be.split_cols(&conv, n, &[di, gn, gn], &mut [&mut x, &mut bm, &mut cm])?;
+        let (conv_state, state) = cx.cache.recurrent_tensors_mut(layer)?;
+        // split, softplus(dt + bias), conv + SiLU of xBC and its split, in one op
+        let conv = Mamba2Conv {
+            k: self.conv_k,
+            w: &self.conv_w,
+            bias: self.conv_b.as_ref(),
+            dt_bias: &self.dt_bias,
+        };
+        be.mamba2_preamble(
+            *s,
+            &conv,
+            &proj,
+            conv_state,
+            cx.dev_batch,
+            [&mut z, &mut x, &mut bm, &mut cm, &mut dt],
+        )?;
         let mut y = tensor(be, n * di)?;
         be.mamba2(
             *s,
