@@ -65,6 +65,7 @@ fn fast_kernels_match_the_scalar_reference() {
         "mlp relu2",
         "moe softmax",
         "moe sigmoid",
+        "moe softmax add",
         "kv_write Q8_0",
         "attention F16",
         "conv1d_causal",

@@ -113,18 +113,32 @@ extern "C" __global__ void moe_topk_f32(const float* __restrict__ logits, uint32
   }
 }
 
-// out[t, c] = sum_j w[t, j] * ye[t * k + j, c] (j ascending) for t < n, c < d.
-extern "C" __global__ void moe_combine_f32(const float* __restrict__ ye, const float* __restrict__ w, uint32_t n,
-                                           uint32_t k, uint32_t d, float* __restrict__ out) {
+// The end of an MoE block for token blockIdx.y, columns blockIdx.x * blockDim.x + threadIdx.x:
+// v = sum_j w[t, j] * ye[t * k + j, c] (j ascending; ye `[n * k, d]`, w `[n, k]`), then, when
+// sh `[n, d]` is given, v += g * sh[t, c] with g = sigmoid(x[t, :] . gate) (x `[n, dx]`) when
+// gate is given, else 1; out `[n, d]` = v, or out += v with accumulate (Backend::moe_add).
+// Rounded as the weighted sum, moe_shared_add_f32 and add_f32 one after the other would.
+extern "C" __global__ void moe_finish_f32(const float* __restrict__ ye, const float* __restrict__ w, uint32_t k,
+                                          uint32_t d, const float* __restrict__ sh, const float* __restrict__ x,
+                                          const float* __restrict__ gate, uint32_t dx, uint32_t accumulate,
+                                          float* __restrict__ out) {
   pdl_enter();
-  const uint64_t total = (uint64_t)n * d;
-  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-       i += (uint64_t)gridDim.x * blockDim.x) {
-    const uint64_t t = i / d, c = i % d;
+  __shared__ float scratch[32];
+  const uint64_t t = blockIdx.y;
+  float g = 1.0f;
+  if (sh && gate) {
     float acc = 0.0f;
-    for (uint32_t j = 0; j < k; ++j) acc += w[t * k + j] * ye[(t * k + j) * d + c];
-    out[i] = acc;
+    for (uint32_t i = threadIdx.x; i < dx; i += blockDim.x) acc += x[t * dx + i] * gate[i];
+    acc = block_sum(acc, scratch);
+    g = sigmoid_f(acc);
   }
+  const uint32_t c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= d) return;
+  float v = 0.0f;
+  for (uint32_t j = 0; j < k; ++j) v += w[t * k + j] * ye[(t * k + j) * d + c];
+  if (sh) v += g * sh[t * d + c];
+  float* o = out + t * d + c;
+  *o = accumulate ? *o + v : v;
 }
 
 // Shared expert of token blockIdx.x: out[t, :] += g * sh[t, :], g = sigmoid(x[t, :] . gate)

@@ -252,7 +252,7 @@ kernel_table! {
     "recurrent" => [
         conv1d_causal_f32, gdn_preamble_f32, gdn_recurrent_f32, mamba2_preamble_f32, mamba2_recurrent_f32,
     ],
-    "ffn" => [moe_topk_f32, moe_combine_f32, moe_shared_add_f32],
+    "ffn" => [moe_topk_f32, moe_finish_f32, moe_shared_add_f32],
 }
 
 /// Dynamic shared memory the tiled attention kernels may use (head_dim 256 needs ~84 KB).

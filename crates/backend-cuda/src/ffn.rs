@@ -2,15 +2,16 @@
 //! dense MLP, and the routed mixture of experts; the CUDA twin of the CPU backend's
 //! src/ffn.rs.
 //!
-//! MoE, first version: the router logits are a matmul, the scores and top-k run on the device
-//! (kernels/ffn.cu `moe_topk_f32`), then the `[n, top_k]` expert ids come back to the host
-//! (one synchronisation per MoE layer), which groups the (token, slot) pairs by expert. For
-//! each used expert the pairs' input rows are gathered into a dense buffer, run through that
-//! expert's MLP (the matmul module's products on one expert of the 3-D stacks; fused gate/up
-//! stacks as two row ranges) and scattered into `ye [n * top_k, d]`; `moe_combine_f32` then
-//! sums each token's rows in top-k order with their weights, and `moe_shared_add_f32` adds the
-//! (gated) shared expert. A grouped device-side path without the host round trip
-//! (graph-capturable) is future work.
+//! MoE: the router logits are a matmul, the scores and top-k run on the device
+//! (kernels/ffn.cu `moe_topk_f32`). Up to 16 tokens ([`MOE_ROUTED_MAX_TOKENS`]) the experts run
+//! routed on the device ([`CudaBackend::moe_routed`]: one GEMV launch for every (token, slot)
+//! pair's gate/up with SwiGLU, one for its down projection, the expert rows chosen by the ids
+//! in device memory), so the op never waits for the host and decode steps record. More tokens
+//! take the grouped form ([`CudaBackend::moe_grouped`]): the ids come back to the host (one
+//! synchronisation), which groups the pairs by expert; each used expert's rows are gathered,
+//! run through its MLP and scattered into `ye [n * top_k, d]`. `moe_finish_f32` then sums each
+//! token's rows in top-k order with their weights, adds the (gated) shared expert and, for
+//! `moe_add`, the residual, in one kernel (latent MoE: the sum is projected back up first).
 
 use std::ops::Range;
 
@@ -20,7 +21,7 @@ use kapitsa_backend::{
     Tensor, Weight,
 };
 
-use crate::device::{dev_err, elem_cfg, row_threads, u32_arg};
+use crate::device::{dev_err, row_threads, u32_arg};
 use crate::launch::KernelLaunch;
 use crate::matmul::{fuse_on, CudaWeight, GemvEpilogue, GemvPart, GemvRoute};
 use crate::CudaBackend;
@@ -474,12 +475,14 @@ impl CudaBackend {
         }
     }
 
+    /// `out = moe(x)`, or `out += moe(x)` with `accumulate` (`moe_add`).
     pub(crate) fn moe_impl(
         &self,
         w: &MoeWeights,
         x: &Tensor,
         n: usize,
         out: &mut Tensor,
+        accumulate: bool,
     ) -> Result<()> {
         const OP: &str = "moe";
         let (n_exp, d) = w.router.dims2(OP)?;
@@ -596,35 +599,49 @@ impl CudaBackend {
             self.moe_grouped(&mats, w.act, w.n_ff, n, k, xe, &ids, &mut ye)?;
         }
 
-        // weighted sum in top-k order, projected back from the latent space
-        let mut routed_lat = match latent {
-            Some(_) => Some(self.scratch::<f32>(n * de)?),
+        // the shared expert's output (gated per token by the final kernel)
+        let sh = match &shared {
+            Some((m, n_ff, act)) => {
+                let mut sh = self.scratch::<f32>(n * d)?;
+                self.mlp_dev(m, *act, *n_ff, n, xb, &mut sh)?;
+                Some(sh)
+            }
             None => None,
         };
-        {
-            let dst: &mut CudaSlice<f32> = match routed_lat.as_mut() {
-                Some(r) => r,
-                None => &mut *ob,
+        let Some((_, up, _)) = &latent else {
+            // weighted sum in top-k order, the gated shared expert and the residual add in
+            // one kernel
+            let fin = MoeFinish {
+                sh: sh.as_ref(),
+                x: xb,
+                gate: sgate,
+                accumulate,
             };
-            let dea = u32_arg(OP, "width", de)?;
-            let mut b = self.stream.kernel(&self.k.moe_combine_f32);
-            b.arg(&ye).arg(&wts).arg(&nt).arg(&ka).arg(&dea).arg(dst);
-            // SAFETY: moe_combine_f32(const float* ye, const float* w, uint32_t n, uint32_t k,
-            // uint32_t d, float* out): ye holds n * k * d floats (every row written by the
-            // scatters: each pair belongs to exactly one expert), w n * k, out n * d.
-            unsafe { b.launch(elem_cfg(n as u64 * de as u64)) }.map_err(dev_err)?;
-        }
-        if let (Some((_, up, _)), Some(rl)) = (&latent, routed_lat.as_ref()) {
-            self.matmul_dev(up, rl, n, ob)?;
-        }
-
-        // the shared expert, gated per token
-        if let Some((m, n_ff, act)) = shared {
-            let mut sh = self.scratch::<f32>(n * d)?;
-            self.mlp_dev(&m, act, n_ff, n, xb, &mut sh)?;
+            return self.moe_finish(&ye, &wts, n, k, d, &fin, ob);
+        };
+        // the weighted sum in the latent space, projected back up; then the shared expert
+        let mut routed_lat = self.scratch::<f32>(n * de)?;
+        let plain = MoeFinish {
+            sh: None,
+            x: xb,
+            gate: None,
+            accumulate: false,
+        };
+        self.moe_finish(&ye, &wts, n, k, de, &plain, &mut routed_lat)?;
+        let mut sum = if accumulate {
+            Some(self.scratch::<f32>(n * d)?)
+        } else {
+            None
+        };
+        let dst: &mut CudaSlice<f32> = match sum.as_mut() {
+            Some(s) => s,
+            None => &mut *ob,
+        };
+        self.matmul_dev(up, &routed_lat, n, dst)?;
+        if let Some(sh) = &sh {
             let da = u32_arg(OP, "width", d)?;
             let mut b = self.stream.kernel(&self.k.moe_shared_add_f32);
-            b.arg(&mut *ob).arg(&sh).arg(xb);
+            b.arg(&mut *dst).arg(sh).arg(xb);
             match sgate {
                 Some(g) => b.arg(g),
                 None => b.arg(&null),
@@ -640,8 +657,73 @@ impl CudaBackend {
             // sh and x hold n * d floats, gate d.
             unsafe { b.launch(cfg) }.map_err(dev_err)?;
         }
+        if let Some(s) = &sum {
+            self.add_dev(ob, s, n * d)?;
+        }
         Ok(())
     }
+
+    /// `out [n, d]` (= or +=, `fin.accumulate`) the weighted sum of `ye [n * k, d]` with `w
+    /// [n, k]` plus the gated shared expert of `fin` (kernels/ffn.cu `moe_finish_f32`).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_finish(
+        &self,
+        ye: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        n: usize,
+        k: usize,
+        d: usize,
+        fin: &MoeFinish<'_>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        const OP: &str = "moe";
+        if n == 0 || d == 0 {
+            return Ok(());
+        }
+        const THREADS: usize = 256;
+        let (ka, da, acc) = (
+            u32_arg(OP, "top_k", k)?,
+            u32_arg(OP, "width", d)?,
+            u32::from(fin.accumulate),
+        );
+        let null = 0u64;
+        let mut b = self.stream.kernel(&self.k.moe_finish_f32);
+        b.arg(ye).arg(w).arg(&ka).arg(&da);
+        match fin.sh {
+            Some(s) => b.arg(s),
+            None => b.arg(&null),
+        };
+        b.arg(fin.x);
+        match fin.gate {
+            Some(g) => b.arg(g),
+            None => b.arg(&null),
+        };
+        b.arg(&da).arg(&acc).arg(out);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32_arg(OP, "column blocks", d.div_ceil(THREADS))?,
+                u32::try_from(n)
+                    .ok()
+                    .filter(|&v| v <= 65_535)
+                    .ok_or_else(|| BackendError::Shape {
+                        op: OP,
+                        msg: format!("{n} tokens (at most 65535)"),
+                    })?,
+                1,
+            ),
+            block_dim: (THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: moe_finish_f32(const float* ye, const float* w, uint32_t k, uint32_t d,
+        // const float* sh (or null), const float* x, const float* gate (or null), uint32_t dx,
+        // uint32_t accumulate, float* out), grid (ceil(d / 256), n): ye holds n * k * d floats
+        // (every pair's row written by the expert products), w n * k, sh and out n * d, x
+        // n * d (dx = d: the shared expert's input is the block's input), gate d (callers'
+        // buffers of those sizes).
+        unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        Ok(())
+    }
+
     /// Whether `moe` of `w` over `n` tokens reads the routing back (see
     /// [`kapitsa_backend::Backend::moe_reads_back`]): not where the routed form takes it.
     pub(crate) fn moe_reads_back_impl(&self, w: &MoeWeights, n: usize) -> bool {
@@ -815,6 +897,15 @@ impl CudaBackend {
         }
         Ok(())
     }
+}
+
+/// The tail of [`CudaBackend::moe_finish`]: the shared expert's output `[n, d]` and its gate
+/// (`[d]`, over the block input `x [n, d]`), and whether to add into the output.
+struct MoeFinish<'a> {
+    sh: Option<&'a CudaSlice<f32>>,
+    x: &'a CudaSlice<f32>,
+    gate: Option<&'a CudaSlice<f32>>,
+    accumulate: bool,
 }
 
 /// Largest token count whose MoE runs routed on the device ([`CudaBackend::moe_routed`]):

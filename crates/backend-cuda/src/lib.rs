@@ -307,7 +307,11 @@ mod imp {
         }
 
         fn moe(&self, w: &MoeWeights, x: &Tensor, n: usize, out: &mut Tensor) -> Result<()> {
-            self.moe_impl(w, x, n, out)
+            self.moe_impl(w, x, n, out, false)
+        }
+
+        fn moe_add(&self, w: &MoeWeights, x: &Tensor, n: usize, y: &mut Tensor) -> Result<()> {
+            self.moe_impl(w, x, n, y, true)
         }
 
         fn moe_reads_back(&self, w: &MoeWeights, n: usize) -> bool {

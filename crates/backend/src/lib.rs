@@ -308,6 +308,14 @@ pub trait Backend: Send + Sync {
     /// MLPs and the weighted combination all happen inside.
     fn moe(&self, w: &MoeWeights, x: &Tensor, n: usize, out: &mut Tensor) -> Result<()>;
 
+    /// `y += moe(x)` (a residual MoE block; see [`Backend::moe`]). The default computes the
+    /// MoE into scratch and adds it, which defines the result.
+    fn moe_add(&self, w: &MoeWeights, x: &Tensor, n: usize, y: &mut Tensor) -> Result<()> {
+        let mut t = self.alloc_scratch(DType::F32, y.len())?;
+        self.moe(w, x, n, &mut t)?;
+        self.add(y, &t)
+    }
+
     /// Whether [`Backend::moe`] of `w` over `n` tokens reads results back to the host mid-op
     /// (routing grouped there); a step containing such an op cannot be recorded. Backends
     /// that do not record never need to say.

@@ -509,8 +509,7 @@ impl MtpDrafter {
         self.attn.output_add(be, &mut att, gate.as_ref(), 1, u)?;
         let mut hn = tensor(be, d)?;
         be.rms_norm_to(u, &mut hn, d, &self.ffn_norm, self.eps)?;
-        let mut scratch = tensor(be, d)?;
-        self.ffn.forward_add(be, &hn, 1, u, &mut scratch)?;
+        self.ffn.forward_add(be, &hn, 1, u)?;
         let mut out = tensor(be, d)?;
         be.rms_norm_to(u, &mut out, d, &self.head_norm, self.eps)?;
         Ok(out)

@@ -1289,6 +1289,10 @@ fn moe(s: &mut Suite<'_>, sigmoid: bool) -> R<()> {
         let mut out = s.alloc(DType::F32, n * d)?;
         s.both("moe", |be, i| be.moe(&w[i], &x[i], n, &mut out[i]))?;
         s.cmp(name, s.tol.ffn, &out)?;
+        // the residual form: y += moe(x)
+        let mut y = s.rand(n * d, 1.0)?;
+        s.both("moe_add", |be, i| be.moe_add(&w[i], &x[i], n, &mut y[i]))?;
+        s.cmp(&format!("{name} add"), s.tol.ffn, &y)?;
     }
     Ok(())
 }

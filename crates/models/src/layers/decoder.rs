@@ -474,7 +474,6 @@ impl Decoder {
         let mut x = tensor(be, n * d)?;
         be.embed(&self.tok_embd, dev_batch, &mut x)?;
         let mut h = tensor(be, n * d)?;
-        let mut o = tensor(be, n * d)?;
         let mut cx = ForwardCtx {
             be,
             batch,
@@ -488,7 +487,7 @@ impl Decoder {
                 DeviceOp::Attention(a) => a.forward(&mut cx, b.layer, &h, &mut x)?,
                 DeviceOp::Gdn(g) => g.forward(&mut cx, b.layer, &h, &mut x)?,
                 DeviceOp::Mamba2(m) => m.forward(&mut cx, b.layer, &h, &mut x)?,
-                DeviceOp::Ffn(f) => f.forward_add(be, &h, n, &mut x, &mut o)?,
+                DeviceOp::Ffn(f) => f.forward_add(be, &h, n, &mut x)?,
             }
             // after the last block of a layer, x is that layer's output
             let layer_done = self

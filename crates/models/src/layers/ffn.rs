@@ -325,22 +325,17 @@ impl DeviceFfn {
         Ok(())
     }
 
-    /// `y[n, d] += ffn(h[n, d])` (the residual stream); `scratch` `[n, d]` holds the MoE's
-    /// output before it is added.
+    /// `y[n, d] += ffn(h[n, d])` (the residual stream).
     pub fn forward_add(
         &self,
         be: &dyn Backend,
         h: &Tensor,
         n: usize,
         y: &mut Tensor,
-        scratch: &mut Tensor,
     ) -> Result<()> {
         match self {
             DeviceFfn::Mlp(m) => be.mlp_add(m, h, n, y)?,
-            DeviceFfn::Moe(m) => {
-                be.moe(m, h, n, scratch)?;
-                be.add(y, scratch)?;
-            }
+            DeviceFfn::Moe(m) => be.moe_add(m, h, n, y)?,
         }
         Ok(())
     }
