@@ -93,6 +93,8 @@ pub(super) struct Engine {
     step_cost: crate::spec::cost::StepCost,
     /// Seconds per proposal of each drafter (moving averages; for auto mode).
     proposer_secs: HashMap<crate::spec::Proposer, f64>,
+    /// Every request's acceptance per proposer: where a new request's controller starts.
+    spec_priors: crate::spec::AcceptancePriors,
 }
 
 impl Engine {
@@ -173,6 +175,7 @@ impl Engine {
             suffix: SuffixIndex::new(suffix_cap),
             spec_default_on: cfg.spec.mode != crate::spec::SpecMode::Off,
             step_cost: crate::spec::cost::StepCost::new(),
+            spec_priors: crate::spec::AcceptancePriors::default(),
             proposer_secs: HashMap::new(),
             model,
             tok,
@@ -269,9 +272,12 @@ impl Engine {
                     announce,
                     sampler,
                     constraint,
-                    spec,
+                    mut spec,
                     tx,
                 } = *s;
+                if let Some(st) = &mut spec {
+                    st.seed(&self.spec_priors);
+                }
                 if let Err(e) = self.sched.add(id, req.prompt.clone(), req.max_tokens) {
                     self.shared.queued.fetch_sub(1, Ordering::SeqCst);
                     let _ = tx.send(Event::Error(e.to_string()));
@@ -602,6 +608,12 @@ impl Engine {
                 if s.n_draft > 0 {
                     if let Some(st) = &mut a.spec {
                         if let Some(p) = st.in_flight.take() {
+                            self.spec_priors.observe(
+                                p,
+                                st.in_flight_match(),
+                                s.n_draft,
+                                v.accepted,
+                            );
                             st.observe(p, s.n_draft, v.accepted, self.metrics.steps);
                             self.metrics.spec.record(p, s.n_draft, v.accepted);
                         }

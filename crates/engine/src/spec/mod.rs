@@ -288,6 +288,14 @@ const PRIOR_ROUNDS: f64 = 2.0;
 const PRIOR_ACCEPTANCE: f64 = 0.6;
 /// Weight an older round keeps at each new one in a [`Gate`].
 const GATE_DECAY: f64 = 0.8;
+/// Weight an older round keeps at each new one in the engine-wide [`AcceptancePriors`]
+/// (slower: they summarise many requests).
+const PRIORS_DECAY: f64 = 0.97;
+/// Rounds the engine-wide priors must have seen before a new request starts from them.
+const PRIORS_MIN_ROUNDS: f64 = 4.0;
+/// Lowest acceptance a new request starts from (so a proposer that did poorly for earlier
+/// requests is still tried, briefly, on a new one whose text may suit it).
+const PRIORS_FLOOR: f64 = 0.3;
 
 /// Running per-token acceptance of one proposer for one request, and its pause.
 ///
@@ -348,6 +356,66 @@ impl Gate {
 
     fn open(&self, step: u64) -> bool {
         step >= self.paused_until
+    }
+
+    /// Start from acceptance `p` (weight [`PRIOR_ROUNDS`]) instead of [`PRIOR_ACCEPTANCE`].
+    fn start_at(&mut self, p: f64) {
+        self.accepted = PRIOR_ROUNDS * p;
+        self.rejected = PRIOR_ROUNDS * (1.0 - p);
+    }
+}
+
+/// Decayed acceptance counts of one proposer (or n-gram class) over every request of an
+/// engine (the same per-token model as [`Gate`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct Tally {
+    accepted: f64,
+    rejected: f64,
+    rounds: f64,
+}
+
+impl Tally {
+    fn add(&mut self, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        let accepted = accepted.min(drafted);
+        self.accepted = PRIORS_DECAY * self.accepted + accepted as f64;
+        self.rejected = PRIORS_DECAY * self.rejected + f64::from(u8::from(accepted < drafted));
+        self.rounds = PRIORS_DECAY * self.rounds + 1.0;
+    }
+
+    /// The acceptance a new request starts from, once enough rounds were seen.
+    fn prior(&self) -> Option<f64> {
+        (self.rounds >= PRIORS_MIN_ROUNDS && self.accepted + self.rejected > 0.0).then(|| {
+            (self.accepted / (self.accepted + self.rejected)).clamp(PRIORS_FLOOR, PRIOR_ACCEPTANCE)
+        })
+    }
+}
+
+/// Engine-wide per-token acceptance of each proposer (n-gram per match-length class), from
+/// every request's verified rounds. A new request's controller starts from these
+/// ([`SpecState::seed`]) rather than from the hopeful [`PRIOR_ACCEPTANCE`], so a workload
+/// where a proposer rarely lands (free generation for n-gram) does not pay a round of failed
+/// proposals at the start of every request; never above the hopeful start and never below
+/// [`PRIORS_FLOOR`].
+#[derive(Debug, Clone, Default)]
+pub struct AcceptancePriors {
+    ngram: [Tally; NGRAM_BUCKETS],
+    draft: Tally,
+    dflash: Tally,
+    mtp: Tally,
+}
+
+impl AcceptancePriors {
+    /// Learn from a verified round of `p` (after an n-gram match of `match_len` tokens).
+    pub fn observe(&mut self, p: Proposer, match_len: usize, drafted: usize, accepted: usize) {
+        match p {
+            Proposer::Ngram => self.ngram[ngram_bucket(match_len)].add(drafted, accepted),
+            Proposer::Draft => self.draft.add(drafted, accepted),
+            Proposer::Dflash => self.dflash.add(drafted, accepted),
+            Proposer::Mtp => self.mtp.add(drafted, accepted),
+        }
     }
 }
 
@@ -423,6 +491,30 @@ impl SpecState {
             mtp: Gate::default(),
             in_flight: None,
         }
+    }
+
+    /// Start every gate from the engine-wide acceptance where it has enough rounds
+    /// ([`AcceptancePriors`]). Called once, when the engine admits the request.
+    pub fn seed(&mut self, priors: &AcceptancePriors) {
+        for (g, t) in self.ngram.iter_mut().zip(&priors.ngram) {
+            if let Some(p) = t.prior() {
+                g.start_at(p);
+            }
+        }
+        for (g, t) in [
+            (&mut self.draft, &priors.draft),
+            (&mut self.dflash, &priors.dflash),
+            (&mut self.mtp, &priors.mtp),
+        ] {
+            if let Some(p) = t.prior() {
+                g.start_at(p);
+            }
+        }
+    }
+
+    /// Match length of the n-gram proposals in flight (0 for the drafters).
+    pub fn in_flight_match(&self) -> usize {
+        self.ngram_match
     }
 
     /// The request's mode.
@@ -547,6 +639,41 @@ impl SpecState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn new_requests_start_from_the_engine_wide_acceptance() {
+        let mut priors = AcceptancePriors::default();
+        let mut s = SpecState::new(SpecMode::Auto, 8);
+        // too few rounds seen: the hopeful start
+        priors.observe(Proposer::Ngram, 2, 4, 0);
+        s.seed(&priors);
+        assert!((s.acceptance(Proposer::Ngram, 2) - PRIOR_ACCEPTANCE).abs() < 1e-12);
+        // many failed rounds after short matches: a new request starts low (at the floor),
+        // other classes and proposers unchanged
+        for _ in 0..20 {
+            priors.observe(Proposer::Ngram, 2, 4, 0);
+        }
+        let mut s = SpecState::new(SpecMode::Auto, 8);
+        s.seed(&priors);
+        assert!((s.acceptance(Proposer::Ngram, 2) - PRIORS_FLOOR).abs() < 1e-12);
+        assert!((s.acceptance(Proposer::Ngram, 9) - PRIOR_ACCEPTANCE).abs() < 1e-12);
+        assert!((s.acceptance(Proposer::Draft, 0) - PRIOR_ACCEPTANCE).abs() < 1e-12);
+        // middling acceptance is taken as it is; never above the hopeful start
+        let mut priors = AcceptancePriors::default();
+        for _ in 0..20 {
+            priors.observe(Proposer::Mtp, 0, 4, 1);
+        }
+        let mut s = SpecState::new(SpecMode::Auto, 8);
+        s.seed(&priors);
+        let a = s.acceptance(Proposer::Mtp, 0);
+        assert!(a > PRIORS_FLOOR && a < PRIOR_ACCEPTANCE, "{a}");
+        for _ in 0..100 {
+            priors.observe(Proposer::Mtp, 0, 4, 4);
+        }
+        let mut s = SpecState::new(SpecMode::Auto, 8);
+        s.seed(&priors);
+        assert!((s.acceptance(Proposer::Mtp, 0) - PRIOR_ACCEPTANCE).abs() < 1e-12);
+    }
 
     const NONE: Drafters = Drafters {
         model: false,
