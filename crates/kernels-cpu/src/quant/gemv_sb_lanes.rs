@@ -36,12 +36,20 @@ use super::gemv_sb::GemvMultiFn;
 /// count it should take (below it `gemv_sb`'s multi-token kernel is as fast: the repack costs
 /// about a token's worth; Q6_K's, which also assembles the 6-bit quants, more), or `None`.
 /// Same contract as [`GemvMultiFn`]; callers use it only where the super-block order applies
-/// (`SimdLevel::Avx512Vnni` and up, which imply the AVX-512 VNNI features it needs).
+/// (`SimdLevel::Avx512Vnni` and up, which imply the AVX-512 VNNI features it needs). Both
+/// kernels compute every output with the same operations, so the threshold never changes
+/// results.
+///
+/// Q4_K's threshold depends on the CPU: on AMD (Zen 4, whose 512-bit shuffles the repack
+/// leans on run at half rate) a 4-token pass of the 1.5B cost 2.25 one-token steps with
+/// this kernel and 1.76 with `gemv_sb`'s, 8 tokens 3.22 against 3.87 (`kapitsa bench
+/// --verify-cost`, 2 threads), so it starts at 6 there; 4 elsewhere (measured on the AMX
+/// Xeon, where the crossover is lower).
 pub(crate) fn kernel(ty: GgmlType) -> Option<(GemvMultiFn, usize)> {
     #[cfg(target_arch = "x86_64")]
     {
         match ty {
-            GgmlType::Q4_K => Some((imp::multi::<false>, 4)),
+            GgmlType::Q4_K => Some((imp::multi::<false>, if is_amd() { 6 } else { 4 })),
             GgmlType::Q6_K => Some((imp::multi::<true>, 6)),
             _ => None,
         }
@@ -51,6 +59,20 @@ pub(crate) fn kernel(ty: GgmlType) -> Option<(GemvMultiFn, usize)> {
         let _ = ty;
         None
     }
+}
+
+/// Whether the CPU's vendor is AMD (CPUID leaf 0), read once.
+#[cfg(target_arch = "x86_64")]
+fn is_amd() -> bool {
+    static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AMD.get_or_init(|| {
+        let r = std::arch::x86_64::__cpuid(0);
+        let mut v = [0u8; 12];
+        v[0..4].copy_from_slice(&r.ebx.to_le_bytes());
+        v[4..8].copy_from_slice(&r.edx.to_le_bytes());
+        v[8..12].copy_from_slice(&r.ecx.to_le_bytes());
+        &v == b"AuthenticAMD"
+    })
 }
 
 /// Vectors of one super-block's record: 64 quad vectors, 16 i32 scale vectors (Q4_K: 8),
