@@ -12,6 +12,46 @@
 
 #define CONV_MAXK 8
 
+// One causal conv channel's window: the last K - 1 inputs (oldest first) and the K taps,
+// shared by conv1d_causal_f32 and the preamble kernels so all compute the same sums.
+struct ConvChannel {
+  float win[CONV_MAXK - 1], wt[CONV_MAXK];
+  int h;  // K - 1
+
+  // Channel ch of state `[.., K - 1, C]` at st and of weights `[C, K]`; zeros where !ok.
+  __device__ __forceinline__ void load(const float* st, const float* w, uint32_t ch, uint32_t C, uint32_t K,
+                                       bool ok) {
+    h = (int)K - 1;
+#pragma unroll
+    for (int j = 0; j < CONV_MAXK - 1; ++j) win[j] = (ok && j < h) ? st[(uint64_t)j * C + ch] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < CONV_MAXK; ++j) wt[j] = (ok && j < (int)K) ? w[(uint64_t)ch * K + j] : 0.0f;
+  }
+
+  // sum_j w[j] xin[j] over the window then the current input xc (tap K - 1), in ascending j;
+  // then xc enters the window.
+  __device__ __forceinline__ float step(float xc) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < CONV_MAXK - 1; ++j)
+      if (j < h) acc += wt[j] * win[j];
+#pragma unroll
+    for (int j = 0; j < CONV_MAXK; ++j)
+      if (j == h) acc += wt[j] * xc;
+#pragma unroll
+    for (int j = 0; j < CONV_MAXK - 1; ++j)
+      if (j < h) win[j] = (j + 1 < h) ? win[j + 1] : xc;
+    return acc;
+  }
+
+  // The window back into the state.
+  __device__ __forceinline__ void store(float* st, uint32_t ch, uint32_t C) const {
+#pragma unroll
+    for (int j = 0; j < CONV_MAXK - 1; ++j)
+      if (j < h) st[(uint64_t)j * C + ch] = win[j];
+  }
+};
+
 // Depthwise causal conv of channel blockIdx.x * blockDim.x + threadIdx.x of sequence
 // blockIdx.y: x, out `[n_tokens, C]`, w `[C, K]` (tap K-1 multiplies the current token), bias
 // `[C]` or null, state `[n_slots, K-1, C]` (oldest row first), read and updated to the last
@@ -26,34 +66,17 @@ extern "C" __global__ void conv1d_causal_f32(const float* __restrict__ x, const 
   const uint32_t* seq = seqs + blockIdx.y * SEQ_FIELDS;
   const uint32_t slot = seq[SEQ_SLOT], start = seq[SEQ_START], len = seq[SEQ_LEN];
   if (slot >= n_slots) return;
-  const uint32_t h = K - 1;
-  float* st = state + (uint64_t)slot * h * C;
-  float win[CONV_MAXK - 1], wt[CONV_MAXK];
-#pragma unroll
-  for (int j = 0; j < CONV_MAXK - 1; ++j) win[j] = j < (int)h ? st[(uint64_t)j * C + ch] : 0.0f;
-#pragma unroll
-  for (int j = 0; j < CONV_MAXK; ++j) wt[j] = j < (int)K ? w[(uint64_t)ch * K + j] : 0.0f;
+  float* st = state + (uint64_t)slot * (K - 1) * C;
+  ConvChannel cc;
+  cc.load(st, w, ch, C, K, true);
   const float b = bias ? bias[ch] : 0.0f;
   for (uint32_t r = 0; r < len; ++r) {
     const uint64_t io = (uint64_t)(start + r) * C + ch;
-    const float xc = x[io];
-    float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < CONV_MAXK - 1; ++j)
-      if (j < (int)h) acc += wt[j] * win[j];
-    // the current token's tap is K - 1
-#pragma unroll
-    for (int j = 0; j < CONV_MAXK; ++j)
-      if (j == (int)h) acc += wt[j] * xc;
+    float acc = cc.step(x[io]);
     if (bias) acc += b;
     out[io] = silu ? silu_f(acc) : acc;
-#pragma unroll
-    for (int j = 0; j < CONV_MAXK - 1; ++j)
-      if (j < (int)h) win[j] = (j + 1 < (int)h) ? win[j + 1] : xc;
   }
-#pragma unroll
-  for (int j = 0; j < CONV_MAXK - 1; ++j)
-    if (j < (int)h) st[(uint64_t)j * C + ch] = win[j];
+  cc.store(st, ch, C);
 }
 
 // ---- Gated DeltaNet ---------------------------------------------------------------------------------
@@ -109,27 +132,12 @@ extern "C" __global__ void __launch_bounds__(1024)
     ldd = kd;
   }
   const float scale = u < nk ? qscale : 1.0f;
-  const uint32_t h = K - 1;
-  float* st = state + (uint64_t)slot * h * C;
-  float win[CONV_MAXK - 1], wt[CONV_MAXK];
-#pragma unroll
-  for (int j = 0; j < CONV_MAXK - 1; ++j) win[j] = (ok && j < (int)h) ? st[(uint64_t)j * C + ch] : 0.0f;
-#pragma unroll
-  for (int j = 0; j < CONV_MAXK; ++j) wt[j] = (ok && j < (int)K) ? w[(uint64_t)ch * K + j] : 0.0f;
+  float* st = state + (uint64_t)slot * (K - 1) * C;
+  ConvChannel cc;
+  cc.load(st, w, ch, C, K, ok);
   for (uint32_t r = 0; r < len; ++r) {
     const uint64_t tok = start + r;
-    const float xc = ok ? qkv[tok * C + ch] : 0.0f;
-    float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < CONV_MAXK - 1; ++j)
-      if (j < (int)h) acc += wt[j] * win[j];
-#pragma unroll
-    for (int j = 0; j < CONV_MAXK; ++j)
-      if (j == (int)h) acc += wt[j] * xc;
-    const float y = silu_f(acc);
-#pragma unroll
-    for (int j = 0; j < CONV_MAXK - 1; ++j)
-      if (j < (int)h) win[j] = (j + 1 < (int)h) ? win[j + 1] : xc;
+    const float y = silu_f(cc.step(ok ? qkv[tok * C + ch] : 0.0f));
     if (is_v) {
       if (ok) dst[tok * ldd + t] = y;
     } else {
@@ -138,90 +146,7 @@ extern "C" __global__ void __launch_bounds__(1024)
       if (ok) dst[tok * ldd + t] = y * f;
     }
   }
-  if (ok) {
-#pragma unroll
-    for (int j = 0; j < CONV_MAXK - 1; ++j)
-      if (j < (int)h) st[(uint64_t)j * C + ch] = win[j];
-  }
-}
-
-#define GDN_MAX_WARPS 8  // dk <= 256
-
-// Gated DeltaNet recurrence of sequence blockIdx.z, value head blockIdx.y, state columns
-// 32 blockIdx.x .. +32 (lane = column). Warp w holds rows 32 w .. 32 w + 31 of those columns
-// (blockDim = 32 * ceil(dk / 32)). Per token: S = S exp(g); kv = S^T k; d = beta (v - kv);
-// S += k d^T; o = S^T q. q, k `[n_tokens, n_k_heads * dk]`, v `[n_tokens, n_v_heads * dv]`,
-// g, beta `[n_tokens, n_v_heads]`, state `[n_slots, n_v_heads, dk, dv]`, out
-// `[n_tokens, n_v_heads * dv]`. order: 0 grouped (kh = h / (n_v / n_k)), 1 tiled (h % n_k).
-extern "C" __global__ void __launch_bounds__(32 * GDN_MAX_WARPS)
-    gdn_recurrent_f32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                      const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
-                      float* __restrict__ out, const uint32_t* __restrict__ seqs, uint32_t n_k_heads,
-                      uint32_t n_v_heads, uint32_t dk, uint32_t dv, uint32_t order, uint32_t n_slots) {
-  pdl_enter();
-  __shared__ float qs[32 * GDN_MAX_WARPS], ks[32 * GDN_MAX_WARPS];
-  __shared__ float red[GDN_MAX_WARPS][32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n_warps = blockDim.x >> 5;
-  const uint32_t h = blockIdx.y;
-  const uint32_t j = blockIdx.x * 32 + lane;
-  const bool col_ok = j < dv;
-  const uint32_t* seq = seqs + blockIdx.z * SEQ_FIELDS;
-  const uint32_t slot = seq[SEQ_SLOT], start = seq[SEQ_START], len = seq[SEQ_LEN];
-  if (slot >= n_slots) return;  // uniform across the block
-  const uint32_t kh = order == 0 ? h / (n_v_heads / n_k_heads) : h % n_k_heads;
-  float* sh = state + ((uint64_t)slot * n_v_heads + h) * dk * dv;
-
-  float s[32];
-#pragma unroll
-  for (int r = 0; r < 32; ++r) {
-    const uint32_t i = warp * 32 + r;
-    s[r] = (col_ok && i < dk) ? sh[(uint64_t)i * dv + j] : 0.0f;
-  }
-  for (uint32_t tt = 0; tt < len; ++tt) {
-    const uint64_t tok = start + tt;
-    for (uint32_t i = threadIdx.x; i < 32u * n_warps; i += blockDim.x) {
-      const bool ok = i < dk;
-      qs[i] = ok ? q[(tok * n_k_heads + kh) * dk + i] : 0.0f;
-      ks[i] = ok ? k[(tok * n_k_heads + kh) * dk + i] : 0.0f;
-    }
-    __syncthreads();
-    const float decay = expf(g[tok * n_v_heads + h]);
-    const float b = beta[tok * n_v_heads + h];
-    const float vj = col_ok ? v[(tok * n_v_heads + h) * dv + j] : 0.0f;
-    float part = 0.0f;
-#pragma unroll
-    for (int r = 0; r < 32; ++r) {
-      s[r] *= decay;
-      part += s[r] * ks[warp * 32 + r];
-    }
-    red[warp][lane] = part;
-    __syncthreads();
-    float kv = 0.0f;
-    for (int w = 0; w < n_warps; ++w) kv += red[w][lane];
-    const float d = b * (vj - kv);
-    float po = 0.0f;
-#pragma unroll
-    for (int r = 0; r < 32; ++r) {
-      s[r] += ks[warp * 32 + r] * d;
-      po += s[r] * qs[warp * 32 + r];
-    }
-    __syncthreads();  // every thread has read red (kv)
-    red[warp][lane] = po;
-    __syncthreads();
-    if (warp == 0 && col_ok) {
-      float o = 0.0f;
-      for (int w = 0; w < n_warps; ++w) o += red[w][lane];
-      out[(tok * n_v_heads + h) * dv + j] = o;
-    }
-    // the next token's qs/ks writes come after every thread passed the syncs above, and warp
-    // 0's reads of red finish before the next write of red (behind the next first sync)
-  }
-#pragma unroll
-  for (int r = 0; r < 32; ++r) {
-    const uint32_t i = warp * 32 + r;
-    if (col_ok && i < dk) sh[(uint64_t)i * dv + j] = s[r];
-  }
+  if (ok) cc.store(st, ch, C);
 }
 
 // ---- Mamba2 --------------------------------------------------------------------------------------------
@@ -281,33 +206,17 @@ extern "C" __global__ void mamba2_preamble_f32(const float* __restrict__ proj, c
     col = ch - di - gn;
     ldd = gn;
   }
-  const uint32_t h = K - 1;
-  float* st = state + (uint64_t)slot * h * cd;
-  float win[CONV_MAXK - 1], wt[CONV_MAXK];
-#pragma unroll
-  for (int j = 0; j < CONV_MAXK - 1; ++j) win[j] = j < (int)h ? st[(uint64_t)j * cd + ch] : 0.0f;
-#pragma unroll
-  for (int j = 0; j < CONV_MAXK; ++j) wt[j] = j < (int)K ? w[(uint64_t)ch * K + j] : 0.0f;
+  float* st = state + (uint64_t)slot * (K - 1) * cd;
+  ConvChannel cc;
+  cc.load(st, w, ch, cd, K, true);
   const float bv = bias ? bias[ch] : 0.0f;
   for (uint32_t r = 0; r < len; ++r) {
     const uint64_t tok = start + r;
-    const float xc = proj[tok * width + di + ch];
-    float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < CONV_MAXK - 1; ++j)
-      if (j < (int)h) acc += wt[j] * win[j];
-#pragma unroll
-    for (int j = 0; j < CONV_MAXK; ++j)
-      if (j == (int)h) acc += wt[j] * xc;
+    float acc = cc.step(proj[tok * width + di + ch]);
     if (bias) acc += bv;
     dst[tok * ldd + col] = silu_f(acc);
-#pragma unroll
-    for (int j = 0; j < CONV_MAXK - 1; ++j)
-      if (j < (int)h) win[j] = (j + 1 < (int)h) ? win[j + 1] : xc;
   }
-#pragma unroll
-  for (int j = 0; j < CONV_MAXK - 1; ++j)
-    if (j < (int)h) st[(uint64_t)j * cd + ch] = win[j];
+  cc.store(st, ch, cd);
 }
 
 #define M2_WARPS 4

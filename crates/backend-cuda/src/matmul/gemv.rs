@@ -95,6 +95,34 @@ struct PartArgs {
     block0: i32,
 }
 
+impl PartArgs {
+    /// The kernel's view of part `p`: its weight image, rows, y from token `t0` (row stride
+    /// `n_rows`), epilogue, and its first block `block0`.
+    fn of(
+        op: &'static str,
+        stream: &Arc<CudaStream>,
+        p: &mut GemvPart<'_, '_>,
+        t0: usize,
+        block0: usize,
+    ) -> Result<PartArgs> {
+        let w = p.w;
+        Ok(PartArgs {
+            w: w.buf.device_ptr(stream).0,
+            off1: w.off[0],
+            off2: w.off[1],
+            off3: w.off[2],
+            stride: w.stride,
+            row0: p.row0 as u64,
+            y: p.y.device_ptr_mut(stream).0 + (t0 * p.n_rows * 4) as u64,
+            bias: p.ep.bias.map_or(0, |b| b.device_ptr(stream).0),
+            n_rows: i32_arg(op, "rows", p.n_rows)?,
+            ldy: i32_arg(op, "rows", p.n_rows)?,
+            accumulate: i32::from(p.ep.accumulate),
+            block0: i32_arg(op, "blocks", block0)?,
+        })
+    }
+}
+
 /// kernels/matmul.cu `GemvArgs`.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -241,19 +269,8 @@ impl MatmulKernels {
         };
         let mut blocks = 0usize;
         for (i, p) in parts.iter_mut().enumerate() {
-            let a = &mut args.part[i];
-            let w = p.w;
-            a.w = w.buf.device_ptr(stream).0;
-            a.off1 = w.off[0];
-            a.off2 = w.off[1];
-            a.off3 = w.off[2];
-            a.stride = w.stride;
-            a.row0 = p.row0 as u64;
-            a.y = p.y.device_ptr_mut(stream).0;
-            a.n_rows = i32_arg(OP, "rows", p.n_rows)?;
-            a.ldy = a.n_rows;
-            a.block0 = i32_arg(OP, "blocks", blocks)?;
-            ida.rpe[i] = w.n_out as u64;
+            args.part[i] = PartArgs::of(OP, stream, p, 0, blocks)?;
+            ida.rpe[i] = p.w.n_out as u64;
             if !glu || i == 0 {
                 blocks += groups[i].div_ceil(per_block);
             }
@@ -346,20 +363,7 @@ impl MatmulKernels {
             };
             let mut blocks = 0usize;
             for (i, p) in parts.iter_mut().enumerate() {
-                let a = &mut args.part[i];
-                let w = p.w;
-                a.w = w.buf.device_ptr(stream).0;
-                a.off1 = w.off[0];
-                a.off2 = w.off[1];
-                a.off3 = w.off[2];
-                a.stride = w.stride;
-                a.row0 = p.row0 as u64;
-                a.y = p.y.device_ptr_mut(stream).0 + (t0 * p.n_rows * 4) as u64;
-                a.bias = p.ep.bias.map_or(0, |b| b.device_ptr(stream).0);
-                a.n_rows = i32_arg(OP, "rows", p.n_rows)?;
-                a.ldy = a.n_rows;
-                a.accumulate = i32::from(p.ep.accumulate);
-                a.block0 = i32_arg(OP, "blocks", blocks)?;
+                args.part[i] = PartArgs::of(OP, stream, p, t0, blocks)?;
                 if !glu || i == 0 {
                     blocks += groups[i].div_ceil(per_block);
                 }
