@@ -342,11 +342,19 @@ impl Decoder {
         let rows = &batch.logit_rows;
         let width = if hidden { self.n_embd } else { n_vocab };
         let mut data = vec![0f32; rows.len() * width];
-        // A step is recorded unless an op reads back to the host (an MoE routed there).
+        // A step is recorded unless an op reads back to the host (an MoE routed there), and,
+        // until a GPU run of scripts/test-gpu.sh has checked their replays, only for models
+        // without recurrent layers and MoE blocks (`recorded::hybrids_on`).
         let taps = &batch.tap_layers;
+        let has_moe = || {
+            self.blocks
+                .iter()
+                .any(|b| matches!(b.op, DeviceOp::Ffn(DeviceFfn::Moe(_))))
+        };
         let record = !hidden
             && taps.is_empty()
             && recorded::recordable(be, batch)
+            && (recorded::hybrids_on() || (!cache.has_recurrent() && !has_moe()))
             && !self.blocks.iter().any(|b| match &b.op {
                 DeviceOp::Ffn(DeviceFfn::Moe(w)) => be.moe_reads_back(w, batch.n_tokens()),
                 _ => false,
