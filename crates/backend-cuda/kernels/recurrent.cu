@@ -149,6 +149,85 @@ extern "C" __global__ void __launch_bounds__(1024)
   if (ok) cc.store(st, ch, C);
 }
 
+#define GDN_MAX_WARPS 8  // dk <= 256
+
+// Gated DeltaNet recurrence of sequence blockIdx.z, value head blockIdx.y, state columns
+// 32 blockIdx.x .. +32 (lane = column). Warp w holds rows 32 w .. 32 w + 31 of those columns
+// (blockDim = 32 * ceil(dk / 32)). Per token: S = S exp(g); kv = S^T k; d = beta (v - kv);
+// S += k d^T; o = S^T q. q, k `[n_tokens, n_k_heads * dk]`, v `[n_tokens, n_v_heads * dv]`,
+// g, beta `[n_tokens, n_v_heads]`, state `[n_slots, n_v_heads, dk, dv]`, out
+// `[n_tokens, n_v_heads * dv]`. order: 0 grouped (kh = h / (n_v / n_k)), 1 tiled (h % n_k).
+extern "C" __global__ void __launch_bounds__(32 * GDN_MAX_WARPS)
+    gdn_recurrent_f32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                      const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
+                      float* __restrict__ out, const uint32_t* __restrict__ seqs, uint32_t n_k_heads,
+                      uint32_t n_v_heads, uint32_t dk, uint32_t dv, uint32_t order, uint32_t n_slots) {
+  pdl_enter();
+  __shared__ float qs[32 * GDN_MAX_WARPS], ks[32 * GDN_MAX_WARPS];
+  __shared__ float red[GDN_MAX_WARPS][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n_warps = blockDim.x >> 5;
+  const uint32_t h = blockIdx.y;
+  const uint32_t j = blockIdx.x * 32 + lane;
+  const bool col_ok = j < dv;
+  const uint32_t* seq = seqs + blockIdx.z * SEQ_FIELDS;
+  const uint32_t slot = seq[SEQ_SLOT], start = seq[SEQ_START], len = seq[SEQ_LEN];
+  if (slot >= n_slots) return;  // uniform across the block
+  const uint32_t kh = order == 0 ? h / (n_v_heads / n_k_heads) : h % n_k_heads;
+  float* sh = state + ((uint64_t)slot * n_v_heads + h) * dk * dv;
+
+  float s[32];
+#pragma unroll
+  for (int r = 0; r < 32; ++r) {
+    const uint32_t i = warp * 32 + r;
+    s[r] = (col_ok && i < dk) ? sh[(uint64_t)i * dv + j] : 0.0f;
+  }
+  for (uint32_t tt = 0; tt < len; ++tt) {
+    const uint64_t tok = start + tt;
+    for (uint32_t i = threadIdx.x; i < 32u * n_warps; i += blockDim.x) {
+      const bool ok = i < dk;
+      qs[i] = ok ? q[(tok * n_k_heads + kh) * dk + i] : 0.0f;
+      ks[i] = ok ? k[(tok * n_k_heads + kh) * dk + i] : 0.0f;
+    }
+    __syncthreads();
+    const float decay = expf(g[tok * n_v_heads + h]);
+    const float b = beta[tok * n_v_heads + h];
+    const float vj = col_ok ? v[(tok * n_v_heads + h) * dv + j] : 0.0f;
+    float part = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 32; ++r) {
+      s[r] *= decay;
+      part += s[r] * ks[warp * 32 + r];
+    }
+    red[warp][lane] = part;
+    __syncthreads();
+    float kv = 0.0f;
+    for (int w = 0; w < n_warps; ++w) kv += red[w][lane];
+    const float d = b * (vj - kv);
+    float po = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 32; ++r) {
+      s[r] += ks[warp * 32 + r] * d;
+      po += s[r] * qs[warp * 32 + r];
+    }
+    __syncthreads();  // every thread has read red (kv)
+    red[warp][lane] = po;
+    __syncthreads();
+    if (warp == 0 && col_ok) {
+      float o = 0.0f;
+      for (int w = 0; w < n_warps; ++w) o += red[w][lane];
+      out[(tok * n_v_heads + h) * dv + j] = o;
+    }
+    // the next token's qs/ks writes come after every thread passed the syncs above, and warp
+    // 0's reads of red finish before the next write of red (behind the next first sync)
+  }
+#pragma unroll
+  for (int r = 0; r < 32; ++r) {
+    const uint32_t i = warp * 32 + r;
+    if (col_ok && i < dk) sh[(uint64_t)i * dv + j] = s[r];
+  }
+}
+
 // ---- Mamba2 --------------------------------------------------------------------------------------------
 
 // The Mamba2 preamble (Backend::mamba2_preamble: split_cols + softplus_bias + conv1d_causal
