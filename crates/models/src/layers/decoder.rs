@@ -342,9 +342,8 @@ impl Decoder {
         let rows = &batch.logit_rows;
         let width = if hidden { self.n_embd } else { n_vocab };
         let mut data = vec![0f32; rows.len() * width];
-        // A step is recorded unless an op reads back to the host (an MoE routed there), and,
-        // until a GPU run of scripts/test-gpu.sh has checked their replays, only for models
-        // without recurrent layers and MoE blocks (`recorded::hybrids_on`).
+        // A step is recorded unless an op reads back to the host (an MoE routed there); for
+        // models with recurrent layers or MoE blocks unless `recorded::hybrids_on` is off.
         let taps = &batch.tap_layers;
         let has_moe = || {
             self.blocks
