@@ -398,12 +398,14 @@ impl CudaBackend {
         self.mlp_dev_ep(&mats, w.act, n_ff, n, xb, ob, accumulate)
     }
 
-    /// The per-expert matrices of `w.experts` for expert inputs/outputs of width `de`.
+    /// The matrices of experts `which` of `w.experts` for expert inputs/outputs of width `de`
+    /// (every expert's weights are checked, whichever are built).
     fn expert_mats<'a>(
         &self,
         w: &'a MoeWeights,
         de: usize,
         op: &'static str,
+        which: Range<usize>,
     ) -> Result<Vec<ExpertMats<'a>>> {
         let n_exp = w.n_expert();
         let i = w.n_ff;
@@ -439,7 +441,7 @@ impl CudaBackend {
                     Some(g) => Some(stack(g, i, de)?),
                     None => None,
                 };
-                Ok((0..n_exp)
+                Ok(which
                     .map(|e| ExpertMats {
                         gate: gate.map(|g| mat(g, e, 0..i)),
                         up: mat(up, e, 0..i),
@@ -450,7 +452,7 @@ impl CudaBackend {
             Experts::FusedGateUp { gate_up, down } => {
                 let gu = stack(gate_up, 2 * i, de)?;
                 let down = stack(down, de, i)?;
-                Ok((0..n_exp)
+                Ok(which
                     .map(|e| ExpertMats {
                         gate: Some(mat(gu, e, 0..i)),
                         up: mat(gu, e, i..2 * i),
@@ -462,7 +464,12 @@ impl CudaBackend {
                 if v.len() != n_exp {
                     return shape_err(op, format!("{} experts for a router of {n_exp}", v.len()));
                 }
-                v.iter()
+                v.get(which.clone())
+                    .ok_or_else(|| BackendError::Shape {
+                        op,
+                        msg: format!("experts {which:?} of {n_exp}"),
+                    })?
+                    .iter()
                     .map(|m| {
                         let (mats, n_in, n_ff, n_out) = self.mlp_mats(m, op)?;
                         if (n_in, n_ff, n_out) != (de, i, de) {
@@ -473,6 +480,28 @@ impl CudaBackend {
                     .collect()
             }
         }
+    }
+
+    /// Expert 0's matrices when the routed form takes `w` (its experts are stacks of all
+    /// experts whose rows the GEMV kernels take: the kernel adds `expert id * rows per
+    /// expert`; per-expert uploads cannot be indexed so), else `None`. Shape errors as in
+    /// [`Self::expert_mats`].
+    fn routed_mats<'a>(
+        &self,
+        w: &'a MoeWeights,
+        de: usize,
+        op: &'static str,
+    ) -> Result<Option<ExpertMats<'a>>> {
+        if matches!(w.experts, Experts::PerExpert(_)) || w.n_expert() < 2 {
+            return Ok(None);
+        }
+        // (expert_mats checked that the stacks hold every expert)
+        Ok(self.expert_mats(w, de, op, 0..1)?.pop().filter(|m| {
+            [Some(&m.up), Some(&m.down), m.gate.as_ref()]
+                .into_iter()
+                .flatten()
+                .all(|x| x.w.gemv_ok())
+        }))
     }
 
     /// `out = moe(x)`, or `out += moe(x)` with `accumulate` (`moe_add`).
@@ -510,7 +539,15 @@ impl CudaBackend {
             None => None,
         };
         let de = latent.as_ref().map_or(d, |l| l.2);
-        let mats = self.expert_mats(w, de, OP)?;
+        // the routed form's matrices, or every expert's for the grouped form
+        let routed = match n <= MOE_ROUTED_MAX_TOKENS && routed_on() {
+            true => self.routed_mats(w, de, OP)?,
+            false => None,
+        };
+        let grouped = match routed {
+            Some(_) => Vec::new(),
+            None => self.expert_mats(w, de, OP, 0..w.n_expert())?,
+        };
         let shared = match &w.shared {
             Some(s) => {
                 let (m, n_in, n_ff, n_out) = self.mlp_mats(s, OP)?;
@@ -593,10 +630,9 @@ impl CudaBackend {
         };
         let xe = x_lat.as_ref().unwrap_or(xb);
         let mut ye = self.scratch::<f32>(n * k * de)?;
-        if n <= MOE_ROUTED_MAX_TOKENS && routed_on() && routed_stacks(&mats) {
-            self.moe_routed(&mats[0], w.act, w.n_ff, n, k, xe, &ids, &mut ye)?;
-        } else {
-            self.moe_grouped(&mats, w.act, w.n_ff, n, k, xe, &ids, &mut ye)?;
+        match &routed {
+            Some(m) => self.moe_routed(m, w.act, w.n_ff, n, k, xe, &ids, &mut ye)?,
+            None => self.moe_grouped(&grouped, w.act, w.n_ff, n, k, xe, &ids, &mut ye)?,
         }
 
         // the shared expert's output (gated per token by the final kernel)
@@ -741,15 +777,12 @@ impl CudaBackend {
                 Err(_) => return true,
             },
         };
-        match self.expert_mats(w, de, OP) {
-            Ok(mats) => !routed_stacks(&mats),
-            Err(_) => true,
-        }
+        !matches!(self.routed_mats(w, de, OP), Ok(Some(_)))
     }
 
     /// The routed experts on the device (kernels/matmul.cu `gemv_id_<ty>`): pair
     /// q = t * k + j runs expert `ids[q]`'s MLP on `xe` row t into `ye` row q. `m` is any
-    /// expert's matrices of stacks that [`routed_stacks`] accepted (the kernel adds
+    /// expert's matrices of stacks that [`Self::routed_mats`] accepted (the kernel adds
     /// `ids[q] * rows per expert`). `xe [n, de]`, `ids [n * k]`, `ye [n * k, de]` (device).
     #[allow(clippy::too_many_arguments)]
     fn moe_routed(
@@ -918,17 +951,5 @@ const MOE_ROUTED_MAX_TOKENS: usize = 16;
 /// Whether the routed form is on (`KAPITSA_MOE_ROUTED=0` turns it off, for measurements).
 fn routed_on() -> bool {
     static CELL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *CELL.get_or_init(|| std::env::var("KAPITSA_MOE_ROUTED").map_or(true, |v| v != "0"))
-}
-
-/// Whether the experts' matrices are stacks of all experts the GEMV kernels take (the
-/// routed form indexes rows by expert id; per-expert uploads cannot be).
-fn routed_stacks(mats: &[ExpertMats<'_>]) -> bool {
-    let n_exp = mats.len();
-    mats.first().is_some_and(|m| {
-        [Some(&m.up), Some(&m.down), m.gate.as_ref()]
-            .into_iter()
-            .flatten()
-            .all(|x| x.w.n_experts() == n_exp && n_exp > 1 && x.w.gemv_ok())
-    })
+    crate::matmul::switch("KAPITSA_MOE_ROUTED", &CELL)
 }

@@ -50,7 +50,7 @@ use crate::device::dev_err;
 use crate::launch::KernelLaunch;
 
 mod gemv;
-pub(crate) use gemv::{fuse_on, GemvPart, GemvRoute, GEMV_MAX_PARTS};
+pub(crate) use gemv::{fuse_on, switch, GemvPart, GemvRoute, GEMV_MAX_PARTS};
 
 /// The GEMV kernels' epilogue: a bias added to every row, accumulation into `y`.
 #[derive(Clone, Copy, Default)]

@@ -48,6 +48,14 @@ fn n_slots(op: &'static str, state: &Tensor, per: usize, db: &DevBatch) -> Resul
     Ok(n)
 }
 
+/// The batch's sequence count as a grid dimension (y or z: at most 65535), or a shape error.
+fn grid_seqs(op: &'static str, db: &DevBatch) -> Result<u32> {
+    match u32::try_from(db.n_seqs) {
+        Ok(n) if n <= 65_535 => Ok(n),
+        _ => shape_err(op, format!("{} sequences (at most 65535)", db.n_seqs)),
+    }
+}
+
 impl CudaBackend {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn conv1d_causal_impl(
@@ -85,11 +93,8 @@ impl CudaBackend {
             u32_arg(OP, "k", k)?,
             u32::from(silu),
             u32_arg(OP, "slots", slots)?,
-            u32_arg(OP, "sequences", db.n_seqs)?,
+            grid_seqs(OP, db)?,
         );
-        if nseq > 65535 {
-            return shape_err(OP, format!("{} sequences (at most 65535)", db.n_seqs));
-        }
         let seqs = db.seqs();
         let null = 0u64;
         let mut b = self.stream.kernel(&self.k.conv1d_causal_f32);
@@ -175,12 +180,9 @@ impl CudaBackend {
             u32_arg(OP, "dv", dv)?,
             u32_arg(OP, "k", w.k)?,
             u32_arg(OP, "slots", slots)?,
-            u32_arg(OP, "sequences", db.n_seqs)?,
+            grid_seqs(OP, db)?,
         );
         u32_arg(OP, "channels", c)?;
-        if nseq > 65535 {
-            return shape_err(OP, format!("{} sequences (at most 65535)", db.n_seqs));
-        }
         let qscale = 1.0 / (dk as f32).sqrt();
         let seqs = db.seqs();
         let mut b = self.stream.kernel(&self.k.gdn_preamble_f32);
@@ -259,13 +261,10 @@ impl CudaBackend {
                 HeadOrder::Tiled => 1u32,
             },
             u32_arg(OP, "slots", slots)?,
-            u32_arg(OP, "sequences", db.n_seqs)?,
+            grid_seqs(OP, db)?,
         );
-        if nva > 65535 || nseq > 65535 {
-            return shape_err(
-                OP,
-                format!("{nv} heads, {} sequences (at most 65535)", db.n_seqs),
-            );
+        if nva > 65535 {
+            return shape_err(OP, format!("{nv} heads (at most 65535)"));
         }
         let seqs = db.seqs();
         let mut b = self.stream.kernel(&self.k.gdn_recurrent_f32);
@@ -338,12 +337,9 @@ impl CudaBackend {
             u32_arg(OP, "heads", nh)?,
             u32_arg(OP, "k", w.k)?,
             u32_arg(OP, "slots", slots)?,
-            u32_arg(OP, "sequences", db.n_seqs)?,
+            grid_seqs(OP, db)?,
         );
         u32_arg(OP, "proj width", di + cd + nh)?;
-        if nseq > 65535 {
-            return shape_err(OP, format!("{} sequences (at most 65535)", db.n_seqs));
-        }
         let seqs = db.seqs();
         let null = 0u64;
         let mut l = self.stream.kernel(&self.k.mamba2_preamble_f32);
@@ -422,13 +418,10 @@ impl CudaBackend {
             u32_arg(OP, "d_state", ns_)?,
             u32_arg(OP, "groups", g)?,
             u32_arg(OP, "slots", slots)?,
-            u32_arg(OP, "sequences", db.n_seqs)?,
+            grid_seqs(OP, db)?,
         );
-        if ha > 65535 || nseq > 65535 {
-            return shape_err(
-                OP,
-                format!("{h} heads, {} sequences (at most 65535)", db.n_seqs),
-            );
+        if ha > 65535 {
+            return shape_err(OP, format!("{h} heads (at most 65535)"));
         }
         let seqs = db.seqs();
         let mut b = self.stream.kernel(&self.k.mamba2_recurrent_f32);

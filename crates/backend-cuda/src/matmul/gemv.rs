@@ -33,8 +33,8 @@ pub(crate) const GEMV_MAX_PARTS: usize = 3;
 const FLAG_PREFETCH: i32 = 1;
 const FLAG_GLU: i32 = 2;
 
-/// Whether an environment switch is on (anything but `0`; unset: on).
-fn switch(name: &str, cell: &'static OnceLock<bool>) -> bool {
+/// Whether an environment switch is on (anything but `0`; unset: on), read once into `cell`.
+pub(crate) fn switch(name: &str, cell: &'static OnceLock<bool>) -> bool {
     *cell.get_or_init(|| std::env::var(name).map_or(true, |v| v != "0"))
 }
 
