@@ -32,6 +32,13 @@
 //!   multi-token row-group GEMVs (`quant::gemv_sb`, and from 4 (Q4_K) or 6 (Q6_K) tokens the
 //!   rows-in-lanes `quant::gemv_sb_lanes`), which read each weight block from memory once
 //!   for all the tokens (before the GEMMs and the per-row dot kernels).
+//! * Prefill batches (more than [`GEMV_MULTI_MAX_TOKENS`]) of Q4_K and Q6_K at
+//!   [`SimdLevel::Avx512Vnni`] (and at [`SimdLevel::Amx`] below [`AMX_MIN_TOKENS`]): the
+//!   same rounds on the rows-in-lanes kernel, all tokens in one call per row chunk (it repacks
+//!   a 16-row panel once per 256 tokens). It replaced the AVX-512 GEMM (`kern_k_sb`) there:
+//!   measured on an AMD EPYC (Zen 4, 2 threads) 1.5x on the 1.5B's Q4_K/Q6_K shapes at 512
+//!   tokens (`examples/gemm_bench`), pp512 of the whole 1.5B 1.5x. `KAPITSA_LANES_GEMM=0`
+//!   turns it off (for A/B runs).
 //!
 //! At a given level every one of these paths computes each output with the same operation
 //! sequence, so a sequence's results never depend on how many tokens share its pass
@@ -270,10 +277,11 @@ pub fn matmul_many_with(
     check_len(OP, "outputs", ws.len(), ys.len())?;
     // One token, or a few where every matrix has the multi-token row-group GEMV: one round
     // of batched GEMVs for all the matrices.
-    let few = n_tok <= GEMV_MULTI_MAX_TOKENS
-        && ws
-            .iter()
-            .all(|w| DotKernel::with_level(w.dtype, level).is_ok_and(|k| k.has_gemv_multi()));
+    let few = ws.iter().all(|w| {
+        DotKernel::with_level(w.dtype, level).is_ok_and(|k| {
+            n_tok <= GEMV_MULTI_MAX_TOKENS && k.has_gemv_multi() || lanes_gemm(&k, n_tok)
+        })
+    });
     if n_tok == 1 || few {
         return gemv_batch_with(level, pool, ws, &vec![x; ws.len()], ys);
     }
@@ -408,12 +416,31 @@ pub fn gemv_batch_with(
                 let xrb = quant::row_bytes(OP, kernel.dot_type(), w.n_in)?;
                 // (The tile GEMM quantises its own input.)
                 let mut q = vec![0u8; if tile { 0 } else { xrb * m }];
-                if xrb > 0 {
-                    for (xr, qr) in x.chunks_exact(w.n_in).zip(q.chunks_exact_mut(xrb)) {
-                        quant::act::quantize_act(kernel.dot_type(), xr, qr);
-                        if gemv {
-                            kernel.prepare_gemv(qr);
+                let quantize = |xr: &[f32], qr: &mut [u8]| {
+                    quant::act::quantize_act(kernel.dot_type(), xr, qr);
+                    if gemv {
+                        kernel.prepare_gemv(qr);
+                    }
+                };
+                if xrb > 0 && m >= QUANT_PARALLEL_MIN_TOKENS && pool.n_threads() > 1 {
+                    // A prefill batch: its rows quantised in parallel, whole rows per task.
+                    let per = m.div_ceil(pool.n_threads());
+                    let qp = SharedMut(q.as_mut_ptr());
+                    pool.run(m.div_ceil(per), &|task| {
+                        let (t0, t1) = (task * per, ((task + 1) * per).min(m));
+                        // SAFETY: rows t0..t1 of `q` (m rows of xrb bytes) belong to this task
+                        // only; `q` outlives the pool round.
+                        let qs = unsafe {
+                            std::slice::from_raw_parts_mut(qp.ptr().add(t0 * xrb), (t1 - t0) * xrb)
+                        };
+                        let xs = &x[t0 * w.n_in..t1 * w.n_in];
+                        for (xr, qr) in xs.chunks_exact(w.n_in).zip(qs.chunks_exact_mut(xrb)) {
+                            quantize(xr, qr);
                         }
+                    });
+                } else if xrb > 0 {
+                    for (xr, qr) in x.chunks_exact(w.n_in).zip(q.chunks_exact_mut(xrb)) {
+                        quantize(xr, qr);
                     }
                 }
                 keys.push(key);
@@ -484,6 +511,15 @@ pub fn gemv_batch_with(
             }
             return;
         }
+        if job.multi && job.m > GEMV_MULTI_MAX_TOKENS && job.kernel.has_gemv_lanes() {
+            // A prefill batch on the rows-in-lanes kernel: all tokens in one call (it blocks
+            // them itself).
+            let xr: Vec<&[u8]> = xq.chunks_exact(xrb).take(job.m).collect();
+            let mut os: Vec<&mut [f32]> = (0..job.m).map(|t| out(t, r0, r1)).collect();
+            job.kernel
+                .gemv_multi(&w.data[r0 * rb..r1 * rb], rb, &xr, &mut os);
+            return;
+        }
         if job.multi {
             let mut xr: [&[u8]; GEMV_MULTI_MAX_TOKENS] = [&[]; GEMV_MULTI_MAX_TOKENS];
             let mut os: [&mut [f32]; GEMV_MULTI_MAX_TOKENS] = Default::default();
@@ -526,6 +562,23 @@ pub fn gemv_batch_with(
         Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+/// Token count from which a [`gemv_batch_with`] round quantises its activation rows on all
+/// threads (below it one thread does, as the pool round costs more than the work).
+const QUANT_PARALLEL_MIN_TOKENS: usize = 32;
+
+/// Whether `n_tok` tokens (more than [`GEMV_MULTI_MAX_TOKENS`]) take the rows-in-lanes kernel
+/// of the K formats as their GEMM (`gemv_sb_lanes`; at [`SimdLevel::Avx512Vnni`], and at
+/// [`SimdLevel::Amx`] below [`AMX_MIN_TOKENS`]): in the super-block order it needs about 7
+/// vector operations per (row, token, super-block) against about 14 for the AVX-512 GEMM's
+/// `kern_k_sb`, whose per-token lane reduction dominates.
+fn lanes_gemm(kernel: &DotKernel, n_tok: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KAPITSA_LANES_GEMM").map_or(true, |v| v != "0"))
+        && n_tok > GEMV_MULTI_MAX_TOKENS
+        && kernel.has_gemv_lanes()
+        && !(kernel.level() == SimdLevel::Amx && n_tok >= AMX_MIN_TOKENS)
 }
 
 /// Row chunks `(matrix, first row, end row)` of one decode round over matrices given as
@@ -588,8 +641,8 @@ fn matmul_impl(
     }
     // (The row-group kernels address 8 rows with i32 offsets: rows of up to 128 MiB.)
     let multi = allow_gemm
-        && n_tok <= GEMV_MULTI_MAX_TOKENS
-        && kernel.has_gemv_multi()
+        && (n_tok <= GEMV_MULTI_MAX_TOKENS && kernel.has_gemv_multi()
+            || lanes_gemm(&kernel, n_tok))
         && rb <= i32::MAX as usize / 16;
     if multi {
         // A few tokens on the multi-token row-group GEMV: each weight block decoded once for

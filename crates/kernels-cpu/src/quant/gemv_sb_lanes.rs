@@ -91,8 +91,10 @@ mod imp {
     const P: usize = 16;
     /// Tokens per pass over a record chunk (their chains interleave to hide latency).
     const NT: usize = 4;
-    /// Tokens whose f32 chains one panel keeps (an array of vectors).
-    const MT: usize = 16;
+    /// Tokens whose f32 chains one panel keeps (an array of vectors): a token block. A
+    /// panel's repacked chunk serves all of them, so prefill batches pay the repack once per
+    /// 64 tokens; the task's raw rows are read again (from L2/L3) per block.
+    const MT: usize = 256;
     /// Super-blocks per repacked chunk (4 x 90 x 64 bytes = 23 KiB, inside L1).
     const CHB: usize = 4;
     /// Record offsets: quads, i32 scales, i16 pairs, `d`, `dmin`.
@@ -416,6 +418,23 @@ mod imp {
         }
     }
 
+    /// [`pass`] over the first `N` tokens of `x` (at least `N`), their chains in `a[..N]`;
+    /// returns `N`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    fn pass_n<const Q6: bool, const N: usize>(
+        rec: &[__m512i],
+        s0: usize,
+        cn: usize,
+        x: &[&[u8]],
+        a: &mut [__m512],
+    ) -> usize {
+        let mut c: [__m512; N] = std::array::from_fn(|k| a[k]);
+        pass::<Q6, N>(rec, s0, cn, std::array::from_fn(|k| x[k]), &mut c);
+        a[..N].copy_from_slice(&c);
+        N
+    }
+
     /// The kernel of [`super::kernel`] (`Q6`: Q6_K, else Q4_K).
     ///
     /// # Safety
@@ -486,30 +505,12 @@ mod imp {
                         let len = (xc.len() - t0) / (passes - p);
                         let x = &xc[t0..t0 + len];
                         let step = match x.len() {
-                            1 => {
-                                let mut c = [a[0]];
-                                pass::<Q6, 1>(rec, s0, cn, [x[0]], &mut c);
-                                a[0] = c[0];
-                                1
-                            }
-                            2 => {
-                                let mut c = [a[0], a[1]];
-                                pass::<Q6, 2>(rec, s0, cn, [x[0], x[1]], &mut c);
-                                a[..2].copy_from_slice(&c);
-                                2
-                            }
-                            3 => {
-                                let mut c = [a[0], a[1], a[2]];
-                                pass::<Q6, 3>(rec, s0, cn, [x[0], x[1], x[2]], &mut c);
-                                a[..3].copy_from_slice(&c);
-                                3
-                            }
-                            _ => {
-                                let mut c = [a[0], a[1], a[2], a[3]];
-                                pass::<Q6, NT>(rec, s0, cn, [x[0], x[1], x[2], x[3]], &mut c);
-                                a[..4].copy_from_slice(&c);
-                                NT
-                            }
+                            1 => pass_n::<Q6, 1>(rec, s0, cn, x, a),
+                            2 => pass_n::<Q6, 2>(rec, s0, cn, x, a),
+                            3 => pass_n::<Q6, 3>(rec, s0, cn, x, a),
+                            4 => pass_n::<Q6, 4>(rec, s0, cn, x, a),
+                            5 => pass_n::<Q6, 5>(rec, s0, cn, x, a),
+                            _ => pass_n::<Q6, NT>(rec, s0, cn, x, a),
                         };
                         t0 += step;
                     }
@@ -589,7 +590,7 @@ mod tests {
             for (n_in, rows) in [(256, 17), (1024, 16), (1280, 5), (8960, 33), (1536, 31)] {
                 let rb = ty.row_bytes(n_in).unwrap();
                 let w = weights(ty, rows, n_in, &mut seed);
-                for n_tok in [1, 2, 3, 4, 5, 7, 9, 16, 17] {
+                for n_tok in [1, 2, 3, 4, 5, 7, 9, 16, 17, 70, 131] {
                     let xq: Vec<Vec<u8>> = (0..n_tok).map(|_| q8k_row(n_in, &mut seed)).collect();
                     let xp: Vec<Vec<u8>> = xq
                         .iter()

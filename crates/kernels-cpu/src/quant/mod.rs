@@ -36,9 +36,10 @@
 //! row-group GEMV of `gemv_sb` for one token ([`DotKernel`]'s `gemv`, 8 rows per vector
 //! chain) and its multi-token form for a few, the rows-in-lanes GEMV of `gemv_sb_lanes`
 //! (Q4_K from 4 tokens, Q6_K from 6: 16 rows in the lanes, activations broadcast, no
-//! reduction) up to `GEMV_MULTI_MAX_TOKENS`, the AVX-512 GEMM in that order (`kern_k_sb`)
-//! for larger batches and, at [`SimdLevel::Amx`] only, the tile GEMM (`crate::gemm_amx`) for
-//! batches of `AMX_MIN_TOKENS`+; all bit-identical to each other and to the scalar twin
+//! reduction), which for Q4_K and Q6_K is also the prefill GEMM of larger batches (blocks of
+//! 256 tokens per repacked panel; `matmul`'s `lanes_gemm`), the AVX-512 GEMM in that order
+//! (`kern_k_sb`) for Q5_K's larger batches and, at [`SimdLevel::Amx`] only, the tile GEMM
+//! (`crate::gemm_amx`) for batches of `AMX_MIN_TOKENS`+; all bit-identical to each other and to the scalar twin
 //! `dot_sb::dot_scalar`, so a level's results never depend on the batch (speculative
 //! verification of k tokens gives each exactly its one-token-step result).
 //!
@@ -383,6 +384,12 @@ impl DotKernel {
         if self.gemv.is_some() {
             gemv_sb::prepare(self.ty, x);
         }
+    }
+
+    /// Whether [`DotKernel::gemv_multi`] has the rows-in-lanes kernel, which takes any number
+    /// of tokens (prefill batches too).
+    pub(crate) fn has_gemv_lanes(&self) -> bool {
+        self.gemv_lanes.is_some()
     }
 
     /// Whether [`DotKernel::gemv_multi`] has a multi-token row-group kernel.
