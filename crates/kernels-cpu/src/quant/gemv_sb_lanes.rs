@@ -11,15 +11,18 @@
 //! * **Rows in lanes.** A *panel* of 16 rows is repacked, a few super-blocks at a time, into
 //!   a record ([`VPB`] vectors per super-block): for every group of 4 elements (a *quad*) one
 //!   vector holding the 16 rows' 4 unsigned quants, then per sub-block its 16 rows' scales
-//!   as i32 (and, Q4_K, the mins as i16 pairs; Q6_K the scales as i16 pairs), then `d`
+//!   as i32 (and, Q4_K, the mins of sub-blocks 2i and 2i + 1 as one i16 pair; Q6_K the
+//!   scales of its 16-element sub-blocks 2i and 2i + 1 as one i16 pair), then `d`
 //!   (and `dmin`) as 16 f32.
 //! * **Activations broadcast.** Each quad vector meets a token's 4 activation quants as one
 //!   `vpdpbusd` with the 4 bytes broadcast, so lane `r` accumulates row `r`'s sub-block sum
 //!   directly: no reduction. Per sub-block, lane-wise `T += S_j * sum_j` (`vpmulld`, exact:
-//!   |sum_j| <= 32·15·128) and per super-block `M` by `vpdpwssd` of the mins (scales) with
-//!   the broadcast Q8_K `bsums` pairs. The f32 chain then runs lane-wise, 16 rows at once.
+//!   |sum_j| <= 32·15·128) and per super-block `M` by `vpdpwssd` of the mins (scales) pairs
+//!   with the broadcast pairs of Q8_K `bsums` (Q4_K: the two 16-element sums of each
+//!   sub-block added on the scalar side first). The f32 chain then runs lane-wise, 16 rows
+//!   at once.
 //! * **Cost.** Per (16 rows, token, super-block) 64 `vpdpbusd`, 8 (Q6_K 16) multiplies and
-//!   adds, 8 `vpdpwssd` and ~6 float operations: ~6-7 vector operations per (row, token,
+//!   adds, 4 (Q6_K 8) `vpdpwssd` and ~6 float operations: ~6-7 vector operations per (row, token,
 //!   super-block) against ~16 in `gemv_sb`, whose reduction dominates once the weights are
 //!   shared by several tokens. The repack (gathers, once per call and panel) costs about a
 //!   token's worth, so `gemv_sb` stays the path for fewer tokens (see [`kernel`]).
@@ -266,12 +269,16 @@ mod imp {
                 _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32::<4>(c), m2), top(b)),
             ];
             let ff = _mm512_set1_epi32(0xFF);
+            let mut m8 = [_mm512_setzero_si512(); 8];
             for j in 0..8 {
                 let sh = _mm512_set1_epi32(8 * (j as i32 % 4));
-                let s8 = _mm512_and_si512(_mm512_srlv_epi32(sc[j / 4], sh), ff);
-                let m8 = _mm512_and_si512(_mm512_srlv_epi32(mn[j / 4], sh), ff);
-                rec[R_SC + j] = s8;
-                rec[R_PAIR + j] = _mm512_or_si512(m8, _mm512_slli_epi32::<16>(m8));
+                rec[R_SC + j] = _mm512_and_si512(_mm512_srlv_epi32(sc[j / 4], sh), ff);
+                m8[j] = _mm512_and_si512(_mm512_srlv_epi32(mn[j / 4], sh), ff);
+            }
+            // the mins of sub-blocks 2i and 2i + 1 as one i16 pair (vectors 4..8 unused)
+            for i in 0..4 {
+                rec[R_PAIR + i] =
+                    _mm512_or_si512(m8[2 * i], _mm512_slli_epi32::<16>(m8[2 * i + 1]));
             }
             rec[R_D] = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd)));
             rec[R_DMIN] =
@@ -367,16 +374,31 @@ mod imp {
         // Quads per sub-block and sub-blocks per super-block.
         let (sq, ns) = if Q6 { (4, 16) } else { (8, 8) };
         let z = _mm512_setzero_si512();
+        assert!(xs.iter().all(|x| x.len() >= (s0 + n) * 292));
         for b in 0..n {
             let r = &rec[b * VPB..(b + 1) * VPB];
-            let ys: [&[u8]; NTG] = xs.map(|x| &x[(s0 + b) * 292..(s0 + b + 1) * 292]);
-            let yp: [*const u8; NTG] = ys.map(|y| y.as_ptr());
+            // Token k's block s0 + b (292 bytes, inside xs[k]: checked above).
+            let mut yp = [std::ptr::null::<u8>(); NTG];
+            for (p, x) in yp.iter_mut().zip(xs) {
+                // SAFETY: (s0 + b + 1) * 292 <= x.len() (checked before the loop).
+                *p = unsafe { x.as_ptr().add((s0 + b) * 292) };
+            }
             // 4 bytes of token k's block at `o` in every lane.
             let bcast = |k: usize, o: usize| {
                 // SAFETY: `o` is an `x_offset` (at most 256) or a `bsums` offset (at most
-                // 288), so o + 4 <= 292, the length of the block `ys[k]`; unaligned read.
+                // 288), so o + 4 <= 292, the length of the block at `yp[k]`; unaligned read.
                 let v = unsafe { yp[k].add(o).cast::<i32>().read_unaligned() };
                 _mm512_set1_epi32(v)
+            };
+            // Q4_K: the bsums of sub-blocks 2i and 2i + 1 (each the sum of two 16-element
+            // bsums, |.| <= 32 * 127) as one i16 pair, in every lane.
+            let bs_pair = |k: usize, i: usize| {
+                // SAFETY: the 16 i16 bsums are bytes 260..292 of the block at `yp[k]`.
+                let bs = |l: usize| {
+                    i32::from(unsafe { yp[k].add(260 + 2 * l).cast::<i16>().read_unaligned() })
+                };
+                let (lo, hi) = (bs(4 * i) + bs(4 * i + 1), bs(4 * i + 2) + bs(4 * i + 3));
+                _mm512_set1_epi32((lo & 0xFFFF) | (hi << 16))
             };
             let mut t = [z; NTG];
             // Two sub-blocks at a time: 2 x NTG independent `vpdpbusd` chains.
@@ -400,11 +422,19 @@ mod imp {
             let d = _mm512_castsi512_ps(r[R_D]);
             for k in 0..NTG {
                 let mut m = z;
-                for i in 0..8 {
-                    m = vpdpwssd(m, r[R_PAIR + i], bcast(k, 260 + 4 * i));
+                if Q6 {
+                    // the scales of 16-element sub-blocks 2i, 2i + 1 against their bsums
+                    for i in 0..8 {
+                        m = vpdpwssd(m, r[R_PAIR + i], bcast(k, 260 + 4 * i));
+                    }
+                } else {
+                    // the mins of sub-blocks 2i, 2i + 1 against their 32-element bsums
+                    for i in 0..4 {
+                        m = vpdpwssd(m, r[R_PAIR + i], bs_pair(k, i));
+                    }
                 }
-                let yb = &ys[k][..4];
-                let yd = _mm512_set1_ps(f32::from_le_bytes([yb[0], yb[1], yb[2], yb[3]]));
+                // SAFETY: the block's `d` (f32) is its first 4 bytes.
+                let yd = _mm512_set1_ps(unsafe { yp[k].cast::<f32>().read_unaligned() });
                 let dy = _mm512_mul_ps(d, yd);
                 if Q6 {
                     let iv = _mm512_sub_epi32(t[k], _mm512_slli_epi32::<5>(m));
