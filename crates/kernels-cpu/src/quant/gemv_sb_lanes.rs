@@ -393,8 +393,9 @@ mod imp {
             // Q4_K: the bsums of sub-blocks 2i and 2i + 1 (each the sum of two 16-element
             // bsums, |.| <= 32 * 127) as one i16 pair, in every lane.
             let bs_pair = |k: usize, i: usize| {
-                // SAFETY: the 16 i16 bsums are bytes 260..292 of the block at `yp[k]`.
                 let bs = |l: usize| {
+                    // SAFETY: l < 16, and the 16 i16 bsums are bytes 260..292 of the block at
+                    // `yp[k]`; unaligned read.
                     i32::from(unsafe { yp[k].add(260 + 2 * l).cast::<i16>().read_unaligned() })
                 };
                 let (lo, hi) = (bs(4 * i) + bs(4 * i + 1), bs(4 * i + 2) + bs(4 * i + 3));
