@@ -11,6 +11,10 @@
 # Environment (defaults in brackets):
 #   KAPITSA_CACHE   cache folder [~/.cache/kapitsa]
 #   BENCH_P BENCH_N BENCH_R   prompt length, generated tokens, repetitions [512 128 3]
+#   BENCH_D BENCH_DR  also pp BENCH_P at this depth (tokens already in the cache), BENCH_DR
+#                   repetitions [none, 1]: every engine run of a round is followed by
+#                   `-p BENCH_P -n 0 -d BENCH_D -r BENCH_DR`, reported as its own test row
+#                   (`pp512 @ d8192`); each repetition first fills BENCH_D tokens (minutes)
 #   BENCH_ROUNDS    rounds per file and thread count [2]: each round runs both engines once
 #                   (BENCH_R repetitions each), in the opposite order to the round before; the
 #                   tables pool the rounds' repetitions and list each round's ratio
@@ -46,6 +50,8 @@ N="${BENCH_N:-128}"
 T="${BENCH_T:-2,1}"
 R="${BENCH_R:-3}"
 ROUNDS="${BENCH_ROUNDS:-2}"
+D="${BENCH_D:-}"
+DR="${BENCH_DR:-1}"
 out_md="${BENCH_OUT:-$root/BENCHMARKS.md}"
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
 results="${BENCH_RESULTS:-$cache/bench-results/$stamp}"
@@ -152,12 +158,17 @@ def breakdown(inspect_txt):
 
 
 def key_of(e):
-    return ("pp", e["n_prompt"]) if e["n_prompt"] > 0 else ("tg", e["n_gen"])
+    d = e.get("n_depth", 0) or 0
+    return ("pp", e["n_prompt"], d) if e["n_prompt"] > 0 else ("tg", e["n_gen"], d)
+
+
+def label(k):
+    return f"{k[0]}{k[1]}" + (f" @ d{k[2]}" if k[2] else "")
 
 
 def round_files(eng, tag, t, ext):
     """The result files of every round, in order (round 1 has no suffix)."""
-    more = sorted(glob.glob(f"{res}/{eng}-{tag}-t{t}-round*.{ext}"),
+    more = sorted((p for p in glob.glob(f"{res}/{eng}-{tag}-t{t}-round*.{ext}") if ".depth." not in p),
                   key=lambda p: int(re.search(r"-round(\d+)\.", p).group(1)))
     return [f"{res}/{eng}-{tag}-t{t}.{ext}"] + more
 
@@ -255,6 +266,11 @@ L.append(f"- Same settings for both: pp{P} (one batch of {P} random tokens, logi
          f"t/s = mean ± standard deviation over the {ROUNDS * R} repetitions of all rounds; *best* = "
          "the fastest repetition; *per round* = each round's ratio of the means, which shows how "
          "much the ratio moves with the machine's state within one run.")
+if meta.get("D"):
+    D, DR = int(meta["D"]), int(meta.get("DR", 1))
+    L.append(f"- pp{P} @ d{D}: pp{P} with {D} tokens already in the cache (each engine fills "
+             f"them first, untimed), {DR} repetition(s) per round after each engine's main run "
+             f"(`-p {P} -n 0 -d {D} -r {DR}`).")
 L.append("- **The machine is shared with other jobs, so the numbers are noisy.** The 1-minute load "
          "average at the start and end of each run is listed under each table; with a load of 3–6 "
          "on 2 cores every engine loses time to other processes. llama.cpp's worker threads spin "
@@ -295,12 +311,12 @@ for fp in sorted(glob.glob(f"{res}/file-*.path")):
     L.append("| ---- | ------: | ----------------- | ------------: | ---: | ----------: | ---: | ------------------: | ------------: | --------: |"
              + (" ----------------: | ----------------: |" if with_noamx else ""))
     keys = sorted({k for t in THREADS for k in list(runs[t][0]) + list(runs[t][1])},
-                  key=lambda k: (k[0] != "pp", k[1]))
+                  key=lambda k: (k[2], k[0] != "pp", k[1]))
     for k in keys:
         for t in THREADS:
             l, kap = runs[t][0].get(k), runs[t][1].get(k)
             rounds = ", ".join(fmt_r(mean(b.get(k)) / mean(a.get(k))) for a, b in per_round[t])
-            row = (f"| {k[0]}{k[1]} | {t} | {settings[t].get(k, 'n/a')} | {fmt_ts(l)} | {best(l):.2f} | "
+            row = (f"| {label(k)} | {t} | {settings[t].get(k, 'n/a')} | {fmt_ts(l)} | {best(l):.2f} | "
                    f"{fmt_ts(kap)} | {best(kap):.2f} | {fmt_r(mean(kap) / mean(l))} | "
                    f"{fmt_r(best(kap) / best(l))} | {rounds} |")
             if with_noamx:
@@ -355,8 +371,8 @@ for r in summary:
     for t in THREADS:
         roof = best_read[t] / tot
         lr = local_read(r["tag"], t)
-        l = next((e for k, e in r["runs"][t][0].items() if k[0] == "tg"), None)
-        k = next((e for k, e in r["runs"][t][1].items() if k[0] == "tg"), None)
+        l = next((e for k, e in r["runs"][t][0].items() if k[0] == "tg" and not k[2]), None)
+        k = next((e for k, e in r["runs"][t][1].items() if k[0] == "tg" and not k[2]), None)
         loc = (lambda e: f"{mean(e) / (lr / tot):.0%}") if lr else (lambda e: "—")
         L.append(f"| {r['file']} | {bd['head'] / 1e6:.0f} MB | {bd['dense'] / 1e6:.0f} MB | {act} | "
                  f"{tot / 1e6:.0f} MB | {t} | {roof:.1f} | {mean(l):.2f} | "
@@ -379,8 +395,8 @@ L.append("| ----- | ------------: | ------: | ---------------: | ------: | -----
 for r in summary:
     fl = r["bd"]["flops"]
     for t in THREADS:
-        l = next((e for k, e in r["runs"][t][0].items() if k[0] == "pp"), None)
-        k = next((e for k, e in r["runs"][t][1].items() if k[0] == "pp"), None)
+        l = next((e for k, e in r["runs"][t][0].items() if k[0] == "pp" and not k[2]), None)
+        k = next((e for k, e in r["runs"][t][1].items() if k[0] == "pp" and not k[2]), None)
         L.append(f"| {r['file']} | {fl / 1e9:.2f} | {t} | {mean(l):.2f} | {mean(l) * fl / 1e9:.1f} | "
                  f"{mean(k):.2f} | {mean(k) * fl / 1e9:.1f} |")
 
@@ -394,7 +410,7 @@ for r in summary:
     parts = []
     for kind in ("pp", "tg"):
         def pick(side, t):
-            return next((e for k, e in r["runs"][t][side].items() if k[0] == kind), None)
+            return next((e for k, e in r["runs"][t][side].items() if k[0] == kind and not k[2]), None)
         l0, k0 = pick(0, THREADS[0]), pick(1, THREADS[0])
         if not (l0 and k0):
             continue
@@ -503,7 +519,7 @@ python3 - "$results/meta.json" \
   llama_version "$llama_version" \
   kapitsa_rev "$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)$(
     [ -n "$(git -C "$root" status --porcelain -- crates Cargo.toml Cargo.lock 2>/dev/null | head -n1)" ] && echo +dirty)" \
-  P "$P" N "$N" T "$T" R "$R" ROUNDS "$ROUNDS" <<'PY'
+  P "$P" N "$N" T "$T" R "$R" ROUNDS "$ROUNDS" D "$D" DR "$DR" <<'PY'
 import json, sys
 a = sys.argv[2:]
 with open(sys.argv[1], "w") as f:
@@ -565,7 +581,23 @@ run_engine() {
     kapitsa) cmd=("$kapitsa" bench -m "$f" -p "$P" -n "$N" -t "$t" -r "$R" --load-mode memory -o json) ;;
     kapitsanoamx) cmd=(env KAPITSA_CPU=noamx "$kapitsa" bench -m "$f" -p "$P" -n "$N" -t "$t" -r "$R" --load-mode memory -o json) ;;
   esac
-  if ! logged "${cmd[@]}" >"$base.json" 2>"$base.log"; then
+  if [ -n "$D" ]; then
+    # the depth run: the same command with -p P -n 0 -d D -r DR, its entries appended below
+    local -a dcmd=()
+    local skip=0 a
+    for a in "${cmd[@]}"; do
+      if [ "$skip" -gt 0 ]; then skip=$((skip - 1)); continue; fi
+      case "$a" in
+        -n | -r) skip=1 ;;
+        *) dcmd+=("$a") ;;
+      esac
+    done
+    dcmd+=(-n 0 -d "$D" -r "$DR")
+  fi
+  if ! logged "${cmd[@]}" >"$base.json" 2>"$base.log" || { [ -n "$D" ] &&
+    ! { logged "${dcmd[@]}" >"$base.depth.json" 2>>"$base.log" &&
+      python3 -c 'import json, sys; a = json.load(open(sys.argv[1])); a += json.load(open(sys.argv[2])); json.dump(a, open(sys.argv[1], "w"), indent=1)' \
+        "$base.json" "$base.depth.json"; }; }; then
     if [ "$eng" = llamadef ]; then
       # llama.cpp's repacking path dies on some machines: its defaults are left out
       say "llama-bench with its defaults failed on $(basename "$f") (see $base.log); left out"
