@@ -11,7 +11,9 @@
 #      and synthetic files' logits against the CPU engine's: dense Qwen2.5-Coder-1.5B, and the
 #      Qwen3.6-35B-A3B, Qwen3-30B-A3B and Nemotron 3 Nano shapes with a few layers
 #      (`TEST_GPU_SYNTH` lists `preset:layers`); then the hybrid and MoE fixtures again with
-#      their decode steps run op by op instead of recorded as graphs (`KAPITSA_RECORD_HYBRID=0`).
+#      their decode steps run op by op instead of recorded as graphs (`KAPITSA_RECORD_HYBRID=0`);
+#      then the ops, one fixture and the synthetic files with the int8-activation GEMVs
+#      (`KAPITSA_GEMV_X8=1`).
 #   2. `kapitsa serve --device cuda` answering the same HTTP checks as on the CPU (streaming,
 #      concurrency) on the tiny qwen2 fixture.
 set -euo pipefail
@@ -57,6 +59,10 @@ echo "== selftest, hybrid and MoE decode steps op by op (KAPITSA_RECORD_HYBRID=0
 KAPITSA_RECORD_HYBRID=0 "$BIN" selftest --device cuda --fixtures tests/fixtures/tiny --no-ops \
   --archs "${TEST_GPU_HYBRID_ARCHS:-qwen3_5,qwen3_5_moe,qwen3_moe,nemotron_h,nemotron_h_moe}" \
   2>&1 | tee "$OUT/selftest-op-by-op.log" || status=1
+
+echo "== selftest, int8 activations for the Q4_K/Q6_K one-token GEMVs (KAPITSA_GEMV_X8=1) =="
+KAPITSA_GEMV_X8=1 "$BIN" selftest --device cuda --fixtures tests/fixtures/tiny --archs qwen3_5_moe \
+  "${models[@]}" 2>&1 | tee "$OUT/selftest-x8.log" || status=1
 
 echo "== serve --device cuda =="
 PORT=18931

@@ -23,6 +23,10 @@
 //   1 for rows already per pair) into `y + q * ldy`. One token's GEMV otherwise (no staging),
 //   the GLU pair allowed; a pair whose id is not below `n_exp` writes nothing. Launch: one
 //   `GemvArgs` and one `GemvIdArgs` by value, grid (vblocks, n_pairs).
+// - `gemv_x8_<ty>`, `gemv_id_x8_<ty>` (Q4_K, Q6_K): the one-token GEMV and the routed
+//   one on int8 activations (`quantize_x8_f32`'s rows instead of f32 x; `__dp4a` per 4
+//   weights, ~1 instruction per weight instead of ~4), same arguments and epilogues.
+// - `quantize_x8_f32`: f32 activation rows to that int8 layout (see `gemv_chunk_x8`).
 // - `dequant_<ty>_f32`, `dequant_<ty>_f16` (quantised types): `out[r * n_in + k] =
 //   dequant(W[src(r), k])` for r < n_rows, src(r) = row0 + ids[r] when `ids` is non-null
 //   (embedding gather; ids[r] >= n_src_rows gives a zero row), else row0 + r (tiles for the
@@ -147,6 +151,48 @@ __device__ __forceinline__ void gemv_chunk(const typename KqFmt<T>::Raw (&raw)[R
   }
 }
 
+// The int8-activation form of `gemv_chunk` (one token; Q4_K, Q6_K): `xb` is one token's
+// row of the x8 layout below; per segment and row one `__dp4a` chain over the segment's
+// SEGLEN / 4 words, then acc += dx * (A * isum - B * qsum) (quant.cuh `iaffine`).
+// x8 row layout (`quantize_x8_f32`, n_in a multiple of 32): the quants q (i8) at 0, the
+// scales dx (f32, one per 32 elements) at n_in, the sums of q per 16 elements (i32) at
+// n_in + n_in / 8: `gemv_x8_row_bytes(n_in)` = n_in * 11 / 8 bytes.
+__host__ __device__ __forceinline__ int gemv_x8_row_bytes(int n_in) { return n_in + n_in / 8 + n_in / 4; }
+
+template <int T, int R>
+__device__ __forceinline__ void gemv_chunk_x8(const typename KqFmt<T>::Raw (&raw)[R], int j, const uint8_t* __restrict__ xb,
+                                              int n_in, float (&acc)[1][R]) {
+  using F = KqFmt<T>;
+  static_assert(F::SEGLEN % 16 == 0 && F::SEGLEN <= 32, "segments of 16 or 32 elements");
+  constexpr int NW = F::SEGLEN / 4;
+  const float* __restrict__ xd = reinterpret_cast<const float*>(xb + n_in);
+  const int* __restrict__ xs = reinterpret_cast<const int*>(xb + n_in + n_in / 8);
+#pragma unroll
+  for (int s = 0; s < F::NSEG; s++) {
+    const int e0 = F::seg_elem(j, s);
+    int xw[NW];
+#pragma unroll
+    for (int v = 0; v < NW / 4; v++) {
+      const int4 t = __ldg(reinterpret_cast<const int4*>(xb + e0) + v);
+      xw[4 * v] = t.x;
+      xw[4 * v + 1] = t.y;
+      xw[4 * v + 2] = t.z;
+      xw[4 * v + 3] = t.w;
+    }
+    const float dx = __ldg(xd + (e0 >> 5));
+    const int qsum = F::SEGLEN == 32 ? __ldg(xs + (e0 >> 4)) + __ldg(xs + (e0 >> 4) + 1) : __ldg(xs + (e0 >> 4));
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+      int isum = 0;
+#pragma unroll
+      for (int g = 0; g < NW; g++) isum = __dp4a((int)F::ival4(raw[i], j, s, g), xw[g], isum);
+      float A, B;
+      F::iaffine(raw[i], j, s, A, B);
+      acc[0][i] = fmaf(dx, fmaf(A, (float)isum, -B * (float)qsum), acc[0][i]);
+    }
+  }
+}
+
 // The GEMV's launch arguments, passed by value (`__grid_constant__`, read in place). Mirrored
 // by src/matmul/gemv.rs `GemvArgs` (#[repr(C)]): change both together.
 // A launch computes up to GEMV_MAX_PARTS products that share the format, n_in, the token count
@@ -189,7 +235,8 @@ struct GemvIdArgs {
 // once per resident block. Lanes read x 64 elements apart: through L1 every such warp load
 // touches 32 cache lines, from shared memory it is one conflict-free pass.
 // ID: the expert-routed form (`gemv_id_<ty>`, NT == 1, no staging): blockIdx.y is the pair.
-template <int T, int NT, bool XS, bool ID>
+// X8: x is one x8 row per token (`gemv_chunk_x8`; NT == 1, unstaged).
+template <int T, int NT, bool XS, bool ID, bool X8 = false>
 __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& ida) {
   using F = KqFmt<T>;
   constexpr int R = GemvTune<T, NT>::R;
@@ -197,6 +244,7 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
   static_assert(NT * R <= 32, "one reduced value per lane");
   static_assert(!XS || NT == 1, "staged activations: one token");
   static_assert(!ID || (NT == 1 && !XS), "routed: one pair per grid row, unstaged");
+  static_assert(!X8 || (NT == 1 && !XS), "int8 activations: one token, unstaged");
   __shared__ float red[GEMV_WARPS][NT * R];
   extern __shared__ float4 gemv_xs[];
 
@@ -217,7 +265,7 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
     pdl_enter();
     e = ida.ids[blockIdx.y];
     if (e >= (uint64_t)ida.n_exp) return;  // uniform over the block
-    x_off = (size_t)(blockIdx.y / ida.x_div) * n_in;
+    x_off = (size_t)(blockIdx.y / ida.x_div) * (X8 ? gemv_x8_row_bytes(n_in) / 4 : n_in);
     y_pair = blockIdx.y;
   }
   const float* __restrict__ x = XS ? reinterpret_cast<const float*>(gemv_xs) : a.x + x_off;
@@ -275,7 +323,13 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
 #pragma unroll
       for (int u = 0; u < U; u++) {
         const int j = j0 + u * step;
-        if (u == 0 || j < n_chunks) gemv_chunk<T, NT, R, XS>(raw[u], j, x, n_in, acc);
+        if (u == 0 || j < n_chunks) {
+          if constexpr (X8) {
+            gemv_chunk_x8<T, R>(raw[u], j, reinterpret_cast<const uint8_t*>(x), n_in, acc);
+          } else {
+            gemv_chunk<T, NT, R, XS>(raw[u], j, x, n_in, acc);
+          }
+        }
       }
       j0 += step * U;
       GEMV_LOAD_CHUNKS
@@ -341,6 +395,49 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
   GEMV_KERNEL(NAME, T, 6)    \
   GEMV_KERNEL(NAME, T, 7)    \
   GEMV_KERNEL(NAME, T, 8)
+
+// The int8-activation GEMVs (one token, plain and routed) of the K formats.
+#define GEMV_X8(NAME, T)                                                                              \
+  extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GemvTune<T, 1>::MIN_BLOCKS)           \
+      gemv_x8_##NAME(const __grid_constant__ GemvArgs a) {                                           \
+    gemv_impl<T, 1, false, false, true>(a, GemvIdArgs{});                                            \
+  }                                                                                                  \
+  extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GemvTune<T, 1>::MIN_BLOCKS)           \
+      gemv_id_x8_##NAME(const __grid_constant__ GemvArgs a, const __grid_constant__ GemvIdArgs ida) { \
+    gemv_impl<T, 1, false, true, true>(a, ida);                                                      \
+  }
+
+GEMV_X8(q4_k, KQ_Q4_K)
+GEMV_X8(q6_k, KQ_Q6_K)
+
+// x [n_tok, n_in] f32 -> n_tok x8 rows (`gemv_chunk_x8`'s layout, row stride
+// gemv_x8_row_bytes(n_in)): per 32 elements dx = max|x| / 127, q = round(x / dx) (0 where
+// dx == 0), and the sums of q per 16. One warp per 32 elements; n_in a multiple of 32.
+// Launch: any 1-D grid of 256-thread blocks covering n_tok * n_in / 32 warps.
+extern "C" __global__ void __launch_bounds__(256) quantize_x8_f32(const float* __restrict__ x, uint8_t* __restrict__ out,
+                                                                   int n_in, int n_tok) {
+  pdl_enter();
+  const int lane = threadIdx.x & 31;
+  const int nb = n_in / 32;
+  const size_t n_warps = (size_t)n_tok * nb;
+  for (size_t wi = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; wi < n_warps;
+       wi += ((size_t)gridDim.x * blockDim.x) >> 5) {
+    const size_t t = wi / nb, b = wi - t * nb;
+    const float v = x[t * n_in + b * 32 + lane];
+    float amax = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.0f;
+    const int q = d > 0.0f ? __float2int_rn(v / d) : 0;
+    uint8_t* row = out + t * (size_t)gemv_x8_row_bytes(n_in);
+    row[b * 32 + lane] = (uint8_t)(int8_t)q;
+    int sum = q;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);  // per 16 lanes
+    if (lane == 0) reinterpret_cast<float*>(row + n_in)[b] = d;
+    if ((lane & 15) == 0) reinterpret_cast<int*>(row + n_in + n_in / 8)[2 * b + (lane >> 4)] = sum;
+  }
+}
 
 GEMV_ALL_NT(f32, KQ_F32)
 GEMV_ALL_NT(f16, KQ_F16)

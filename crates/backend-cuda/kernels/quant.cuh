@@ -36,6 +36,10 @@
 //   formula in f32 without fused multiply-adds (__fmul_rn/__fsub_rn), so it is bit-identical to
 //   kernels-cpu `dequantize_row`.
 // - `dec4` + `affine` / `scale` (the GEMV) use the biased-float trick below.
+// - `ival4` + `iaffine` (Q4_K, Q6_K: the GEMV on int8 activations, `gemv_x8_<ty>`) give
+//   4 values as the bytes of a word, each `v << S` (< 128), for `__dp4a` against 4 activation
+//   quants, and the segment's factors: sum(value * x) = dx * (A * sum(dp4a) - B * sum(q)) for
+//   activations x = dx * q (one dx per 32 elements).
 //
 // # The biased-float trick (GEMV)
 // A byte value b < 128 placed with __byte_perm into bits 16..23 of the word 0x3F000000 is the
@@ -413,6 +417,15 @@ struct KqFmt<KQ_Q4_K> {
     A = 32.0f * d1;
     B = 16.0f * d1 + m1;
   }
+  // int8 activations (gemv_x8): bytes of ival4 = 8v, so sum((d1 v - m1) x) over the segment is
+  // dx * (A * isum - B * qsum) with isum = sum dp4a(ival4, q), qsum = sum q
+  static __device__ __forceinline__ uint32_t ival4(const Raw& r, int, int s, int g) { return val4(r, s, g); }
+  static __device__ __forceinline__ void iaffine(const Raw& r, int j, int s, float& A, float& B) {
+    float d1, m1;
+    scale_min(r, j, s, d1, m1);
+    A = 0.125f * d1;
+    B = m1;
+  }
   static __device__ __forceinline__ void exact4(const Raw& r, int j, int s, int g, float y[4]) {
     float d1, m1;
     scale_min(r, j, s, d1, m1);
@@ -531,6 +544,13 @@ struct KqFmt<KQ_Q6_K> {
     const float dl = __fmul_rn(kq_h2f(r.d), sc(r, j, s));
     A = 128.0f * dl;
     B = 96.0f * dl;
+  }
+  // int8 activations (gemv_x8): bytes of ival4 = 2v, sum(dl (v - 32) x) = dx (dl/2 isum - 32 dl qsum)
+  static __device__ __forceinline__ uint32_t ival4(const Raw& r, int, int s, int g) { return val4(r, s, g); }
+  static __device__ __forceinline__ void iaffine(const Raw& r, int j, int s, float& A, float& B) {
+    const float dl = __fmul_rn(kq_h2f(r.d), sc(r, j, s));
+    A = 0.5f * dl;
+    B = 32.0f * dl;
   }
   static __device__ __forceinline__ void exact4(const Raw& r, int j, int s, int g, float y[4]) {
     const float dl = __fmul_rn(kq_h2f(r.d), sc(r, j, s));

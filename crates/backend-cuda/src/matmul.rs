@@ -127,6 +127,11 @@ impl Fmt {
         })
     }
 
+    /// Whether the format has the int8-activation GEMVs (`gemv_x8_<fmt>`: Q4_K, Q6_K).
+    fn x8(self) -> bool {
+        matches!(self, Fmt::Q4K | Fmt::Q6K)
+    }
+
     /// kernels/quant.cuh `KQ_*`.
     fn id(self) -> usize {
         self as usize
@@ -337,6 +342,12 @@ pub(crate) struct MatmulKernels {
     gemv_xs: Vec<CudaFunction>,
     /// `gemv_id_<fmt>` (expert-routed) by `fmt.id()`.
     gemv_id: Vec<CudaFunction>,
+    /// `gemv_x8_<fmt>` / `gemv_id_x8_<fmt>` (int8 activations) by `fmt.id()`, where the
+    /// format has them ([`Fmt::x8`]).
+    gemv_x8: Vec<Option<CudaFunction>>,
+    gemv_id_x8: Vec<Option<CudaFunction>>,
+    /// `quantize_x8_f32`: activations to the x8 rows those take.
+    quantize_x8: CudaFunction,
     /// `dequant_<fmt>_f32` / `_f16` by `fmt.id()` (`None` for the float formats).
     dequant_f32: Vec<Option<CudaFunction>>,
     dequant_f16: Vec<Option<CudaFunction>>,
@@ -374,6 +385,8 @@ impl MatmulKernels {
         let mut gemv = Vec::with_capacity(Fmt::ALL.len() * GEMV_MAX_TOKENS);
         let mut gemv_xs = Vec::with_capacity(Fmt::ALL.len());
         let mut gemv_id = Vec::with_capacity(Fmt::ALL.len());
+        let mut gemv_x8 = Vec::with_capacity(Fmt::ALL.len());
+        let mut gemv_id_x8 = Vec::with_capacity(Fmt::ALL.len());
         let mut dequant_f32 = Vec::with_capacity(Fmt::ALL.len());
         let mut dequant_f16 = Vec::with_capacity(Fmt::ALL.len());
         for fmt in Fmt::ALL {
@@ -388,6 +401,13 @@ impl MatmulKernels {
             .map_err(|e| BackendError::Unavailable(format!("{MODULE} kernel attribute: {e}")))?;
             gemv_xs.push(xs);
             gemv_id.push(f(&format!("gemv_id_{}", fmt.name()))?);
+            if fmt.x8() {
+                gemv_x8.push(Some(f(&format!("gemv_x8_{}", fmt.name()))?));
+                gemv_id_x8.push(Some(f(&format!("gemv_id_x8_{}", fmt.name()))?));
+            } else {
+                gemv_x8.push(None);
+                gemv_id_x8.push(None);
+            }
             if fmt.is_float() {
                 dequant_f32.push(None);
                 dequant_f16.push(None);
@@ -403,6 +423,9 @@ impl MatmulKernels {
             gemv,
             gemv_xs,
             gemv_id,
+            gemv_x8,
+            gemv_id_x8,
+            quantize_x8: f("quantize_x8_f32")?,
             dequant_f32,
             dequant_f16,
             gather: [f("gather_f32")?, f("gather_f16")?, f("gather_bf16")?],

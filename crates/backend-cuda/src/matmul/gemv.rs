@@ -14,6 +14,11 @@
 //!   `KAPITSA_GEMV_FUSE=0` turns the multi-product and gate/up launches off, and
 //!   `KAPITSA_GEMV_XS=0` the one-token kernels with x staged in shared memory (`2`: for every
 //!   one-token launch; default: launches of more blocks than fit at once) (for measurements).
+//! - `KAPITSA_GEMV_X8=1` (off by default until measured on the GPU) takes the int8-activation
+//!   kernels (`gemv_x8_<ty>`, `gemv_id_x8_<ty>`: Q4_K, Q6_K) for one-token and routed
+//!   launches: the activations are quantised to int8 per 32 elements first
+//!   (`quantize_x8_f32`, as llama.cpp's CUDA backend does with q8_1) and each 4 weights cost
+//!   one `__dp4a`.
 
 use std::sync::{Arc, OnceLock};
 
@@ -69,6 +74,19 @@ const BLOCK_SMEM_RESERVED: usize = 1024 + 128;
 /// `gemv_xs_idx`: 4 floats of padding after every 64).
 fn xs_bytes(n_in: usize) -> usize {
     4 * (n_in + 4 * n_in.div_ceil(64))
+}
+
+/// Whether one-token and routed launches of the formats that have them take the
+/// int8-activation kernels (`KAPITSA_GEMV_X8=1`; off otherwise).
+fn x8_on() -> bool {
+    static CELL: OnceLock<bool> = OnceLock::new();
+    *CELL.get_or_init(|| std::env::var("KAPITSA_GEMV_X8").is_ok_and(|v| v == "1"))
+}
+
+/// Bytes of one activation row of `n_in` elements in the int8 layout of kernels/matmul.cu
+/// `gemv_chunk_x8` (quants, a scale per 32, a sum per 16): `gemv_x8_row_bytes`.
+fn x8_row_bytes(n_in: usize) -> usize {
+    n_in + n_in / 8 + n_in / 4
 }
 
 /// Whether products are fused into one launch (`KAPITSA_GEMV_FUSE`).
@@ -199,6 +217,43 @@ pub(crate) struct GemvRoute<'a> {
 }
 
 impl MatmulKernels {
+    /// `rows` rows of `x` (`[rows, n_in]` f32, n_in a multiple of 32) quantised into a new
+    /// device buffer of int8 rows (kernels/matmul.cu `quantize_x8_f32`), for the
+    /// `gemv_x8` kernels. The buffer is stream-ordered: freed after the launches queued
+    /// before it is dropped.
+    fn quantize_x8(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: &CudaView<'_, f32>,
+        rows: usize,
+        n_in: usize,
+    ) -> Result<cudarc::driver::CudaSlice<u8>> {
+        const OP: &str = "matmul";
+        if !n_in.is_multiple_of(32) || x.len() < rows * n_in {
+            return shape_err(
+                OP,
+                "int8 activations: n_in not a multiple of 32, or x too short",
+            );
+        }
+        // SAFETY: the kernel below writes every byte of the `rows` rows before any read.
+        let mut q =
+            unsafe { stream.alloc::<u8>((rows * x8_row_bytes(n_in)).max(1)) }.map_err(dev_err)?;
+        let threads = rows * n_in; // one warp per 32 elements
+        let cfg = LaunchConfig {
+            grid_dim: (threads.div_ceil(256).clamp(1, 1 << 16) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (ni, nr) = (i32_arg(OP, "n_in", n_in)?, i32_arg(OP, "rows", rows)?);
+        let mut b = stream.kernel(&self.quantize_x8);
+        b.arg(x).arg(&mut q).arg(&ni).arg(&nr);
+        // SAFETY: quantize_x8_f32(const float* x, uint8_t* out, int n_in, int n_tok): x holds
+        // rows * n_in floats (checked), out rows * x8_row_bytes(n_in) bytes (allocated above),
+        // n_in a multiple of 32 (checked); the grid-stride loop covers every warp.
+        unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        Ok(q)
+    }
+
     /// The expert-routed GEMV (kernels/matmul.cu `gemv_id_<ty>`): for every pair q,
     /// `parts[p].y[q, r] = x[q / x_div, :] . W_p[ids[q] * rows_per_expert_p + row0_p + r, :]`
     /// (or, with `glu`, `silu(gate) * up` into part 0's y). `parts` as in
@@ -252,12 +307,21 @@ impl MatmulKernels {
             let g = ksplit(total * route.n_pairs, n_chunks, self.sms, 16, GEMV_WARPS);
             (g, GEMV_WARPS / g)
         };
+        // int8 activations: the x rows the pairs read, quantised
+        let x8 = match &self.gemv_id_x8[fmt.id()] {
+            Some(f) if x8_on() => {
+                let rows = route.n_pairs.div_ceil(route.x_div);
+                Some((f, self.quantize_x8(stream, x, rows, n_in)?))
+            }
+            _ => None,
+        };
+        let xq = x8.as_ref().map(|(_, q)| q.device_ptr(stream).0);
         let mut args = GemvArgs {
             n_parts: parts.len() as i32,
             n_in: i32_arg(OP, "n_in", n_in)?,
             ksplit: g as i32,
             flags: if glu { FLAG_GLU } else { 0 },
-            x: xp,
+            x: xq.unwrap_or(xp),
             ..GemvArgs::default()
         };
         let (ids_p, _ids_sync) = route.ids.device_ptr(stream);
@@ -294,7 +358,7 @@ impl MatmulKernels {
             block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = stream.kernel(&self.gemv_id[fmt.id()]);
+        let mut b = stream.kernel(x8.as_ref().map_or(&self.gemv_id[fmt.id()], |(f, _)| *f));
         b.arg(&args).arg(&ida);
         // SAFETY: gemv_id_<ty>(GemvArgs, GemvIdArgs): every part's weight image, plane offsets
         // and stride come from `upload`; rows row0 + e * n_out + r (r < n_rows, e < n_exp, the
@@ -384,10 +448,28 @@ impl MatmulKernels {
                 block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: if xs { smem as u32 } else { 0 },
             };
-            let f = if xs {
-                &self.gemv_xs[fmt.id()]
-            } else {
-                &self.gemv[fmt.id() * GEMV_MAX_TOKENS + nt - 1]
+            // int8 activations for one token where the format has the kernel
+            let x8 = match &self.gemv_x8[fmt.id()] {
+                Some(f) if n_tok == 1 && x8_on() => {
+                    Some((f, self.quantize_x8(stream, x, 1, n_in)?))
+                }
+                _ => None,
+            };
+            let (f, grid, smem) = match &x8 {
+                Some((f, q)) => {
+                    args.x = q.device_ptr(stream).0;
+                    (*f, blocks, 0)
+                }
+                None if xs => (&self.gemv_xs[fmt.id()], grid, smem as u32),
+                None => (&self.gemv[fmt.id() * GEMV_MAX_TOKENS + nt - 1], grid, 0),
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (grid as u32, 1, 1),
+                ..cfg
+            };
+            let cfg = LaunchConfig {
+                shared_mem_bytes: smem,
+                ..cfg
             };
             let mut b = stream.kernel(f);
             b.arg(&args);
