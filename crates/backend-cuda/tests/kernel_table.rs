@@ -100,3 +100,31 @@ fn the_check_sees_a_missing_kernel() {
     assert!(!defined(cu, "c_f32"), "a comment is not a definition");
     assert!(!defined(cu, "d_f32"));
 }
+
+/// The int8-activation GEMVs src/matmul.rs loads by formatted name (`gemv_x8_<fmt>`,
+/// `gemv_id_x8_<fmt>` for the formats of `Fmt::x8`, and `quantize_x8_f32`) are defined in
+/// kernels/matmul.cu: the macro defines both names, and it is instantiated for Q4_K and Q6_K,
+/// the formats `Fmt::x8` names. A missing one would fail the whole module's load.
+#[test]
+fn int8_activation_gemvs_are_defined_for_the_formats_that_load_them() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let cu = std::fs::read_to_string(dir.join("kernels/matmul.cu")).expect("matmul.cu");
+    let rs = std::fs::read_to_string(dir.join("src/matmul.rs")).expect("matmul.rs");
+    assert!(defined(&cu, "quantize_x8_f32"));
+    for s in [
+        "gemv_x8_##NAME(",
+        "gemv_id_x8_##NAME(",
+        "GEMV_X8(q4_k, KQ_Q4_K)",
+        "GEMV_X8(q6_k, KQ_Q6_K)",
+    ] {
+        assert!(cu.contains(s), "matmul.cu lacks `{s}`");
+    }
+    for s in [
+        "format!(\"gemv_x8_{}\", fmt.name())",
+        "format!(\"gemv_id_x8_{}\", fmt.name())",
+        "f(\"quantize_x8_f32\")",
+        "matches!(self, Fmt::Q4K | Fmt::Q6K)",
+    ] {
+        assert!(rs.contains(s), "matmul.rs lacks `{s}`");
+    }
+}
