@@ -32,9 +32,10 @@ for r in rows[hdr + 1:]:
     v = float(r[vi].replace(",", "")) if r[vi] else 0.0
     unit = r[ui]
     if r[mi] == "gpu__time_duration.sum":
-        v *= {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(unit, 1.0)
+        # (ncu names the units either way: "nsecond" or "ns")
+        v *= {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}[unit]
     else:
-        v *= {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}.get(unit, 1)
+        v *= {"byte": 1, "Kbyte": 1e3, "KB": 1e3, "Mbyte": 1e6, "MB": 1e6, "Gbyte": 1e9, "GB": 1e9}[unit]
     per[(r[idi], r[ki])][r[mi]] = v
 agg = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
 for (_, name), m in per.items():
