@@ -14,7 +14,8 @@
 //!   `KAPITSA_GEMV_FUSE=0` turns the multi-product and gate/up launches off, and
 //!   `KAPITSA_GEMV_XS=0` the one-token kernels with x staged in shared memory (`2`: for every
 //!   one-token launch; default: launches of more blocks than fit at once) (for measurements).
-//! - `KAPITSA_GEMV_X8=1` (off by default until measured on the GPU) takes the int8-activation
+//! - `KAPITSA_GEMV_X8=1` (off by default: measured correct and no faster on an H100, the extra
+//!   quantisation launch per GEMV eating the gain; see BENCHMARKS.md) takes the int8-activation
 //!   kernels (`gemv_x8_<ty>`, `gemv_id_x8_<ty>`: Q4_K, Q6_K) for one-token and routed
 //!   launches: the activations are quantised to int8 per 32 elements first
 //!   (`quantize_x8_f32`, as llama.cpp's CUDA backend does with q8_1) and each 4 weights cost
@@ -360,8 +361,9 @@ impl MatmulKernels {
         };
         let mut b = stream.kernel(x8.as_ref().map_or(&self.gemv_id[fmt.id()], |(f, _)| *f));
         b.arg(&args).arg(&ida);
-        // SAFETY: gemv_id_<ty>(GemvArgs, GemvIdArgs): every part's weight image, plane offsets
-        // and stride come from `upload`; rows row0 + e * n_out + r (r < n_rows, e < n_exp, the
+        // SAFETY: gemv_id_<ty>(GemvArgs, GemvIdArgs) (or gemv_id_x8_<ty> with x the int8 rows
+        // `quantize_x8` wrote for every x row the pairs read): every part's weight image,
+        // plane offsets and stride come from `upload`; rows row0 + e * n_out + r (r < n_rows, e < n_exp, the
         // kernel skips other ids) exist when row0 + n_rows <= n_out (the caller's contract);
         // each y holds n_pairs * n_rows floats, x holds the rows q / x_div < n_pairs / x_div
         // rounded up (the caller's contract), 16-byte aligned (checked), n_in a multiple of the
@@ -465,16 +467,14 @@ impl MatmulKernels {
             };
             let cfg = LaunchConfig {
                 grid_dim: (grid as u32, 1, 1),
-                ..cfg
-            };
-            let cfg = LaunchConfig {
                 shared_mem_bytes: smem,
                 ..cfg
             };
             let mut b = stream.kernel(f);
             b.arg(&args);
-            // SAFETY: gemv_<ty>_<nt>[xs](GemvArgs): every part's weight image, plane offsets
-            // and stride come from `upload`, its rows row0 .. row0 + n_rows exist and its y
+            // SAFETY: gemv_<ty>_<nt>[xs](GemvArgs), or gemv_x8_<ty>(GemvArgs) with x the one
+            // int8 row `quantize_x8` wrote (that layout's size for n_in): every part's weight
+            // image, plane offsets and stride come from `upload`, its rows row0 .. row0 + n_rows exist and its y
             // holds n_tok * n_rows floats from token 0 (the caller's contract; the offsets
             // above stay inside for tokens t0 .. t0 + nt), its bias is null or holds n_rows
             // floats; x holds n_tok * n_in floats, 16-byte aligned (checked), n_in a multiple
