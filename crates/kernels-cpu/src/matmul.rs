@@ -33,12 +33,12 @@
 //!   rows-in-lanes `quant::gemv_sb_lanes`), which read each weight block from memory once
 //!   for all the tokens (before the GEMMs and the per-row dot kernels).
 //! * Prefill batches (more than [`GEMV_MULTI_MAX_TOKENS`]) of Q4_K and Q6_K at
-//!   [`SimdLevel::Avx512Vnni`] (and at [`SimdLevel::Amx`] below [`AMX_MIN_TOKENS`]): the
-//!   same rounds on the rows-in-lanes kernel, all tokens in one call per row chunk (it repacks
-//!   a 16-row panel once per 256 tokens). It replaced the AVX-512 GEMM (`kern_k_sb`) there:
-//!   measured on an AMD EPYC (Zen 4, 2 threads) 1.5x on the 1.5B's Q4_K/Q6_K shapes at 512
-//!   tokens (`examples/gemm_bench`), pp512 of the whole 1.5B 1.5x. `KAPITSA_LANES_GEMM=0`
-//!   turns it off (for A/B runs).
+//!   [`SimdLevel::Avx512Vnni`]: the same rounds on the rows-in-lanes kernel, all tokens in one
+//!   call per row chunk (it repacks a 16-row panel once per 256 tokens). It replaced the
+//!   AVX-512 GEMM (`kern_k_sb`) there: measured on an AMD EPYC (Zen 4, 2 threads) 1.5x on the
+//!   1.5B's Q4_K/Q6_K shapes at 512 tokens (`examples/gemm_bench`), pp512 of the whole 1.5B
+//!   1.5x. The AMX level keeps `kern_k_sb` below its tile GEMM (not measured on an AMX
+//!   machine yet). `KAPITSA_LANES_GEMM=0` turns it off (for A/B runs).
 //!
 //! At a given level every one of these paths computes each output with the same operation
 //! sequence, so a sequence's results never depend on how many tokens share its pass
@@ -569,16 +569,16 @@ pub fn gemv_batch_with(
 const QUANT_PARALLEL_MIN_TOKENS: usize = 32;
 
 /// Whether `n_tok` tokens (more than [`GEMV_MULTI_MAX_TOKENS`]) take the rows-in-lanes kernel
-/// of the K formats as their GEMM (`gemv_sb_lanes`; at [`SimdLevel::Avx512Vnni`], and at
-/// [`SimdLevel::Amx`] below [`AMX_MIN_TOKENS`]): in the super-block order it needs about 7
-/// vector operations per (row, token, super-block) against about 14 for the AVX-512 GEMM's
-/// `kern_k_sb`, whose per-token lane reduction dominates.
+/// of the K formats as their GEMM (`gemv_sb_lanes`, at [`SimdLevel::Avx512Vnni`] only: the
+/// AMX level keeps its measured paths until this one is measured there): in the super-block
+/// order it needs about 7 vector operations per (row, token, super-block) against about 14
+/// for the AVX-512 GEMM's `kern_k_sb`, whose per-token lane reduction dominates.
 fn lanes_gemm(kernel: &DotKernel, n_tok: usize) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("KAPITSA_LANES_GEMM").map_or(true, |v| v != "0"))
         && n_tok > GEMV_MULTI_MAX_TOKENS
         && kernel.has_gemv_lanes()
-        && !(kernel.level() == SimdLevel::Amx && n_tok >= AMX_MIN_TOKENS)
+        && kernel.level() == SimdLevel::Avx512Vnni
 }
 
 /// Row chunks `(matrix, first row, end row)` of one decode round over matrices given as

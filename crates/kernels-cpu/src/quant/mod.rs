@@ -36,10 +36,11 @@
 //! row-group GEMV of `gemv_sb` for one token ([`DotKernel`]'s `gemv`, 8 rows per vector
 //! chain) and its multi-token form for a few, the rows-in-lanes GEMV of `gemv_sb_lanes`
 //! (Q4_K from 4 tokens, Q6_K from 6: 16 rows in the lanes, activations broadcast, no
-//! reduction), which for Q4_K and Q6_K is also the prefill GEMM of larger batches (blocks of
-//! 256 tokens per repacked panel; `matmul`'s `lanes_gemm`), the AVX-512 GEMM in that order
-//! (`kern_k_sb`) for Q5_K's larger batches and, at [`SimdLevel::Amx`] only, the tile GEMM
-//! (`crate::gemm_amx`) for batches of `AMX_MIN_TOKENS`+; all bit-identical to each other and to the scalar twin
+//! reduction), which for Q4_K and Q6_K at [`SimdLevel::Avx512Vnni`] is also the prefill GEMM
+//! of larger batches (blocks of 256 tokens per repacked panel; `matmul`'s `lanes_gemm`), the
+//! AVX-512 GEMM in that order (`kern_k_sb`) for the other larger batches and, at
+//! [`SimdLevel::Amx`] only, the tile GEMM (`crate::gemm_amx`) for batches of
+//! `AMX_MIN_TOKENS`+; all bit-identical to each other and to the scalar twin
 //! `dot_sb::dot_scalar`, so a level's results never depend on the batch (speculative
 //! verification of k tokens gives each exactly its one-token-step result).
 //!
