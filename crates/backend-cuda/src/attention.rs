@@ -326,7 +326,6 @@ impl CudaBackend {
             block_dim: (32 * ATTN_WARPS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let null = 0u64;
         macro_rules! launch {
             ($ty:ty) => {{
                 let kc = self.buf::<$ty>(k_cache, OP, "k cache")?;
@@ -347,10 +346,7 @@ impl CudaBackend {
                     .arg(&nbl)
                     .arg(&toks);
                 b.arg(&mut *ob);
-                match ws.as_mut() {
-                    Some(w) => b.arg(w),
-                    None => b.arg(&null),
-                };
+                b.arg(ws.as_mut());
                 // SAFETY: attn_split_*(const float* q, const T* kc, const T* vc,
                 // const uint32_t* positions, tok_seq, seqs, tables, uint32_t n_head,
                 // n_head_kv, head_dim, float scale, uint32_t block_size, n_blocks,

@@ -591,7 +591,6 @@ impl CudaBackend {
             u32_arg(OP, "tokens", n)?,
         );
         let (norm, scale) = (u32::from(w.norm_topk), w.scale);
-        let null = 0u64;
         let smem = u32_arg(OP, "experts", (n_exp * 9).div_ceil(4) * 4)?;
         if smem > 48 * 1024 {
             return Err(BackendError::Unsupported {
@@ -602,10 +601,7 @@ impl CudaBackend {
         {
             let mut b = self.stream.kernel(&self.k.moe_topk_f32);
             b.arg(&logits).arg(&ne).arg(&ka).arg(&gating);
-            match bias {
-                Some(bb) => b.arg(bb),
-                None => b.arg(&null),
-            };
+            b.arg(bias);
             b.arg(&norm).arg(&scale).arg(&mut ids).arg(&mut wts);
             let cfg = LaunchConfig {
                 grid_dim: (nt, 1, 1),
@@ -678,10 +674,7 @@ impl CudaBackend {
             let da = u32_arg(OP, "width", d)?;
             let mut b = self.stream.kernel(&self.k.moe_shared_add_f32);
             b.arg(&mut *dst).arg(sh).arg(xb);
-            match sgate {
-                Some(g) => b.arg(g),
-                None => b.arg(&null),
-            };
+            b.arg(sgate);
             b.arg(&da).arg(&da);
             let cfg = LaunchConfig {
                 grid_dim: (nt, 1, 1),
@@ -722,18 +715,11 @@ impl CudaBackend {
             u32_arg(OP, "width", d)?,
             u32::from(fin.accumulate),
         );
-        let null = 0u64;
         let mut b = self.stream.kernel(&self.k.moe_finish_f32);
         b.arg(ye).arg(w).arg(&ka).arg(&da);
-        match fin.sh {
-            Some(s) => b.arg(s),
-            None => b.arg(&null),
-        };
+        b.arg(fin.sh);
         b.arg(fin.x);
-        match fin.gate {
-            Some(g) => b.arg(g),
-            None => b.arg(&null),
-        };
+        b.arg(fin.gate);
         b.arg(&da).arg(&acc).arg(out);
         let cfg = LaunchConfig {
             grid_dim: (

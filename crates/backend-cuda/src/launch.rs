@@ -105,6 +105,17 @@ impl<'a, 'b, T> KernelArg<'a> for &'a mut CudaViewMut<'b, T> {
     }
 }
 
+/// An optional buffer: its device pointer, or a null pointer (0) for `None` (the kernels'
+/// "absent" value for optional inputs such as a bias).
+impl<'a, A: KernelArg<'a>> KernelArg<'a> for Option<A> {
+    fn push_to(self, l: &mut Launch<'a>) {
+        match self {
+            Some(a) => a.push_to(l),
+            None => l.push_dev(0),
+        }
+    }
+}
+
 impl<'a> Launch<'a> {
     fn push_dev(&mut self, p: sys::CUdeviceptr) {
         self.slots.push(Slot::Dev(self.dev.len()));

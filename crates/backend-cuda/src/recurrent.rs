@@ -96,13 +96,9 @@ impl CudaBackend {
             grid_seqs(OP, db)?,
         );
         let seqs = db.seqs();
-        let null = 0u64;
         let mut b = self.stream.kernel(&self.k.conv1d_causal_f32);
         b.arg(xb).arg(wb);
-        match bb {
-            Some(bb) => b.arg(bb),
-            None => b.arg(&null),
-        };
+        b.arg(bb);
         b.arg(sb)
             .arg(ob)
             .arg(&seqs)
@@ -341,13 +337,9 @@ impl CudaBackend {
         );
         u32_arg(OP, "proj width", di + cd + nh)?;
         let seqs = db.seqs();
-        let null = 0u64;
         let mut l = self.stream.kernel(&self.k.mamba2_preamble_f32);
         l.arg(pb).arg(wb);
-        match bb {
-            Some(bb) => l.arg(bb),
-            None => l.arg(&null),
-        };
+        l.arg(bb);
         l.arg(dtb)
             .arg(sb)
             .arg(zb)
