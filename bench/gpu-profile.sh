@@ -5,7 +5,8 @@
 # name: launches, total and mean time, DRAM bytes read and the bandwidth that makes.
 #
 # usage: bench/gpu-profile.sh MODEL.gguf [SKIP] [COUNT]   (launches skipped / profiled)
-# env:   OUT (csv + table) [/tmp/kapitsa-prof], KAPITSA_BIN [/tmp/kapitsa from bench/.cache]
+# env:   OUT (csv + table) [/tmp/kapitsa-prof], KAPITSA_BIN [/tmp/kapitsa from bench/.cache],
+#        PROF_PP=N profiles a prompt of N tokens (`bench -p N -n 0`) instead of decode steps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL="$1"; SKIP="${2:-3000}"; COUNT="${3:-800}"
@@ -19,7 +20,8 @@ done
 NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
 KAPITSA_CUDA_GRAPHS=0 "$NCU" --clock-control none --launch-skip "$SKIP" --launch-count "$COUNT" \
   --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum --csv \
-  "$BIN" bench -m "$MODEL" --device cuda -p 0 -n 64 -r 1 >"$OUT/ncu.csv" 2>"$OUT/ncu.log" || true
+  "$BIN" bench -m "$MODEL" --device cuda -p "${PROF_PP:-0}" -n "$([[ -n "${PROF_PP:-}" ]] && echo 0 || echo 64)" -r 1 \
+  >"$OUT/ncu.csv" 2>"$OUT/ncu.log" || true
 python3 - "$OUT/ncu.csv" <<'PY' | tee "$OUT/profile.txt"
 import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if r]

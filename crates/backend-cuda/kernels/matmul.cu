@@ -23,6 +23,15 @@
 //   1 for rows already per pair) into `y + q * ldy`. One token's GEMV otherwise (no staging),
 //   the GLU pair allowed; a pair whose id is not below `n_exp` writes nothing. Launch: one
 //   `GemvArgs` and one `GemvIdArgs` by value, grid (vblocks, n_pairs).
+// - `gemv_grp_<ty>`: the expert-grouped GEMV of a prompt's MoE (the tensor-core GEMM's
+//   per-expert launches folded into one): the rows of x are the (token, slot) pairs sorted by
+//   expert, and grid.y runs over tiles of up to 8 pairs of one expert. Tile i is
+//   `tiles[3i .. 3i + 3]` = (expert e, first sorted row f, count c <= 8): it computes part p's
+//   rows of expert e (`row0 + e * rpe[p] + r`) against x rows f .. f + c into y rows f .. f + c
+//   (`y + (f + t) * ldy`), 8 tokens' GEMV otherwise (the GLU pair allowed, no epilogues); a
+//   tile whose expert is not below `n_exp` writes nothing. x rows f + c .. f + 7 are read and
+//   their results dropped: x must hold 7 rows past the last tile's. Launch: one `GemvArgs` and
+//   one `GemvIdArgs` (ids = the tiles) by value, grid (vblocks, n_tiles).
 // - `gemv_x8_<ty>`, `gemv_id_x8_<ty>` (Q4_K, Q6_K): the one-token GEMV and the routed
 //   one on int8 activations (`quantize_x8_f32`'s rows instead of f32 x; `__dp4a` per 4
 //   weights, ~1 instruction per weight instead of ~4), same arguments and epilogues.
@@ -224,6 +233,7 @@ struct GemvArgs {
 
 // The routing of `gemv_id_<ty>` (mirrored by src/matmul/gemv.rs `GemvIdArgs`): expert ids
 // `[n_pairs]` (u32, device), each part's rows per expert, the x row divisor, the expert count.
+// `gemv_grp_<ty>` reads `ids` as its tiles (3 u32 each) and ignores x_div.
 struct GemvIdArgs {
   const uint32_t* ids;
   uint64_t rpe[GEMV_MAX_PARTS];
@@ -236,7 +246,8 @@ struct GemvIdArgs {
 // touches 32 cache lines, from shared memory it is one conflict-free pass.
 // ID: the expert-routed form (`gemv_id_<ty>`, NT == 1, no staging): blockIdx.y is the pair.
 // X8: x is one x8 row per token (`gemv_chunk_x8`; NT == 1, unstaged).
-template <int T, int NT, bool XS, bool ID, bool X8 = false>
+// GRP: the expert-grouped form (`gemv_grp_<ty>`, unstaged): blockIdx.y is the tile.
+template <int T, int NT, bool XS, bool ID, bool X8 = false, bool GRP = false>
 __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& ida) {
   using F = KqFmt<T>;
   constexpr int R = GemvTune<T, NT>::R;
@@ -245,6 +256,7 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
   static_assert(!XS || NT == 1, "staged activations: one token");
   static_assert(!ID || (NT == 1 && !XS), "routed: one pair per grid row, unstaged");
   static_assert(!X8 || (NT == 1 && !XS), "int8 activations: one token, unstaged");
+  static_assert(!GRP || (!XS && !ID && !X8), "grouped: f32 x, unstaged");
   __shared__ float red[GEMV_WARPS][NT * R];
   extern __shared__ float4 gemv_xs[];
 
@@ -261,6 +273,16 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
   // row and y offset
   uint64_t e = 0;
   size_t x_off = 0, y_pair = 0;
+  int n_tok = NT;  // grouped: the tile's pairs
+  if constexpr (GRP) {
+    pdl_enter();
+    const uint32_t* tile = ida.ids + 3 * (size_t)blockIdx.y;
+    e = tile[0];
+    if (e >= (uint64_t)ida.n_exp) return;  // uniform over the block
+    y_pair = tile[1];
+    n_tok = (int)tile[2];
+    x_off = y_pair * n_in;
+  }
   if constexpr (ID) {
     pdl_enter();
     e = ida.ids[blockIdx.y];
@@ -269,7 +291,7 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
     y_pair = blockIdx.y;
   }
   const float* __restrict__ x = XS ? reinterpret_cast<const float*>(gemv_xs) : a.x + x_off;
-  const bool early = !ID && (a.flags & GEMV_PREFETCH) != 0;
+  const bool early = !ID && !GRP && (a.flags & GEMV_PREFETCH) != 0;
 
   int vb = blockIdx.x;
   // the part of block vb (plain launches); with GLU the matrix of this warp
@@ -290,7 +312,7 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
     n_rows = a.part[pm].n_rows;                                                            \
     r_first = ((vb - a.part[p].block0) * (wpm / G) + rg) * R;                              \
     m = KqMat{a.part[pm].w, a.part[pm].off1, a.part[pm].off2, a.part[pm].off3, a.part[pm].stride}; \
-    const uint64_t row_base = a.part[pm].row0 + (ID ? e * ida.rpe[pm] : 0);                \
+    const uint64_t row_base = a.part[pm].row0 + (ID || GRP ? e * ida.rpe[pm] : 0);         \
     _Pragma("unroll") for (int i = 0; i < R; i++) rows[i] =                                \
         row_base + (uint64_t)min(r_first + i, n_rows - 1);                                  \
     j0 = ks * 32 + lane;                                                                   \
@@ -303,7 +325,7 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
       _Pragma("unroll") for (int i = 0; i < R; i++) raw[u][i] = F::load(m, rows[i], j); \
     }                                                                   \
   }
-  if (!early && !ID) pdl_enter();
+  if (!early && !ID && !GRP) pdl_enter();
   GEMV_SETUP_BLOCK
   GEMV_LOAD_CHUNKS
   if (early) pdl_enter();
@@ -350,9 +372,9 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
       for (int k = 1; k < G; k++) v += red[warp + k][lane];
       const int t = lane / R, i = lane - t * R;
       const int r = r_first + i;
-      if (r < n_rows) {
+      if (r < n_rows && (!GRP || t < n_tok)) {
         const GemvPart& P = a.part[p];
-        float* yp = P.y + (ID ? y_pair : (size_t)t) * P.ldy + r;
+        float* yp = P.y + (ID ? y_pair : GRP ? y_pair + t : (size_t)t) * P.ldy + r;
         if (glu) {
           float u = red[warp + wpm][lane];
           for (int k = 1; k < G; k++) u += red[warp + wpm + k][lane];
@@ -385,6 +407,10 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GemvTune<T, 1>::MIN_BLOCKS)           \
       gemv_id_##NAME(const __grid_constant__ GemvArgs a, const __grid_constant__ GemvIdArgs ida) {  \
     gemv_impl<T, 1, false, true>(a, ida);                                                            \
+  }                                                                                                  \
+  extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GemvTune<T, 8>::MIN_BLOCKS)           \
+      gemv_grp_##NAME(const __grid_constant__ GemvArgs a, const __grid_constant__ GemvIdArgs ida) { \
+    gemv_impl<T, 8, false, false, false, true>(a, ida);                                              \
   }                                                                                                  \
   GEMV_KERNEL_V(NAME, T, 1, true, xs) \
   GEMV_KERNEL(NAME, T, 1)    \
@@ -449,8 +475,19 @@ GEMV_ALL_NT(q4_k, KQ_Q4_K)
 GEMV_ALL_NT(q5_k, KQ_Q5_K)
 GEMV_ALL_NT(q6_k, KQ_Q6_K)
 
-// ---- exact dequantisation (embedding gather, GEMM tiles) ---------------------------------------
+// ---- expert-grouped GEMM on tensor cores (prompts' MoE) -----------------------------------------
 
+// `gemm_grp_<ty>_<BN>` (quantised types, BN in {16, 64}): the tensor-core twin of
+// `gemv_grp_<ty>` for tiles of up to BN pairs. Block (row block, tile): 4 warps, BM = 64 rows of
+// part p (warp w: rows 16 w .. 16 w + 15) against the tile's BN x rows; per K step of GEMM_BK
+// = 128 the weights are dequantised exactly (`exact4`, as `dequant_<ty>_f16`) and the x rows
+// converted to f16 (`cvt_f32_f16`'s rounding) into shared memory, then multiplied with
+// `mma.sync.m16n8k16` (f16 in, f32 accumulation). y[(f + t) * ldy + r] = sum_k x[f + t, k]
+// W[row0 + e * rpe + r, k] for t < count, r < n_rows; rows of x past the tile's count read as
+// zero. A K step holds whole chunks: 128 / CE of them (Q6_K's chunks 2m, 2m + 1 cover elements
+// 128 m .. 128 m + 128; the other formats' chunks are contiguous). Launch: one `GemmGrpArgs`
+// by value, grid (row blocks of all parts: sum ceil(n_rows / 64), n_tiles), 128 threads.
+// four floats stored as f32, or rounded to f16 (round to nearest even)
 __device__ __forceinline__ void store4(float* p, const float v[4]) {
   *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
 }
@@ -463,6 +500,138 @@ __device__ __forceinline__ void store4(__half* p, const float v[4]) {
   u.y = *reinterpret_cast<const uint32_t*>(&b);
   *reinterpret_cast<uint2*>(p) = u;
 }
+
+#define GEMM_BM 64
+#define GEMM_BK 128
+#define GEMM_LDS (GEMM_BK + 8)  // halves per shared row: rows 16 bytes apart in bank phase
+
+struct GemmGrpPart {
+  const uint8_t* w;
+  uint64_t off1, off2, off3, stride, row0, rpe;
+  float* y;
+  int n_rows, ldy, block0, unused;
+};
+
+// Mirrored by src/matmul/gemv.rs `GemmGrpArgs`: change both together.
+struct GemmGrpArgs {
+  GemmGrpPart part[2];
+  const float* x;         // [rows of the tiles (+ none past them), n_in] f32, the sorted pairs
+  const uint32_t* tiles;  // (expert, first row, count <= BN) per tile
+  int n_parts, n_in, n_exp, unused;
+};
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int T, int BN>
+__device__ __forceinline__ void gemm_grp_impl(const GemmGrpArgs& a) {
+  using F = KqFmt<T>;
+  static_assert(GEMM_BK % F::CE == 0, "a K step holds whole chunks");
+  __shared__ __align__(16) __half as[GEMM_BM * GEMM_LDS];
+  __shared__ __align__(16) __half bs[BN * GEMM_LDS];
+  pdl_enter();
+  const uint32_t* tile = a.tiles + 3 * (size_t)blockIdx.y;
+  const uint64_t e = tile[0];
+  if (e >= (uint64_t)a.n_exp) return;  // uniform over the block
+  const uint32_t first = tile[1];
+  const int cnt = (int)tile[2];
+  const int p = (a.n_parts > 1 && (int)blockIdx.x >= a.part[1].block0) ? 1 : 0;
+  const GemmGrpPart& P = a.part[p];
+  const int r_base = ((int)blockIdx.x - P.block0) * GEMM_BM;
+  const KqMat m{P.w, P.off1, P.off2, P.off3, P.stride};
+  const uint64_t row_base = P.row0 + e * P.rpe;
+  const int n_in = a.n_in, n_chunks = n_in / F::CE;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const float* __restrict__ xt = a.x + (size_t)first * n_in;
+
+  float acc[BN / 8][4];
+#pragma unroll
+  for (int n = 0; n < BN / 8; n++)
+#pragma unroll
+    for (int i = 0; i < 4; i++) acc[n][i] = 0.0f;
+
+  for (int kb = 0; kb < n_in; kb += GEMM_BK) {
+    // weights: (row, chunk) units, exact values as f16 at their positions in the K step
+    constexpr int CPS = GEMM_BK / F::CE;
+    for (int u = threadIdx.x; u < GEMM_BM * CPS; u += blockDim.x) {
+      const int rr = u / CPS, j = kb / F::CE + (u - rr * CPS);
+      const uint64_t row = row_base + (uint64_t)min(r_base + rr, P.n_rows - 1);
+      const int base = rr * GEMM_LDS - kb;  // + element index = its place in the K step
+      if (j < n_chunks) {
+        const typename F::Raw raw = F::load(m, row, j);
+#pragma unroll
+        for (int s = 0; s < F::NSEG; s++)
+#pragma unroll
+          for (int q = 0; q < F::SEGLEN / 4; q++) {
+            float v[4];
+            F::exact4(raw, j, s, q, v);
+            store4(as + (base + F::seg_elem(j, s) + 4 * q), v);
+          }
+      } else {
+        const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int s = 0; s < F::NSEG; s++)
+#pragma unroll
+          for (int q = 0; q < F::SEGLEN / 4; q++) store4(as + (base + F::seg_elem(j, s) + 4 * q), z);
+      }
+    }
+    // activations: BN rows of the step, zeros past the tile's count and past n_in
+    for (int i = threadIdx.x; i < BN * (GEMM_BK / 4); i += blockDim.x) {
+      const int n = i / (GEMM_BK / 4), k = 4 * (i - n * (GEMM_BK / 4));
+      float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (n < cnt && kb + k < n_in) {
+        const float4 x4 = __ldg(reinterpret_cast<const float4*>(xt + (size_t)n * n_in + kb + k));
+        v[0] = x4.x;
+        v[1] = x4.y;
+        v[2] = x4.z;
+        v[3] = x4.w;
+      }
+      store4(bs + n * GEMM_LDS + k, v);
+    }
+    __syncthreads();
+    const __half* aw = as + (warp * 16 + g) * GEMM_LDS + 2 * t4;
+#pragma unroll
+    for (int kk = 0; kk < GEMM_BK; kk += 16) {
+      const uint32_t a0 = *reinterpret_cast<const uint32_t*>(aw + kk);
+      const uint32_t a1 = *reinterpret_cast<const uint32_t*>(aw + 8 * GEMM_LDS + kk);
+      const uint32_t a2 = *reinterpret_cast<const uint32_t*>(aw + kk + 8);
+      const uint32_t a3 = *reinterpret_cast<const uint32_t*>(aw + 8 * GEMM_LDS + kk + 8);
+#pragma unroll
+      for (int n = 0; n < BN / 8; n++) {
+        const __half* bw = bs + (n * 8 + g) * GEMM_LDS + 2 * t4 + kk;
+        mma_16816(acc[n], a0, a1, a2, a3, *reinterpret_cast<const uint32_t*>(bw),
+                  *reinterpret_cast<const uint32_t*>(bw + 8));
+      }
+    }
+    __syncthreads();  // the next step rewrites the tiles
+  }
+  // C fragment: acc[n][0..1] = rows g, tokens 8n + 2 t4 + {0, 1}; acc[n][2..3] = rows g + 8
+#pragma unroll
+  for (int n = 0; n < BN / 8; n++)
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const int tok = n * 8 + 2 * t4 + (i & 1);
+      const int r = r_base + warp * 16 + g + (i >> 1) * 8;
+      if (tok < cnt && r < P.n_rows) P.y[(size_t)(first + tok) * P.ldy + r] = acc[n][i];
+    }
+}
+
+#define GEMM_GRP_KERNELS(NAME, T)                                                                   \
+  extern "C" __global__ void __launch_bounds__(128) gemm_grp_##NAME##_16(const __grid_constant__ GemmGrpArgs a) { \
+    gemm_grp_impl<T, 16>(a);                                                                        \
+  }                                                                                                 \
+  extern "C" __global__ void __launch_bounds__(128) gemm_grp_##NAME##_64(const __grid_constant__ GemmGrpArgs a) { \
+    gemm_grp_impl<T, 64>(a);                                                                        \
+  }
+
+// ---- exact dequantisation (embedding gather, GEMM tiles) ---------------------------------------
 
 template <int T, typename O>
 __device__ __forceinline__ void dequant_impl(const uint8_t* __restrict__ w, uint64_t off1, uint64_t off2,
@@ -523,6 +692,13 @@ DEQUANT_KERNELS(q4_0, KQ_Q4_0)
 DEQUANT_KERNELS(q4_k, KQ_Q4_K)
 DEQUANT_KERNELS(q5_k, KQ_Q5_K)
 DEQUANT_KERNELS(q6_k, KQ_Q6_K)
+
+GEMM_GRP_KERNELS(q8_0, KQ_Q8_0)
+GEMM_GRP_KERNELS(q5_0, KQ_Q5_0)
+GEMM_GRP_KERNELS(q4_0, KQ_Q4_0)
+GEMM_GRP_KERNELS(q4_k, KQ_Q4_K)
+GEMM_GRP_KERNELS(q5_k, KQ_Q5_K)
+GEMM_GRP_KERNELS(q6_k, KQ_Q6_K)
 
 // ---- embedding gather of the float types ----------------------------------------------------------
 

@@ -4,18 +4,21 @@
 //!
 //! MoE: the router logits are a matmul, the scores and top-k run on the device
 //! (kernels/ffn.cu `moe_topk_f32`). Up to 16 tokens ([`MOE_ROUTED_MAX_TOKENS`]) the experts run
-//! routed on the device ([`CudaBackend::moe_routed`]: one GEMV launch for every (token, slot)
+//! routed on the device ([`CudaBackend::moe_experts`]: one GEMV launch for every (token, slot)
 //! pair's gate/up with SwiGLU, one for its down projection, the expert rows chosen by the ids
 //! in device memory), so the op never waits for the host and decode steps record. More tokens
-//! take the grouped form ([`CudaBackend::moe_grouped`]): the ids come back to the host (one
-//! synchronisation), which groups the pairs by expert; each used expert's rows are gathered,
-//! run through its MLP and scattered into `ye [n * top_k, d]`. `moe_finish_f32` then sums each
+//! take the tiled form ([`CudaBackend::moe_tiled`]): the ids come back to the host (one
+//! synchronisation), which sorts the pairs by expert into tiles of up to 8; the sorted rows
+//! are gathered, run through the same two launches on the tiles, and scattered into
+//! `ye [n * top_k, d]`. Experts uploaded one by one take the per-expert form
+//! ([`CudaBackend::moe_grouped`]: each used expert's rows gathered, run through its MLP and
+//! scattered). `moe_finish_f32` then sums each
 //! token's rows in top-k order with their weights, adds the (gated) shared expert and, for
 //! `moe_add`, the residual, in one kernel (latent MoE: the sum is projected back up first).
 
 use std::ops::Range;
 
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig};
 use kapitsa_backend::{
     shape_err, Act, BackendError, Batch, Epilogue, Experts, Gating, MlpWeights, MoeWeights, Result,
     Tensor, Weight,
@@ -23,7 +26,7 @@ use kapitsa_backend::{
 
 use crate::device::{dev_err, row_threads, u32_arg};
 use crate::launch::KernelLaunch;
-use crate::matmul::{fuse_on, CudaWeight, GemvEpilogue, GemvPart, GemvRoute};
+use crate::matmul::{fuse_on, CudaWeight, GemvEpilogue, GemvPart, GemvRoute, GEMM_GRP_TILES};
 use crate::CudaBackend;
 
 /// One operand of an expert MLP: rows `rows` of expert `e` of a device weight (`e = 0` and
@@ -539,8 +542,10 @@ impl CudaBackend {
             None => None,
         };
         let de = latent.as_ref().map_or(d, |l| l.2);
-        // the routed form's matrices, or every expert's for the grouped form
-        let routed = match n <= MOE_ROUTED_MAX_TOKENS && routed_on() {
+        // the stacked matrices of the routed and tiled forms, or every expert's for the
+        // per-expert form
+        let small = n <= MOE_ROUTED_MAX_TOKENS;
+        let routed = match (small && routed_on()) || (!small && tiled_on()) {
             true => self.routed_mats(w, de, OP)?,
             false => None,
         };
@@ -627,7 +632,18 @@ impl CudaBackend {
         let xe = x_lat.as_ref().unwrap_or(xb);
         let mut ye = self.scratch::<f32>(n * k * de)?;
         match &routed {
-            Some(m) => self.moe_routed(m, w.act, w.n_ff, n, k, xe, &ids, &mut ye)?,
+            Some(m) if small => {
+                let ids_v = ids.slice(0..n * k);
+                let route = |x_div| GemvRoute {
+                    ids: &ids_v,
+                    n_pairs: n * k,
+                    x_div,
+                    tiles: false,
+                };
+                let io = (xe, &mut ye);
+                self.moe_experts(m, w.act, w.n_ff, n * k, io, &route(k), &route(1))?
+            }
+            Some(m) => self.moe_tiled(m, w.act, w.n_ff, n, k, xe, &ids, &mut ye)?,
             None => self.moe_grouped(&grouped, w.act, w.n_ff, n, k, xe, &ids, &mut ye)?,
         }
 
@@ -766,66 +782,56 @@ impl CudaBackend {
         !matches!(self.routed_mats(w, de, OP), Ok(Some(_)))
     }
 
-    /// The routed experts on the device (kernels/matmul.cu `gemv_id_<ty>`): pair
-    /// q = t * k + j runs expert `ids[q]`'s MLP on `xe` row t into `ye` row q. `m` is any
+    /// The stacked experts on the device (kernels/matmul.cu `gemv_id_<ty>`, or
+    /// `gemv_grp_<ty>` for tiles): row q of `ye` (`[rows, de]`) = the MLP of the expert
+    /// `r_in` gives it on `xe`'s row (`r_in.x_div` = top_k: token rows; tiles: x row q), with
+    /// `r_down` (x_div 1) routing its hidden row q through the down projection. `m` is any
     /// expert's matrices of stacks that [`Self::routed_mats`] accepted (the kernel adds
-    /// `ids[q] * rows per expert`). `xe [n, de]`, `ids [n * k]`, `ye [n * k, de]` (device).
+    /// `expert * rows per expert`). Device buffers; with tiles `xe` holds 7 rows more.
     #[allow(clippy::too_many_arguments)]
-    fn moe_routed(
+    fn moe_experts(
         &self,
         m: &ExpertMats<'_>,
         act: Act,
         n_ff: usize,
-        n: usize,
-        k: usize,
-        xe: &CudaSlice<f32>,
-        ids: &CudaSlice<u32>,
-        ye: &mut CudaSlice<f32>,
+        rows: usize,
+        (xe, ye): (&CudaSlice<f32>, &mut CudaSlice<f32>),
+        r_in: &GemvRoute<'_>,
+        r_down: &GemvRoute<'_>,
     ) -> Result<()> {
         const OP: &str = "moe";
-        let np = n * k;
-        let ids_v = ids.slice(0..np);
-        let per_token = GemvRoute {
-            ids: &ids_v,
-            n_pairs: np,
-            x_div: k,
-        };
-        fn part<'a>(mat: &Mat<'a>, n_rows: usize) -> (&'a CudaWeight, usize, usize) {
-            (mat.w, mat.rows.start, n_rows)
-        }
-        let mut h = self.scratch::<f32>(np * n_ff)?;
-        let mut u = self.scratch::<f32>(np * n_ff)?;
+        let np = rows;
+        // the tiles read 7 hidden rows past the last one (their results dropped)
+        let pad = if r_down.tiles { 7 } else { 0 };
+        let mut h = self.scratch::<f32>((np + pad) * n_ff)?;
+        let mut u = self.scratch::<f32>((np + pad) * n_ff)?;
         let launch = |ps: &[(&CudaWeight, usize, usize)],
                       ys: Vec<&mut CudaSlice<f32>>,
                       x: &CudaSlice<f32>,
                       route: &GemvRoute<'_>,
                       glu: bool| self.routed_launch(ps, ys, x, route, glu);
+        let per_token = r_in;
         match (act, &m.gate) {
             (Act::SwiGlu, Some(gate)) => {
                 let (g, up) = (part(gate, n_ff), part(&m.up, n_ff));
                 if gate.w.dtype() == m.up.w.dtype() && fuse_on() {
                     // gate and up in one launch, silu(gate) * up in its epilogue
-                    launch(&[g, up], vec![&mut h, &mut u], xe, &per_token, true)?;
+                    launch(&[g, up], vec![&mut h, &mut u], xe, per_token, true)?;
                 } else {
-                    launch(&[g], vec![&mut h], xe, &per_token, false)?;
-                    launch(&[up], vec![&mut u], xe, &per_token, false)?;
+                    launch(&[g], vec![&mut h], xe, per_token, false)?;
+                    launch(&[up], vec![&mut u], xe, per_token, false)?;
                     self.silu_mul_dev(&mut h, &u, np * n_ff)?;
                 }
             }
             (Act::Relu2, None) => {
-                launch(&[part(&m.up, n_ff)], vec![&mut h], xe, &per_token, false)?;
+                launch(&[part(&m.up, n_ff)], vec![&mut h], xe, per_token, false)?;
                 self.relu2_dev(&mut h, np * n_ff)?;
             }
             (Act::SwiGlu, None) => return shape_err(OP, "a SwiGLU expert without a gate"),
             (Act::Relu2, Some(_)) => return shape_err(OP, "a squared-ReLU expert with a gate"),
         }
-        let per_pair = GemvRoute {
-            ids: &ids_v,
-            n_pairs: np,
-            x_div: 1,
-        };
         let de = m.down.rows.len();
-        launch(&[part(&m.down, de)], vec![ye], &h, &per_pair, false)
+        launch(&[part(&m.down, de)], vec![ye], &h, r_down, false)
     }
 
     /// One `gemv_id` launch of the products `ps` (weight, first row within an expert, rows)
@@ -854,10 +860,176 @@ impl CudaBackend {
             .gemv_id(&self.stream, &mut parts, &x.as_view(), route, glu)
     }
 
-    /// The grouped experts: the `[n, k]` ids come back to the host (one synchronisation),
-    /// which groups the (token, slot) pairs by expert; each used expert's pairs are gathered
-    /// from `xe`, run through its MLP and scattered into `ye` (shapes as in
-    /// [`Self::moe_routed`]).
+    /// The `[n * k]` routed ids brought back to the host (one synchronisation) and the
+    /// (token, slot) pairs q = t * k + j grouped by expert: `(order, starts)` with `order`
+    /// the pairs sorted by expert (ascending q within one) and expert e's run
+    /// `order[starts[e] .. starts[e + 1]]`.
+    fn group_pairs(
+        &self,
+        ids: &CudaSlice<u32>,
+        np: usize,
+        n_exp: usize,
+    ) -> Result<(Vec<u32>, Vec<usize>)> {
+        let mut ids_h = vec![0u32; np];
+        self.stream
+            .memcpy_dtoh(&ids.slice(0..np), &mut ids_h[..])
+            .map_err(dev_err)?;
+        self.stream.synchronize().map_err(dev_err)?;
+        let mut starts = vec![0usize; n_exp + 1];
+        for &e in &ids_h {
+            if e as usize >= n_exp {
+                return Err(BackendError::Device(format!(
+                    "moe: routed to expert {e} of {n_exp}"
+                )));
+            }
+            starts[e as usize + 1] += 1;
+        }
+        for e in 0..n_exp {
+            starts[e + 1] += starts[e];
+        }
+        let mut fill = starts.clone();
+        let mut order = vec![0u32; np];
+        for (q, &e) in ids_h.iter().enumerate() {
+            order[fill[e as usize]] = q as u32;
+            fill[e as usize] += 1;
+        }
+        Ok((order, starts))
+    }
+
+    /// The tiled experts (prompts): the pairs are grouped by expert on the host
+    /// ([`Self::group_pairs`]), each expert's run cut into tiles of up to 8 pairs; the
+    /// sorted rows of `xe` are gathered, run through the stacked experts in two
+    /// `gemv_grp_<ty>` launches (gate/up with SwiGLU, down; [`Self::moe_experts`]) and
+    /// scattered into `ye`: five launches a layer whatever the expert count. Shapes as in
+    /// [`Self::moe_experts`] (`xe [n, de]`, `ids [n * k]`, `ye [n * k, de]`).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_tiled(
+        &self,
+        m: &ExpertMats<'_>,
+        act: Act,
+        n_ff: usize,
+        n: usize,
+        k: usize,
+        xe: &CudaSlice<f32>,
+        ids: &CudaSlice<u32>,
+        ye: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let np = n * k;
+        let n_exp = m.up.w.n_experts();
+        let de = m.down.rows.len();
+        let (order, starts) = self.group_pairs(ids, np, n_exp)?;
+        // tensor cores where the format has the kernels, tiles of 16 or 64 pairs by the mean
+        // pairs per used expert; else the grouped GEMV's tiles of 8
+        let mma = mma_on()
+            && [Some(&m.up), Some(&m.down), m.gate.as_ref()]
+                .into_iter()
+                .flatten()
+                .all(|x| self.mm.gemm_grp_ok(x.w));
+        let used = starts.windows(2).filter(|r| r[1] > r[0]).count().max(1);
+        let tile = match (mma, mma_tile()) {
+            (false, _) => 8,
+            (true, Some(t)) => t,
+            (true, None) if np >= 24 * used => GEMM_GRP_TILES[1],
+            (true, None) => GEMM_GRP_TILES[0],
+        };
+        // order, then the tiles (expert, first sorted row, count), in one upload
+        let mut table = order;
+        let mut n_tiles = 0;
+        for (e, run) in starts.windows(2).enumerate() {
+            let mut f = run[0];
+            while f < run[1] {
+                let c = (run[1] - f).min(tile);
+                table.extend([e as u32, f as u32, c as u32]);
+                f += c;
+                n_tiles += 1;
+            }
+        }
+        let mut table_d = self.scratch::<u32>(table.len())?;
+        self.stream
+            .memcpy_htod(&table[..], &mut table_d)
+            .map_err(dev_err)?;
+        let order_d = table_d.slice(0..np);
+        let tiles_d = table_d.slice(np..);
+        // (the grouped GEMV reads 7 rows past a tile's last)
+        let mut xg = self.scratch::<f32>((np + 7) * de)?;
+        self.gather_rows_dev(xe, n, &order_d, k, np, de, &mut xg)?;
+        let mut yg = self.scratch::<f32>(np * de)?;
+        if mma {
+            let tl = (&tiles_d, n_tiles, tile);
+            self.moe_experts_mma(m, act, n_ff, np, (&xg, &mut yg), tl)?;
+        } else {
+            let route = GemvRoute {
+                ids: &tiles_d,
+                n_pairs: n_tiles,
+                x_div: 1,
+                tiles: true,
+            };
+            self.moe_experts(m, act, n_ff, np, (&xg, &mut yg), &route, &route)?;
+        }
+        self.scatter_rows_dev(&yg, &order_d, np, de, ye, np)
+    }
+
+    /// [`Self::moe_experts`] over tiles on tensor cores (kernels/matmul.cu
+    /// `gemm_grp_<ty>_<bn>`): gate and up in one launch, the activation, down. `tiles` is
+    /// (the tiles, their count, pairs per tile); `xe`, `ye` `[rows, de]` (device), the pairs
+    /// sorted by expert.
+    fn moe_experts_mma(
+        &self,
+        m: &ExpertMats<'_>,
+        act: Act,
+        n_ff: usize,
+        rows: usize,
+        (xe, ye): (&CudaSlice<f32>, &mut CudaSlice<f32>),
+        (tiles, n_tiles, bn): (&CudaView<'_, u32>, usize, usize),
+    ) -> Result<()> {
+        const OP: &str = "moe";
+        let launch = |ps: &[(&CudaWeight, usize, usize)],
+                      ys: Vec<&mut CudaSlice<f32>>,
+                      x: &CudaSlice<f32>|
+         -> Result<()> {
+            let mut views: Vec<_> = ys.into_iter().map(|y| y.as_view_mut()).collect();
+            let mut parts: Vec<GemvPart<'_, '_>> = ps
+                .iter()
+                .zip(views.iter_mut())
+                .map(|(&(w, row0, n_rows), y)| GemvPart {
+                    w,
+                    row0,
+                    n_rows,
+                    y,
+                    ep: GemvEpilogue::default(),
+                })
+                .collect();
+            self.mm
+                .gemm_grp(&self.stream, &mut parts, &x.as_view(), tiles, n_tiles, bn)
+        };
+        let mut h = self.scratch::<f32>(rows * n_ff)?;
+        match (act, &m.gate) {
+            (Act::SwiGlu, Some(gate)) => {
+                let mut u = self.scratch::<f32>(rows * n_ff)?;
+                let (g, up) = (part(gate, n_ff), part(&m.up, n_ff));
+                if gate.w.dtype() == m.up.w.dtype() {
+                    launch(&[g, up], vec![&mut h, &mut u], xe)?;
+                } else {
+                    launch(&[g], vec![&mut h], xe)?;
+                    launch(&[up], vec![&mut u], xe)?;
+                }
+                self.silu_mul_dev(&mut h, &u, rows * n_ff)?;
+            }
+            (Act::Relu2, None) => {
+                launch(&[part(&m.up, n_ff)], vec![&mut h], xe)?;
+                self.relu2_dev(&mut h, rows * n_ff)?;
+            }
+            (Act::SwiGlu, None) => return shape_err(OP, "a SwiGLU expert without a gate"),
+            (Act::Relu2, Some(_)) => return shape_err(OP, "a squared-ReLU expert with a gate"),
+        }
+        let de = m.down.rows.len();
+        launch(&[part(&m.down, de)], vec![ye], &h)
+    }
+
+    /// The per-expert form (experts uploaded one by one, or `KAPITSA_MOE_TILED=0`): the
+    /// pairs grouped on the host ([`Self::group_pairs`]); each used expert's pairs are
+    /// gathered from `xe`, run through its MLP and scattered into `ye` (shapes as in
+    /// [`Self::moe_tiled`]).
     #[allow(clippy::too_many_arguments)]
     fn moe_grouped(
         &self,
@@ -870,33 +1042,8 @@ impl CudaBackend {
         ids: &CudaSlice<u32>,
         ye: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        let n_exp = mats.len();
         let de = mats.first().map_or(0, |m| m.down.rows.len());
-        let mut ids_h = vec![0u32; n * k];
-        self.stream
-            .memcpy_dtoh(&ids.slice(0..n * k), &mut ids_h[..])
-            .map_err(dev_err)?;
-        self.stream.synchronize().map_err(dev_err)?;
-
-        // group the (token, slot) pairs r = t * k + j by expert, ascending r within an expert
-        let mut counts = vec![0usize; n_exp + 1];
-        for &e in &ids_h {
-            if e as usize >= n_exp {
-                return Err(BackendError::Device(format!(
-                    "moe: routed to expert {e} of {n_exp}"
-                )));
-            }
-            counts[e as usize + 1] += 1;
-        }
-        for e in 0..n_exp {
-            counts[e + 1] += counts[e];
-        }
-        let mut fill = counts.clone();
-        let mut order = vec![0u32; n * k];
-        for (r, &e) in ids_h.iter().enumerate() {
-            order[fill[e as usize]] = r as u32;
-            fill[e as usize] += 1;
-        }
+        let (order, counts) = self.group_pairs(ids, n * k, mats.len())?;
         let mut order_d = self.scratch::<u32>(n * k)?;
         self.stream
             .memcpy_htod(&order[..], &mut order_d)
@@ -918,6 +1065,11 @@ impl CudaBackend {
     }
 }
 
+/// A product of expert MLP operand `mat`: (its stack, first row within an expert, rows).
+fn part<'a>(mat: &Mat<'a>, n_rows: usize) -> (&'a CudaWeight, usize, usize) {
+    (mat.w, mat.rows.start, n_rows)
+}
+
 /// The tail of [`CudaBackend::moe_finish`]: the shared expert's output `[n, d]` and its gate
 /// (`[d]`, over the block input `x [n, d]`), and whether to add into the output.
 struct MoeFinish<'a> {
@@ -927,10 +1079,10 @@ struct MoeFinish<'a> {
     accumulate: bool,
 }
 
-/// Largest token count whose MoE runs routed on the device ([`CudaBackend::moe_routed`]):
+/// Largest token count whose MoE runs routed on the device ([`CudaBackend::moe_experts`]):
 /// every (token, slot) pair streams its own expert's rows, which pays while few tokens share
 /// experts and keeps the op free of host round trips (recordable); larger batches group the
-/// tokens by expert ([`CudaBackend::moe_grouped`]). The recorded steps' limit
+/// tokens by expert ([`CudaBackend::moe_tiled`]). The recorded steps' limit
 /// (`MAX_RECORDED_TOKENS`, 16).
 const MOE_ROUTED_MAX_TOKENS: usize = 16;
 
@@ -938,4 +1090,28 @@ const MOE_ROUTED_MAX_TOKENS: usize = 16;
 fn routed_on() -> bool {
     static CELL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     crate::matmul::switch("KAPITSA_MOE_ROUTED", &CELL)
+}
+
+/// Whether the tiled form runs on tensor cores where the format allows
+/// (`KAPITSA_MOE_MMA=0`: the grouped GEMV's tiles, for measurements).
+fn mma_on() -> bool {
+    static CELL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::matmul::switch("KAPITSA_MOE_MMA", &CELL)
+}
+
+/// Pairs per tensor-core tile forced by `KAPITSA_MOE_TILE` (16 or 64; unset: chosen by the
+/// mean pairs per used expert), for measurements.
+fn mma_tile() -> Option<usize> {
+    static CELL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *CELL.get_or_init(|| {
+        let v = std::env::var("KAPITSA_MOE_TILE").ok()?.parse().ok()?;
+        GEMM_GRP_TILES.contains(&v).then_some(v)
+    })
+}
+
+/// Whether larger batches take the tiled form (`KAPITSA_MOE_TILED=0`: the per-expert form,
+/// for measurements).
+fn tiled_on() -> bool {
+    static CELL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::matmul::switch("KAPITSA_MOE_TILED", &CELL)
 }

@@ -49,7 +49,9 @@ use kapitsa_base::GgmlType;
 use crate::device::dev_err;
 use crate::launch::KernelLaunch;
 
+mod gemm_grp;
 mod gemv;
+pub(crate) use gemm_grp::GEMM_GRP_TILES;
 pub(crate) use gemv::{fuse_on, switch, GemvPart, GemvRoute, GEMV_MAX_PARTS};
 
 /// The GEMV kernels' epilogue: a bias added to every row, accumulation into `y`.
@@ -342,6 +344,11 @@ pub(crate) struct MatmulKernels {
     gemv_xs: Vec<CudaFunction>,
     /// `gemv_id_<fmt>` (expert-routed) by `fmt.id()`.
     gemv_id: Vec<CudaFunction>,
+    /// `gemv_grp_<fmt>` (expert-grouped, tiles of up to 8 sorted pairs) by `fmt.id()`.
+    gemv_grp: Vec<CudaFunction>,
+    /// `gemm_grp_<fmt>_16` / `_64` (expert-grouped on tensor cores) by `fmt.id()` (`None`
+    /// for the float formats).
+    gemm_grp: Vec<Option<[CudaFunction; 2]>>,
     /// `gemv_x8_<fmt>` / `gemv_id_x8_<fmt>` (int8 activations) by `fmt.id()`, where the
     /// format has them ([`Fmt::x8`]).
     gemv_x8: Vec<Option<CudaFunction>>,
@@ -385,6 +392,8 @@ impl MatmulKernels {
         let mut gemv = Vec::with_capacity(Fmt::ALL.len() * GEMV_MAX_TOKENS);
         let mut gemv_xs = Vec::with_capacity(Fmt::ALL.len());
         let mut gemv_id = Vec::with_capacity(Fmt::ALL.len());
+        let mut gemv_grp = Vec::with_capacity(Fmt::ALL.len());
+        let mut gemm_grp = Vec::with_capacity(Fmt::ALL.len());
         let mut gemv_x8 = Vec::with_capacity(Fmt::ALL.len());
         let mut gemv_id_x8 = Vec::with_capacity(Fmt::ALL.len());
         let mut dequant_f32 = Vec::with_capacity(Fmt::ALL.len());
@@ -401,6 +410,7 @@ impl MatmulKernels {
             .map_err(|e| BackendError::Unavailable(format!("{MODULE} kernel attribute: {e}")))?;
             gemv_xs.push(xs);
             gemv_id.push(f(&format!("gemv_id_{}", fmt.name()))?);
+            gemv_grp.push(f(&format!("gemv_grp_{}", fmt.name()))?);
             if fmt.x8() {
                 gemv_x8.push(Some(f(&format!("gemv_x8_{}", fmt.name()))?));
                 gemv_id_x8.push(Some(f(&format!("gemv_id_x8_{}", fmt.name()))?));
@@ -411,7 +421,13 @@ impl MatmulKernels {
             if fmt.is_float() {
                 dequant_f32.push(None);
                 dequant_f16.push(None);
+                gemm_grp.push(None);
             } else {
+                let [a, b] = gemm_grp::GEMM_GRP_TILES;
+                gemm_grp.push(Some([
+                    f(&format!("gemm_grp_{}_{a}", fmt.name()))?,
+                    f(&format!("gemm_grp_{}_{b}", fmt.name()))?,
+                ]));
                 dequant_f32.push(Some(f(&format!("dequant_{}_f32", fmt.name()))?));
                 dequant_f16.push(Some(f(&format!("dequant_{}_f16", fmt.name()))?));
             }
@@ -423,6 +439,8 @@ impl MatmulKernels {
             gemv,
             gemv_xs,
             gemv_id,
+            gemv_grp,
+            gemm_grp,
             gemv_x8,
             gemv_id_x8,
             quantize_x8: f("quantize_x8_f32")?,

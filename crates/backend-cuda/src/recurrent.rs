@@ -49,6 +49,15 @@ fn n_slots(op: &'static str, state: &Tensor, per: usize, db: &DevBatch) -> Resul
 }
 
 /// The batch's sequence count as a grid dimension (y or z: at most 65535), or a shape error.
+/// Tokens per block of the conv kernels (kernels/recurrent.cu `CONV_CHUNK`): grid.z of
+/// `conv1d_causal_f32` and the preambles is [`conv_chunks`].
+const CONV_CHUNK: usize = 16;
+
+/// The conv kernels' token chunks: enough for the longest sequence (at most all tokens).
+fn conv_chunks(op: &'static str, db: &DevBatch) -> Result<u32> {
+    u32_arg(op, "token chunks", db.n_tokens.div_ceil(CONV_CHUNK).max(1))
+}
+
 fn grid_seqs(op: &'static str, db: &DevBatch) -> Result<u32> {
     match u32::try_from(db.n_seqs) {
         Ok(n) if n <= 65_535 => Ok(n),
@@ -107,13 +116,14 @@ impl CudaBackend {
             .arg(&si)
             .arg(&ns);
         let cfg = LaunchConfig {
-            grid_dim: (channels.div_ceil(128) as u32, nseq, 1),
+            grid_dim: (channels.div_ceil(128) as u32, nseq, conv_chunks(OP, db)?),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: conv1d_causal_f32(const float* x, const float* w, const float* bias (or
         // null), float* state, float* out, const uint32_t* seqs, uint32_t C, uint32_t K,
-        // uint32_t silu, uint32_t n_slots), grid (channel blocks, sequences): x and out hold
+        // uint32_t silu, uint32_t n_slots), grid (channel blocks, sequences, token chunks
+        // covering the longest sequence): x and out hold
         // n_tokens * C floats, w C * K, bias C, state n_slots * (K - 1) * C; the sequences tile
         // the tokens (prepare_batch) and slots are checked on host and device.
         unsafe { b.launch(cfg) }.map_err(dev_err)?;
@@ -194,14 +204,15 @@ impl CudaBackend {
         b.arg(&nka).arg(&nva).arg(&dka).arg(&dva).arg(&kk);
         b.arg(&w.l2_eps).arg(&qscale).arg(&ns);
         let cfg = LaunchConfig {
-            grid_dim: (u32_arg(OP, "units", units)?, nseq, 1),
+            grid_dim: (u32_arg(OP, "units", units)?, nseq, conv_chunks(OP, db)?),
             block_dim: (32 * width.div_ceil(32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: gdn_preamble_f32(const float* qkv, const float* w, float* state, float* q,
         // float* k, float* v, float* beta, float* g, const float* dt_bias, const float* a_neg,
         // const uint32_t* seqs, uint32_t nk, nv, dk, dv, K, float l2_eps, float qscale,
-        // uint32_t n_slots), grid (2 nk + nv + 1 units, sequences), 32 * ceil(max(dk, dv) / 32)
+        // uint32_t n_slots), grid (2 nk + nv + 1 units, sequences, token chunks covering the
+        // longest sequence), 32 * ceil(max(dk, dv) / 32)
         // <= 1024 threads: qkv holds n_tokens * C floats (C = 2 nk dk + nv dv), w C * K, state
         // n_slots * (K - 1) * C, q and k n_tokens * nk * dk, v n_tokens * nv * dv, beta and g
         // n_tokens * nv, dt_bias and a_neg nv (all checked); K <= CONV_MAXK; the sequences
@@ -350,14 +361,15 @@ impl CudaBackend {
             .arg(&seqs);
         l.arg(&dia).arg(&gna).arg(&nha).arg(&kk).arg(&ns);
         let cfg = LaunchConfig {
-            grid_dim: (u32_arg(OP, "blocks", blocks)?, nseq, 1),
+            grid_dim: (u32_arg(OP, "blocks", blocks)?, nseq, conv_chunks(OP, db)?),
             block_dim: (THREADS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: mamba2_preamble_f32(const float* proj, const float* w, const float* bias (or
         // null), const float* dt_bias, float* state, float* z, float* x, float* b, float* c,
         // float* dt, const uint32_t* seqs, uint32_t di, gn, nh, K, n_slots), grid
-        // (ceil(cd / 128) + ceil(di / 128) + 1 blocks, sequences) of 128 threads: proj holds
+        // (ceil(cd / 128) + ceil(di / 128) + 1 blocks, sequences, token chunks covering the
+        // longest sequence) of 128 threads: proj holds
         // n_tokens * (di + cd + nh) floats, w cd * K, bias cd, dt_bias nh, state
         // n_slots * (K - 1) * cd, z and x n_tokens * di, b and c n_tokens * gn, dt
         // n_tokens * nh (all checked); K <= CONV_MAXK; the sequences tile the tokens and slots

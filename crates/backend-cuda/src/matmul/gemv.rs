@@ -209,12 +209,16 @@ pub(super) fn ksplit(
 /// The routing of an expert-routed GEMV ([`MatmulKernels::gemv_id`]).
 pub(crate) struct GemvRoute<'a> {
     /// Expert id of each pair `[n_pairs]` (device); ids `>= n_exp` leave the pair's rows
-    /// unwritten.
+    /// unwritten. With `tiles`: `n_pairs` tiles of 3 u32 each instead (see there).
     pub(crate) ids: &'a CudaView<'a, u32>,
-    /// Pairs (grid rows).
+    /// Pairs, or tiles (grid rows).
     pub(crate) n_pairs: usize,
-    /// Pair q reads x row `q / x_div`.
+    /// Pair q reads x row `q / x_div` (1 with `tiles`).
     pub(crate) x_div: usize,
+    /// The expert-grouped form (kernels/matmul.cu `gemv_grp_<ty>`): x and y rows are pairs
+    /// sorted by expert, and tile i = `ids[3i .. 3i + 3]` = (expert, first row, count <= 8)
+    /// runs that expert on those rows; x holds 7 rows past the last tile's.
+    pub(crate) tiles: bool,
 }
 
 impl MatmulKernels {
@@ -290,7 +294,11 @@ impl MatmulKernels {
         if route.n_pairs == 0 {
             return Ok(());
         }
-        if route.x_div == 0 || route.ids.len() < route.n_pairs {
+        let per_row = if route.tiles { 3 } else { 1 };
+        if route.x_div == 0
+            || (route.tiles && route.x_div != 1)
+            || route.ids.len() < route.n_pairs * per_row
+        {
             return shape_err(OP, "routed GEMV: no x divisor or too few ids");
         }
         let (xp, _sync) = x.device_ptr(stream);
@@ -310,7 +318,7 @@ impl MatmulKernels {
         };
         // int8 activations: the x rows the pairs read, quantised
         let x8 = match &self.gemv_id_x8[fmt.id()] {
-            Some(f) if x8_on() => {
+            Some(f) if x8_on() && !route.tiles => {
                 let rows = route.n_pairs.div_ceil(route.x_div);
                 Some((f, self.quantize_x8(stream, x, rows, n_in)?))
             }
@@ -359,10 +367,16 @@ impl MatmulKernels {
             block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = stream.kernel(x8.as_ref().map_or(&self.gemv_id[fmt.id()], |(f, _)| *f));
+        let plain = match route.tiles {
+            true => &self.gemv_grp[fmt.id()],
+            false => &self.gemv_id[fmt.id()],
+        };
+        let mut b = stream.kernel(x8.as_ref().map_or(plain, |(f, _)| *f));
         b.arg(&args).arg(&ida);
         // SAFETY: gemv_id_<ty>(GemvArgs, GemvIdArgs) (or gemv_id_x8_<ty> with x the int8 rows
-        // `quantize_x8` wrote for every x row the pairs read): every part's weight image,
+        // `quantize_x8` wrote for every x row the pairs read; or gemv_grp_<ty> with ids the
+        // tiles, x and y rows the sorted pairs, x 7 rows longer: the caller's contract, y
+        // written only at the tiles' rows): every part's weight image,
         // plane offsets and stride come from `upload`; rows row0 + e * n_out + r (r < n_rows, e < n_exp, the
         // kernel skips other ids) exist when row0 + n_rows <= n_out (the caller's contract);
         // each y holds n_pairs * n_rows floats, x holds the rows q / x_div < n_pairs / x_div
