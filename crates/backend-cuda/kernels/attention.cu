@@ -439,3 +439,232 @@ extern "C" __global__ void attn_combine(const float* __restrict__ ws, const uint
     o[d] = a * inv;
   }
 }
+
+// ---- tiled attention on tensor cores (prefill, f16 cache) -----------------------------------------
+
+// `attn_mma_f16_<D>` (D = head_dim in {64, 128, 256}): the tiled attention of `attn_tile` for
+// an f16 cache on tensor cores (mma.sync m16n8k16, f16 operands, f32 accumulation), at the
+// scalar kernel's accuracy: the cache values are f16 already (exact operands), and the f32
+// operands (the queries, the probabilities) are split into two f16 terms hi + lo (hi = f16(x),
+// lo = f16(x - hi), ~22 significant bits), each product taken twice. Block (i, kv head, head
+// group): tile i of the batch's tile list (as `attn_tile`: TILE_Q query rows of one sequence),
+// warp w runs query head h = kvh * G + 4 hg + w (G = n_head / n_head_kv; warps past G only
+// help stage K/V) over the cache in tiles of MMA_K positions staged once for the 4 heads:
+// S = Q K^T (16 x 32 per warp), the online softmax on the fragments (rows g and g + 8 of a
+// lane quad), O += P V. As in `attn_tile` the cache tiles start at position 0 whatever the
+// query tile, so a query's bits depend only on its position.
+// Dynamic shared memory (halves): Qhi, Qlo [4][16][D + 8], K [MMA_K][D + 8], V^T [D][MMA_K + 8],
+// then MMA_K int64 rows: `attn_mma_smem(D)` bytes (src/attention.rs mirrors it).
+#define MMA_K 32
+#define MMA_WARPS 4
+
+__host__ __device__ constexpr int attn_mma_smem(int D) {
+  return 2 * (2 * MMA_WARPS * 16 * (D + 8) + MMA_K * (D + 8) + D * (MMA_K + 8)) + 8 * MMA_K;
+}
+
+__device__ __forceinline__ void attn_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// (x, y) as two f16 pairs: hi = f16(x), f16(y); lo = the f16 remainders
+__device__ __forceinline__ void split_h2(float x, float y, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(x, y);
+  const float2 hf = __half22float2(h);
+  const __half2 l = __floats2half2_rn(x - hf.x, y - hf.y);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
+template <int D>
+__device__ __forceinline__ void attn_mma_impl(const float* __restrict__ q, const __half* __restrict__ kc,
+                                              const __half* __restrict__ vc, const uint32_t* __restrict__ tiles,
+                                              const uint32_t* __restrict__ seqs, const uint32_t* __restrict__ tables,
+                                              uint32_t n_head, uint32_t n_head_kv, float scale, uint32_t block_size,
+                                              uint32_t n_blocks, float* __restrict__ out) {
+  constexpr int LDQ = D + 8, LDK = D + 8, LDV = MMA_K + 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __half* sQh = reinterpret_cast<__half*>(smem_raw);
+  __half* sQl = sQh + MMA_WARPS * 16 * LDQ;
+  __half* sK = sQl + MMA_WARPS * 16 * LDQ;
+  __half* sVt = sK + MMA_K * LDK;
+  int64_t* sRow = reinterpret_cast<int64_t*>(sVt + D * LDV);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const uint32_t G = n_head / n_head_kv, kvh = blockIdx.y;
+  const uint32_t hw = blockIdx.z * MMA_WARPS + warp;  // this warp's head within the group
+  const bool active = hw < G;
+  const uint32_t h = kvh * G + (active ? hw : 0);
+  const uint32_t* seq = seqs + tiles[2 * blockIdx.x] * SEQ_FIELDS;
+  const uint32_t qoff = tiles[2 * blockIdx.x + 1];
+  const uint32_t len = seq[SEQ_LEN], pos0 = seq[SEQ_POS0];
+  const uint32_t nq = min((uint32_t)TILE_Q, len - qoff);
+  const uint64_t t0 = (uint64_t)seq[SEQ_START] + qoff;
+  const uint32_t* table = tables + seq[SEQ_TSTART];
+  const uint64_t kv_dim = (uint64_t)n_head_kv * D;
+  const uint32_t ctx_end = pos0 + qoff + nq;
+
+  // this warp's 16 query rows, split into hi + lo
+  __half* qh = sQh + warp * 16 * LDQ;
+  __half* ql = sQl + warp * 16 * LDQ;
+  for (int i = lane; i < 16 * D / 2; i += 32) {
+    const int r = i / (D / 2), d = 2 * (i - r * (D / 2));
+    float2 x = make_float2(0.0f, 0.0f);
+    if (active && (uint32_t)r < nq) x = *reinterpret_cast<const float2*>(q + ((t0 + r) * n_head + h) * D + d);
+    uint32_t hi, lo;
+    split_h2(x.x, x.y, hi, lo);
+    *reinterpret_cast<uint32_t*>(qh + r * LDQ + d) = hi;
+    *reinterpret_cast<uint32_t*>(ql + r * LDQ + d) = lo;
+  }
+  float o[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; n++)
+#pragma unroll
+    for (int i = 0; i < 4; i++) o[n][i] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  const uint32_t qpos0 = pos0 + qoff + g;  // row g's position (row g + 8: + 8)
+
+  for (uint32_t j0 = 0; j0 < ctx_end; j0 += MMA_K) {
+    __syncthreads();  // the previous tile's reads are done (and the queries are staged)
+    if (tid < MMA_K) {
+      const uint32_t p = j0 + tid;
+      sRow[tid] = p < ctx_end ? cache_row(table, p, block_size, n_blocks) : -1;
+    }
+    __syncthreads();
+    // K rows as they are (lanes along a row); V transposed (lanes along the positions, so
+    // the 2-byte stores of a warp fall in consecutive words)
+    for (int i = tid; i < MMA_K * (D / 8); i += blockDim.x) {
+      const int kj = i / (D / 8), d = 8 * (i - kj * (D / 8));
+      const int64_t row = sRow[kj];
+      uint4 kv = make_uint4(0, 0, 0, 0);
+      if (row >= 0) kv = *reinterpret_cast<const uint4*>(kc + (uint64_t)row * kv_dim + (uint64_t)kvh * D + d);
+      *reinterpret_cast<uint4*>(sK + kj * LDK + d) = kv;
+    }
+    for (int i = tid; i < MMA_K * (D / 8); i += blockDim.x) {
+      const int kj = i % MMA_K, d = 8 * (i / MMA_K);
+      const int64_t row = sRow[kj];
+      uint4 vv = make_uint4(0, 0, 0, 0);
+      if (row >= 0) vv = *reinterpret_cast<const uint4*>(vc + (uint64_t)row * kv_dim + (uint64_t)kvh * D + d);
+      const __half* vh = reinterpret_cast<const __half*>(&vv);
+#pragma unroll
+      for (int e = 0; e < 8; e++) sVt[(d + e) * LDV + kj] = vh[e];
+    }
+    __syncthreads();
+    if (!active) continue;
+    // S = Q K^T: rows g, g + 8; keys 8 n + 2 t4 + {0, 1}
+    float s[MMA_K / 8][4];
+#pragma unroll
+    for (int n = 0; n < MMA_K / 8; n++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) s[n][i] = 0.0f;
+#pragma unroll 4
+    for (int kk = 0; kk < D; kk += 16) {
+      uint32_t ah[4], al[4];
+      const int c0 = kk + 2 * t4;
+      ah[0] = *reinterpret_cast<const uint32_t*>(qh + g * LDQ + c0);
+      ah[1] = *reinterpret_cast<const uint32_t*>(qh + (g + 8) * LDQ + c0);
+      ah[2] = *reinterpret_cast<const uint32_t*>(qh + g * LDQ + c0 + 8);
+      ah[3] = *reinterpret_cast<const uint32_t*>(qh + (g + 8) * LDQ + c0 + 8);
+      al[0] = *reinterpret_cast<const uint32_t*>(ql + g * LDQ + c0);
+      al[1] = *reinterpret_cast<const uint32_t*>(ql + (g + 8) * LDQ + c0);
+      al[2] = *reinterpret_cast<const uint32_t*>(ql + g * LDQ + c0 + 8);
+      al[3] = *reinterpret_cast<const uint32_t*>(ql + (g + 8) * LDQ + c0 + 8);
+#pragma unroll
+      for (int n = 0; n < MMA_K / 8; n++) {
+        const __half* kr = sK + (n * 8 + g) * LDK + c0;
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr);
+        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
+        attn_mma(s[n], ah, b0, b1);
+        attn_mma(s[n], al, b0, b1);
+      }
+    }
+    // scale, mask, online softmax per row (the quad's 4 lanes hold a row's 32 keys)
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < MMA_K / 8; n++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const int kj = n * 8 + 2 * t4 + (i & 1), rh = i >> 1;
+        const bool ok = sRow[kj] >= 0 && j0 + kj <= qpos0 + 8 * rh;
+        s[n][i] = ok ? s[n][i] * scale : -INFINITY;
+        mx[rh] = fmaxf(mx[rh], s[n][i]);
+      }
+    float corr[2];
+#pragma unroll
+    for (int rh = 0; rh < 2; rh++) {
+      mx[rh] = fmaxf(mx[rh], __shfl_xor_sync(0xffffffffu, mx[rh], 1));
+      mx[rh] = fmaxf(mx[rh], __shfl_xor_sync(0xffffffffu, mx[rh], 2));
+      const float m_new = fmaxf(m[rh], mx[rh]);
+      corr[rh] = m_new == -INFINITY ? 1.0f : expf(m[rh] - m_new);
+      m[rh] = m_new;
+    }
+    float rs[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < MMA_K / 8; n++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const int rh = i >> 1;
+        const float p = m[rh] == -INFINITY ? 0.0f : expf(s[n][i] - m[rh]);
+        s[n][i] = p;
+        rs[rh] += p;
+      }
+#pragma unroll
+    for (int rh = 0; rh < 2; rh++) {
+      rs[rh] += __shfl_xor_sync(0xffffffffu, rs[rh], 1);
+      rs[rh] += __shfl_xor_sync(0xffffffffu, rs[rh], 2);
+      l[rh] = l[rh] * corr[rh] + rs[rh];
+    }
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) {
+      o[n][0] *= corr[0];
+      o[n][1] *= corr[0];
+      o[n][2] *= corr[1];
+      o[n][3] *= corr[1];
+    }
+    // O += P V: P's fragments are the A operand of keys 16 ks .. 16 ks + 15
+#pragma unroll
+    for (int ks = 0; ks < MMA_K / 16; ks++) {
+      uint32_t ph[4], pl[4];
+      split_h2(s[2 * ks][0], s[2 * ks][1], ph[0], pl[0]);
+      split_h2(s[2 * ks][2], s[2 * ks][3], ph[1], pl[1]);
+      split_h2(s[2 * ks + 1][0], s[2 * ks + 1][1], ph[2], pl[2]);
+      split_h2(s[2 * ks + 1][2], s[2 * ks + 1][3], ph[3], pl[3]);
+#pragma unroll
+      for (int n = 0; n < D / 8; n++) {
+        const __half* vr = sVt + (n * 8 + g) * LDV + ks * 16 + 2 * t4;
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(vr);
+        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(vr + 8);
+        attn_mma(o[n], ph, b0, b1);
+        attn_mma(o[n], pl, b0, b1);
+      }
+    }
+  }
+  if (!active) return;
+  const float inv[2] = {l[0] > 0.0f ? 1.0f / l[0] : 0.0f, l[1] > 0.0f ? 1.0f / l[1] : 0.0f};
+#pragma unroll
+  for (int rh = 0; rh < 2; rh++) {
+    const uint32_t r = g + 8 * rh;
+    if (r >= nq) continue;
+    float* orow = out + ((t0 + r) * n_head + h) * D;
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+      *reinterpret_cast<float2*>(orow + n * 8 + 2 * t4) = make_float2(o[n][2 * rh] * inv[rh], o[n][2 * rh + 1] * inv[rh]);
+  }
+}
+
+#define ATTN_MMA_KERNEL(D)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)                                               \
+      attn_mma_f16_##D(const float* q, const __half* kc, const __half* vc, const uint32_t* tiles,             \
+                       const uint32_t* seqs, const uint32_t* tables, uint32_t n_head, uint32_t n_head_kv,     \
+                       float scale, uint32_t block_size, uint32_t n_blocks, float* out) {                     \
+    pdl_enter();                                                                                             \
+    attn_mma_impl<D>(q, kc, vc, tiles, seqs, tables, n_head, n_head_kv, scale, block_size, n_blocks, out);   \
+  }
+
+ATTN_MMA_KERNEL(64)
+ATTN_MMA_KERNEL(128)
+ATTN_MMA_KERNEL(256)

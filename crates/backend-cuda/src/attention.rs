@@ -19,15 +19,18 @@
 //!   order. The chunking depends only on the token's position.
 //!
 //! Both compute in f32 on CUDA cores (K/V converted to f32 on load): the accuracy of the
-//! scalar reference (relative error ~1e-6). A tensor-core (mma.sync / wgmma, f16 operands)
-//! prefill kernel is future work; it would not meet the suite's 1e-5 attention tolerance with
-//! f16 queries and probabilities.
+//! scalar reference (relative error ~1e-6). For f16 caches of head size 64, 128 or 256 the
+//! tiled kernel runs on tensor cores instead (`attn_mma_f16_<D>`, one block per (query tile,
+//! KV head, 4 of its query heads), K/V tiles staged once for the 4 heads): the cache values
+//! are exact f16 operands and the queries and probabilities are split into two f16 terms
+//! (hi + lo, ~22 significant bits), so it keeps that accuracy at twice the products. The same
+//! position-only dependence holds (chunk invariance).
 
 use cudarc::driver::{CudaFunction, LaunchConfig};
 use kapitsa_backend::{shape_err, AttnShape, Batch, DType, KvLayer, Result, Tensor};
 
 use crate::batch::DevBatch;
-use crate::device::{dev_err, elem_cfg, u32_arg};
+use crate::device::{attn_mma_smem, dev_err, elem_cfg, u32_arg};
 use crate::launch::KernelLaunch;
 use crate::CudaBackend;
 
@@ -44,6 +47,9 @@ pub(crate) const TILE_Q: usize = 16;
 const TILE_K: usize = 32;
 /// Threads per block of the tiled kernel (kernels/attention.cu `TILE_THREADS`).
 const TILE_THREADS: u32 = 128;
+/// Warps per block (query heads of one KV head) of the tensor-core tiled attention
+/// (kernels/attention.cu `MMA_WARPS`).
+const MMA_WARPS: usize = 4;
 /// Warps per block of the split attention (kernels/attention.cu `ATTN_WARPS`).
 const ATTN_WARPS: u32 = 4;
 /// Largest head dimension the kernels take (8 dims per lane).
@@ -256,8 +262,48 @@ impl CudaBackend {
         }
         let (pos, tok_seq, seqs, tables) = (db.positions(), db.tok_seq(), db.seqs(), db.tables());
 
-        // prefill chunks: the tiled kernel
-        if db.n_tiles > 0 {
+        // prefill chunks: the tiled kernel (on tensor cores for f16 caches of the usual head
+        // sizes)
+        let mma = match (dtype, head_dim) {
+            (DType::F16, 64) if mma_on() => Some(&self.k.attn_mma_f16_64),
+            (DType::F16, 128) if mma_on() => Some(&self.k.attn_mma_f16_128),
+            (DType::F16, 256) if mma_on() => Some(&self.k.attn_mma_f16_256),
+            _ => None,
+        };
+        if let (Some(f), true) = (mma, db.n_tiles > 0) {
+            let group = n_head / n_head_kv;
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    u32_arg(OP, "tiles", db.n_tiles)?,
+                    nhk,
+                    u32_arg(OP, "head groups", group.div_ceil(MMA_WARPS))?,
+                ),
+                block_dim: (32 * MMA_WARPS as u32, 1, 1),
+                shared_mem_bytes: u32_arg(OP, "shared memory", attn_mma_smem(head_dim))?,
+            };
+            let tiles = db.tiles();
+            let kc = self.buf::<u16>(k_cache, OP, "k cache")?;
+            let vc = self.buf::<u16>(v_cache, OP, "v cache")?;
+            let mut b = self.stream.kernel(f);
+            b.arg(qb)
+                .arg(kc)
+                .arg(vc)
+                .arg(&tiles)
+                .arg(&seqs)
+                .arg(&tables);
+            b.arg(&nh).arg(&nhk).arg(&scale).arg(&bs).arg(&nbl);
+            b.arg(&mut *ob);
+            // SAFETY: attn_mma_f16_<D>(const float* q, const __half* kc, const __half* vc,
+            // const uint32_t* tiles, seqs, tables, uint32_t n_head, n_head_kv, float scale,
+            // uint32_t block_size, n_blocks, float* out) with D = head_dim, grid (tiles, kv
+            // heads, ceil(group / 4)), 128 threads, attn_mma_smem(D) bytes of dynamic shared
+            // memory (the limit set at load): q and out hold n_tokens * n_head * D floats (16-byte
+            // aligned allocations, D even), the caches n_blocks rows of block_size * kv_dim f16
+            // (kv_dim a multiple of 8: 16-byte row loads), n_head a multiple of n_head_kv
+            // (checked above), the tiles are prepare_batch's; block ids are bound-checked on the
+            // device.
+            unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        } else if db.n_tiles > 0 {
             let floats = TILE_Q * (head_dim + 1)
                 + TILE_K * (head_dim + 1)
                 + TILE_K * head_dim
@@ -380,4 +426,11 @@ impl CudaBackend {
         }
         Ok(())
     }
+}
+
+/// Whether f16 caches take the tensor-core tiled attention (`KAPITSA_ATTN_MMA=0`: the scalar
+/// tiled kernel, for measurements).
+fn mma_on() -> bool {
+    static CELL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::matmul::switch("KAPITSA_ATTN_MMA", &CELL)
 }

@@ -248,6 +248,7 @@ kernel_table! {
         attn_tile_f32_8, attn_tile_f32_16, attn_tile_f32_32,
         attn_tile_f16_8, attn_tile_f16_16, attn_tile_f16_32,
         attn_tile_q8_0_8, attn_tile_q8_0_16, attn_tile_q8_0_32,
+        attn_mma_f16_64, attn_mma_f16_128, attn_mma_f16_256,
     ],
     "recurrent" => [
         conv1d_causal_f32, gdn_preamble_f32, gdn_recurrent_f32, mamba2_preamble_f32, mamba2_recurrent_f32,
@@ -258,9 +259,16 @@ kernel_table! {
 /// Dynamic shared memory the tiled attention kernels may use (head_dim 256 needs ~84 KB).
 pub(crate) const TILE_SMEM_MAX: u32 = 96 * 1024;
 
+/// Dynamic shared memory of the tensor-core attention for head_dim `d` (kernels/attention.cu
+/// `attn_mma_smem`): the queries split in two f16 terms for 4 warps, a K tile and a
+/// transposed V tile of 32 positions, 32 row indices.
+pub(crate) const fn attn_mma_smem(d: usize) -> usize {
+    2 * (2 * 4 * 16 * (d + 8) + 32 * (d + 8) + d * (32 + 8)) + 8 * 32
+}
+
 impl Kernels {
-    /// Per-kernel attributes: the tiled attention kernels may use more than the default
-    /// 48 KB of dynamic shared memory.
+    /// Per-kernel attributes: the tiled attention kernels (scalar and tensor-core) may use
+    /// more than the default 48 KB of dynamic shared memory.
     fn configure(&self) -> Result<(), BackendError> {
         for f in [
             &self.attn_tile_f32_8,
@@ -276,6 +284,19 @@ impl Kernels {
             f.set_attribute(
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 TILE_SMEM_MAX as i32,
+            )
+            .map_err(|e| {
+                BackendError::Unavailable(format!("configuring the attention kernels: {e}"))
+            })?;
+        }
+        for (f, d) in [
+            (&self.attn_mma_f16_64, 64),
+            (&self.attn_mma_f16_128, 128),
+            (&self.attn_mma_f16_256, 256),
+        ] {
+            f.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                attn_mma_smem(d) as i32,
             )
             .map_err(|e| {
                 BackendError::Unavailable(format!("configuring the attention kernels: {e}"))

@@ -9,14 +9,17 @@ pub(super) fn attention(s: &mut Suite<'_>, dt: DType) -> R<()> {
     for _ in 0..s.cases {
         let head_dim = match dt {
             DType::Q8_0 => s.rng.pick(&[32, 64, 128]),
-            _ => s.rng.pick(&[4, 8, 12, 16, 24, 40, 64, 72, 128]),
+            // (64, 128, 256: the GPU's tensor-core kernel for f16 caches)
+            _ => s.rng.pick(&[4, 8, 12, 16, 24, 40, 64, 72, 128, 256]),
         };
         let n_head_kv = s.rng.range(1, 3);
-        let n_head = n_head_kv * s.rng.range(1, 3);
+        // query heads per KV head: 8 spans two of the GPU's 4-head blocks
+        let n_head = n_head_kv * s.rng.pick(&[1, 2, 3, 8]);
         let kv_dim = n_head_kv * head_dim;
         let spec = BatchSpec {
             n_slots: 4,
-            max_len: s.rng.pick(&[1, 4, 9, 20]),
+            // (16 and more: the tiled kernels; 37: a partial second query tile)
+            max_len: s.rng.pick(&[1, 4, 9, 20, 37]),
             max_pos0: 40,
             block_size: 16,
             vocab: 1,
