@@ -480,9 +480,9 @@ GEMV_ALL_NT(q6_k, KQ_Q6_K)
 // `gemm_grp_<ty>_<BN>` (quantised types, BN in {16, 64}): the tensor-core twin of
 // `gemv_grp_<ty>` for tiles of up to BN pairs. Block (row block, tile): 4 warps, BM = 64 rows of
 // part p (warp w: rows 16 w .. 16 w + 15) against the tile's BN x rows; per K step of GEMM_BK
-// = 128 the weights are dequantised exactly (`exact4`, as `dequant_<ty>_f16`) and the x rows
-// converted to f16 (`cvt_f32_f16`'s rounding) into shared memory, then multiplied with
-// `mma.sync.m16n8k16` (f16 in, f32 accumulation). y[(f + t) * ldy + r] = sum_k x[f + t, k]
+// = 128 the weights are dequantised exactly (`exact4`, as `dequant_<ty>_f16`) into shared
+// memory beside the x rows (f16, rounded once by `cvt_f32_f16` before the launch), then
+// multiplied with `mma.sync.m16n8k16` (f16 in, f32 accumulation). y[(f + t) * ldy + r] = sum_k x[f + t, k]
 // W[row0 + e * rpe + r, k] for t < count, r < n_rows; rows of x past the tile's count read as
 // zero. A K step holds whole chunks: 128 / CE of them (Q6_K's chunks 2m, 2m + 1 cover elements
 // 128 m .. 128 m + 128; the other formats' chunks are contiguous). Launch: one `GemmGrpArgs`
@@ -515,7 +515,7 @@ struct GemmGrpPart {
 // Mirrored by src/matmul/gemv.rs `GemmGrpArgs`: change both together.
 struct GemmGrpArgs {
   GemmGrpPart part[2];
-  const float* x;         // [rows of the tiles (+ none past them), n_in] f32, the sorted pairs
+  const __half* x;        // [rows of the tiles, n_in] f16, the sorted pairs (n_in % 8 == 0)
   const uint32_t* tiles;  // (expert, first row, count <= BN) per tile
   int n_parts, n_in, n_exp, unused;
 };
@@ -549,7 +549,7 @@ __device__ __forceinline__ void gemm_grp_impl(const GemmGrpArgs& a) {
   const int n_in = a.n_in, n_chunks = n_in / F::CE;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
-  const float* __restrict__ xt = a.x + (size_t)first * n_in;
+  const __half* __restrict__ xt = a.x + (size_t)first * n_in;
 
   float acc[BN / 8][4];
 #pragma unroll
@@ -582,18 +582,13 @@ __device__ __forceinline__ void gemm_grp_impl(const GemmGrpArgs& a) {
           for (int q = 0; q < F::SEGLEN / 4; q++) store4(as + (base + F::seg_elem(j, s) + 4 * q), z);
       }
     }
-    // activations: BN rows of the step, zeros past the tile's count and past n_in
-    for (int i = threadIdx.x; i < BN * (GEMM_BK / 4); i += blockDim.x) {
-      const int n = i / (GEMM_BK / 4), k = 4 * (i - n * (GEMM_BK / 4));
-      float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if (n < cnt && kb + k < n_in) {
-        const float4 x4 = __ldg(reinterpret_cast<const float4*>(xt + (size_t)n * n_in + kb + k));
-        v[0] = x4.x;
-        v[1] = x4.y;
-        v[2] = x4.z;
-        v[3] = x4.w;
-      }
-      store4(bs + n * GEMM_LDS + k, v);
+    // activations: BN rows of the step, zeros past the tile's count and past n_in (a
+    // multiple of 8: whole 16-byte pieces)
+    for (int i = threadIdx.x; i < BN * (GEMM_BK / 8); i += blockDim.x) {
+      const int n = i / (GEMM_BK / 8), k = 8 * (i - n * (GEMM_BK / 8));
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (n < cnt && kb + k < n_in) v = __ldg(reinterpret_cast<const uint4*>(xt + (size_t)n * n_in + kb + k));
+      *reinterpret_cast<uint4*>(bs + n * GEMM_LDS + k) = v;
     }
     __syncthreads();
     const __half* aw = as + (warp * 16 + g) * GEMM_LDS + 2 * t4;

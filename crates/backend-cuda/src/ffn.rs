@@ -999,8 +999,9 @@ impl CudaBackend {
                     ep: GemvEpilogue::default(),
                 })
                 .collect();
+            let xv = x.as_view();
             self.mm
-                .gemm_grp(&self.stream, &mut parts, &x.as_view(), tiles, n_tiles, bn)
+                .gemm_grp(&self.stream, &mut parts, &xv, rows, tiles, n_tiles, bn)
         };
         let mut h = self.scratch::<f32>(rows * n_ff)?;
         match (act, &m.gate) {

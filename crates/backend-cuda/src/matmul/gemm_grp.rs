@@ -3,7 +3,8 @@
 //! the grouped GEMV (`gemv_grp_<ty>`, [`MatmulKernels::gemv_id`] with tiles).
 //!
 //! # Contract
-//! - x is `[rows, n_in]` f32 (the (token, slot) pairs sorted by expert), 16-byte aligned; tile
+//! - x is `[rows, n_in]` f32 (the (token, slot) pairs sorted by expert), rounded to f16 once
+//!   per launch (`cvt_f32_f16`) for the kernel; tile
 //!   i is `tiles[3i .. 3i + 3]` = (expert, first row, count <= bn) in device memory; each
 //!   part's y is `[rows, n_rows]` and only the tiles' rows are written.
 //! - Weights are dequantised exactly and rounded to f16, x is rounded to f16, products
@@ -71,12 +72,15 @@ impl MatmulKernels {
     /// The grouped GEMM (module doc): `parts` (one or two, of one format, `n_in` and expert
     /// count; rows `row0 + e * n_out + r` of expert e, no epilogues) of the tiles' rows of x
     /// into each part's y, in one launch of the `bn`-pair kernel ([`GEMM_GRP_TILES`]). Views
-    /// checked by the caller (x rows and y lengths cover the tiles' rows).
+    /// checked by the caller (y lengths cover the tiles' rows; x holds `rows` rows, checked
+    /// here, and the tiles' rows are below `rows`).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemm_grp(
         &self,
         stream: &Arc<CudaStream>,
         parts: &mut [GemvPart<'_, '_>],
         x: &CudaView<'_, f32>,
+        rows: usize,
         tiles: &CudaView<'_, u32>,
         n_tiles: usize,
         bn: usize,
@@ -104,16 +108,26 @@ impl MatmulKernels {
         {
             return shape_err(OP, "grouped GEMM parts of different formats or widths");
         }
-        if tiles.len() < 3 * n_tiles {
-            return shape_err(OP, "grouped GEMM: fewer tiles than asked for");
+        if tiles.len() < 3 * n_tiles || x.len() < rows * n_in || !n_in.is_multiple_of(8) {
+            return shape_err(
+                OP,
+                "grouped GEMM: fewer tiles or x rows than asked for, or n_in not a multiple of 8",
+            );
         }
-        if n_tiles == 0 {
+        if n_tiles == 0 || rows == 0 {
             return Ok(());
         }
-        let (xp, _xs) = x.device_ptr(stream);
-        if xp % 16 != 0 {
-            return shape_err(OP, "x must start 16-byte aligned for the grouped GEMM");
-        }
+        // x rounded to f16 once (each row block of the kernel would otherwise convert it)
+        // SAFETY: the conversion below writes all rows * n_in elements before the kernel reads
+        // them, on this stream (device memory has no Rust validity invariant).
+        let mut x16 = unsafe { stream.alloc::<u16>(rows * n_in) }.map_err(dev_err)?;
+        let n64 = (rows * n_in) as u64;
+        let mut c = stream.kernel(&self.cvt_f16);
+        c.arg(x).arg(&mut x16).arg(&n64);
+        // SAFETY: cvt_f32_f16(const float* x, __half* out, uint64_t n): x holds >= n floats,
+        // out n halves (both checked or allocated above); any 1-D grid.
+        unsafe { c.launch(self.elem_cfg(rows * n_in)) }.map_err(dev_err)?;
+        let (xp, _xs) = x16.device_ptr(stream);
         let (tp, _ts) = tiles.device_ptr(stream);
         let mut args = GemmGrpArgs {
             x: xp,
@@ -169,8 +183,9 @@ impl MatmulKernels {
         // SAFETY: gemm_grp_<ty>_<bn>(GemmGrpArgs) with every part's weight image, plane
         // offsets and stride from `upload`; rows row0 + e * n_out + r (r < n_rows; e < n_exp,
         // the kernel skips tiles of other experts) exist when row0 + n_rows <= n_out (the
-        // caller's contract); x holds the tiles' rows of n_in floats (the caller's contract),
-        // 16-byte aligned (checked), n_in a multiple of the chunk (checked); tiles hold
+        // caller's contract); x holds rows * n_in halves (a fresh allocation: 16-byte aligned,
+        // n_in a multiple of 8, checked) and the tiles' rows are below rows (the caller's
+        // contract), n_in a multiple of the chunk (checked); tiles hold
         // 3 * n_tiles u32 (checked) with counts <= bn (the caller's); each y holds the tiles'
         // rows of n_rows floats (the caller's); grid (row blocks of 64, n_tiles), 128 threads,
         // static shared memory only.
