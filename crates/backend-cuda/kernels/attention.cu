@@ -284,6 +284,26 @@ ATTN_SPLIT_KERNEL(attn_split_q8_0_8, CacheQ8, 8)
 // same whichever query tile or piece of the sequence it is computed in.
 // DPT: output dims per thread (head_dim <= 8 DPT). Dynamic shared memory (floats):
 // TILE_Q (hd + 1) + TILE_K (hd + 1) + TILE_K hd + TILE_Q (TILE_K + 1), then TILE_K int64 rows.
+// Query tile blockIdx.x of the batch's tile list (tiles[2 i] = sequence, tiles[2 i + 1] = first
+// query row within it): its first row qoff, rows nq (<= TILE_Q), the sequence's first position
+// pos0, the batch row t0 of its first query and the sequence's block table.
+struct QueryTile {
+  uint32_t qoff, nq, pos0;
+  uint64_t t0;
+  const uint32_t* table;
+};
+
+__device__ __forceinline__ QueryTile query_tile(const uint32_t* tiles, const uint32_t* seqs, const uint32_t* tables) {
+  const uint32_t* seq = seqs + tiles[2 * blockIdx.x] * SEQ_FIELDS;
+  QueryTile t;
+  t.qoff = tiles[2 * blockIdx.x + 1];
+  t.nq = min((uint32_t)TILE_Q, seq[SEQ_LEN] - t.qoff);
+  t.pos0 = seq[SEQ_POS0];
+  t.t0 = (uint64_t)seq[SEQ_START] + t.qoff;
+  t.table = tables + seq[SEQ_TSTART];
+  return t;
+}
+
 template <typename C, int DPT>
 __device__ __forceinline__ void attn_tile(const float* __restrict__ q, const typename C::T* __restrict__ kc,
                                           const typename C::T* __restrict__ vc, const uint32_t* __restrict__ tiles,
@@ -300,12 +320,10 @@ __device__ __forceinline__ void attn_tile(const float* __restrict__ q, const typ
 
   const uint32_t tid = threadIdx.x, r = tid >> 3, c = tid & 7;
   const uint32_t h = blockIdx.y;
-  const uint32_t* seq = seqs + tiles[2 * blockIdx.x] * SEQ_FIELDS;
-  const uint32_t qoff = tiles[2 * blockIdx.x + 1];
-  const uint32_t len = seq[SEQ_LEN], pos0 = seq[SEQ_POS0];
-  const uint32_t nq = min((uint32_t)TILE_Q, len - qoff);
-  const uint64_t t0 = (uint64_t)seq[SEQ_START] + qoff;
-  const uint32_t* table = tables + seq[SEQ_TSTART];
+  const QueryTile qt = query_tile(tiles, seqs, tables);
+  const uint32_t qoff = qt.qoff, pos0 = qt.pos0, nq = qt.nq;
+  const uint64_t t0 = qt.t0;
+  const uint32_t* table = qt.table;
   const uint32_t kv_dim = n_head_kv * hd;
   const uint32_t kvh = h / (n_head / n_head_kv);
   const uint32_t my_pos = pos0 + qoff + r;              // this thread's query position
@@ -499,12 +517,10 @@ __device__ __forceinline__ void attn_mma_impl(const float* __restrict__ q, const
   const uint32_t hw = blockIdx.z * MMA_WARPS + warp;  // this warp's head within the group
   const bool active = hw < G;
   const uint32_t h = kvh * G + (active ? hw : 0);
-  const uint32_t* seq = seqs + tiles[2 * blockIdx.x] * SEQ_FIELDS;
-  const uint32_t qoff = tiles[2 * blockIdx.x + 1];
-  const uint32_t len = seq[SEQ_LEN], pos0 = seq[SEQ_POS0];
-  const uint32_t nq = min((uint32_t)TILE_Q, len - qoff);
-  const uint64_t t0 = (uint64_t)seq[SEQ_START] + qoff;
-  const uint32_t* table = tables + seq[SEQ_TSTART];
+  const QueryTile qt = query_tile(tiles, seqs, tables);
+  const uint32_t qoff = qt.qoff, pos0 = qt.pos0, nq = qt.nq;
+  const uint64_t t0 = qt.t0;
+  const uint32_t* table = qt.table;
   const uint64_t kv_dim = (uint64_t)n_head_kv * D;
   const uint32_t ctx_end = pos0 + qoff + nq;
 
@@ -656,15 +672,15 @@ __device__ __forceinline__ void attn_mma_impl(const float* __restrict__ q, const
   }
 }
 
-#define ATTN_MMA_KERNEL(D)                                                                                   \
+#define ATTN_MMA_KERNEL(NAME, D)                                                                             \
   extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)                                               \
-      attn_mma_f16_##D(const float* q, const __half* kc, const __half* vc, const uint32_t* tiles,             \
+      NAME(const float* q, const __half* kc, const __half* vc, const uint32_t* tiles,             \
                        const uint32_t* seqs, const uint32_t* tables, uint32_t n_head, uint32_t n_head_kv,     \
                        float scale, uint32_t block_size, uint32_t n_blocks, float* out) {                     \
     pdl_enter();                                                                                             \
     attn_mma_impl<D>(q, kc, vc, tiles, seqs, tables, n_head, n_head_kv, scale, block_size, n_blocks, out);   \
   }
 
-ATTN_MMA_KERNEL(64)
-ATTN_MMA_KERNEL(128)
-ATTN_MMA_KERNEL(256)
+ATTN_MMA_KERNEL(attn_mma_f16_64, 64)
+ATTN_MMA_KERNEL(attn_mma_f16_128, 128)
+ATTN_MMA_KERNEL(attn_mma_f16_256, 256)

@@ -18,7 +18,7 @@
 
 use std::ops::Range;
 
-use cudarc::driver::{CudaSlice, CudaView, LaunchConfig};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig};
 use kapitsa_backend::{
     shape_err, Act, BackendError, Batch, Epilogue, Experts, Gating, MlpWeights, MoeWeights, Result,
     Tensor, Weight,
@@ -845,17 +845,7 @@ impl CudaBackend {
         glu: bool,
     ) -> Result<()> {
         let mut views: Vec<_> = ys.into_iter().map(|y| y.as_view_mut()).collect();
-        let mut parts: Vec<GemvPart<'_, '_>> = ps
-            .iter()
-            .zip(views.iter_mut())
-            .map(|(&(w, row0, n_rows), y)| GemvPart {
-                w,
-                row0,
-                n_rows,
-                y,
-                ep: GemvEpilogue::default(),
-            })
-            .collect();
+        let mut parts = expert_parts(ps, &mut views);
         self.mm
             .gemv_id(&self.stream, &mut parts, &x.as_view(), route, glu)
     }
@@ -988,17 +978,7 @@ impl CudaBackend {
                       x: &CudaSlice<f32>|
          -> Result<()> {
             let mut views: Vec<_> = ys.into_iter().map(|y| y.as_view_mut()).collect();
-            let mut parts: Vec<GemvPart<'_, '_>> = ps
-                .iter()
-                .zip(views.iter_mut())
-                .map(|(&(w, row0, n_rows), y)| GemvPart {
-                    w,
-                    row0,
-                    n_rows,
-                    y,
-                    ep: GemvEpilogue::default(),
-                })
-                .collect();
+            let mut parts = expert_parts(ps, &mut views);
             let xv = x.as_view();
             self.mm
                 .gemm_grp(&self.stream, &mut parts, &xv, rows, tiles, n_tiles, bn)
@@ -1064,6 +1044,24 @@ impl CudaBackend {
         }
         Ok(())
     }
+}
+
+/// The products `ps` (weight, first row within an expert, rows) into `views` (one each), no
+/// epilogues: the parts of a routed or grouped launch.
+fn expert_parts<'a, 'y>(
+    ps: &[(&'a CudaWeight, usize, usize)],
+    views: &'a mut [CudaViewMut<'y, f32>],
+) -> Vec<GemvPart<'a, 'y>> {
+    ps.iter()
+        .zip(views.iter_mut())
+        .map(|(&(w, row0, n_rows), y)| GemvPart {
+            w,
+            row0,
+            n_rows,
+            y,
+            ep: GemvEpilogue::default(),
+        })
+        .collect()
 }
 
 /// A product of expert MLP operand `mat`: (its stack, first row within an expert, rows).

@@ -80,6 +80,20 @@ fn tolerances(device: Device) -> Tolerances {
     }
 }
 
+/// Tolerances of the fixtures' invariance checks on `device`: (a prompt prefilled in chunks
+/// == in one chunk, a batch of 3 == each alone). The CPU kernels give a token the same
+/// arithmetic whatever the batch around it, so only the order of a few additions differs
+/// (1e-5, 1e-6). A GPU switches kernels with the token count: up to 16 tokens the f32 GEMVs,
+/// above them the tensor-core GEMMs on f16-rounded activations, so a prompt in chunks of 5 and
+/// the same prompt in one chunk differ by that rounding (measured on an H100: up to 4.4e-5
+/// and 5.0e-6), which the looser bounds admit with a margin.
+fn invariance_tols(device: Device) -> (f32, f32) {
+    match device {
+        Device::Cpu => (1e-5, 1e-6),
+        Device::Cuda(_) => (1e-4, 2e-5),
+    }
+}
+
 /// One checkpoint's reference prompts.
 struct Prompt {
     ids: Vec<u32>,
@@ -223,6 +237,7 @@ pub fn selftest(a: SelftestArgs) -> Result<()> {
         .collect();
     dirs.sort();
     let cpu: Arc<dyn Backend> = Arc::new(CpuBackend::new(Box::new(RayonPool::new(2)?)));
+    let (tol_chunks, tol_batch) = invariance_tols(be.device());
     for dir in dirs {
         let (arch, prompts) = reference(&dir)?;
         if !archs.is_empty() && !archs.contains(&arch.as_str()) {
@@ -267,8 +282,8 @@ pub fn selftest(a: SelftestArgs) -> Result<()> {
                 check(
                     &mut rows,
                     format!("{name} p{i} chunks of {chunk} == one chunk"),
-                    format!("{e:.2e} (tol 1e-5)"),
-                    e < 1e-5,
+                    format!("{e:.2e} (tol {tol_chunks:.0e})"),
+                    e < tol_chunks,
                 );
             }
         }
@@ -290,8 +305,8 @@ pub fn selftest(a: SelftestArgs) -> Result<()> {
                 check(
                     &mut rows,
                     format!("{name} batch of 3 == alone (seq {i})"),
-                    format!("{e:.2e} (tol 1e-6)"),
-                    e < 1e-6,
+                    format!("{e:.2e} (tol {tol_batch:.0e})"),
+                    e < tol_batch,
                 );
             }
         }
