@@ -865,33 +865,16 @@ impl CudaBackend {
             .memcpy_dtoh(&ids.slice(0..np), &mut ids_h[..])
             .map_err(dev_err)?;
         self.stream.synchronize().map_err(dev_err)?;
-        let mut starts = vec![0usize; n_exp + 1];
-        for &e in &ids_h {
-            if e as usize >= n_exp {
-                return Err(BackendError::Device(format!(
-                    "moe: routed to expert {e} of {n_exp}"
-                )));
-            }
-            starts[e as usize + 1] += 1;
-        }
-        for e in 0..n_exp {
-            starts[e + 1] += starts[e];
-        }
-        let mut fill = starts.clone();
-        let mut order = vec![0u32; np];
-        for (q, &e) in ids_h.iter().enumerate() {
-            order[fill[e as usize]] = q as u32;
-            fill[e as usize] += 1;
-        }
-        Ok((order, starts))
+        sort_pairs(&ids_h, n_exp)
     }
 
     /// The tiled experts (prompts): the pairs are grouped by expert on the host
-    /// ([`Self::group_pairs`]), each expert's run cut into tiles of up to 8 pairs; the
-    /// sorted rows of `xe` are gathered, run through the stacked experts in two
-    /// `gemv_grp_<ty>` launches (gate/up with SwiGLU, down; [`Self::moe_experts`]) and
-    /// scattered into `ye`: five launches a layer whatever the expert count. Shapes as in
-    /// [`Self::moe_experts`] (`xe [n, de]`, `ids [n * k]`, `ye [n * k, de]`).
+    /// ([`Self::group_pairs`]), each expert's run cut into tiles ([`push_tiles`]: 16 or 64
+    /// pairs for the tensor-core kernels, 8 for the grouped GEMV); the sorted rows of `xe` are
+    /// gathered, run through the stacked experts ([`Self::moe_experts_mma`]: gate/up in one
+    /// launch, the activation, down; or [`Self::moe_experts`] on `gemv_grp_<ty>`) and
+    /// scattered into `ye`: a handful of launches a layer whatever the expert count. Shapes
+    /// as in [`Self::moe_experts`] (`xe [n, de]`, `ids [n * k]`, `ye [n * k, de]`).
     #[allow(clippy::too_many_arguments)]
     fn moe_tiled(
         &self,
@@ -924,16 +907,7 @@ impl CudaBackend {
         };
         // order, then the tiles (expert, first sorted row, count), in one upload
         let mut table = order;
-        let mut n_tiles = 0;
-        for (e, run) in starts.windows(2).enumerate() {
-            let mut f = run[0];
-            while f < run[1] {
-                let c = (run[1] - f).min(tile);
-                table.extend([e as u32, f as u32, c as u32]);
-                f += c;
-                n_tiles += 1;
-            }
-        }
+        let n_tiles = push_tiles(&starts, tile, &mut table);
         let mut table_d = self.scratch::<u32>(table.len())?;
         self.stream
             .memcpy_htod(&table[..], &mut table_d)
@@ -1046,6 +1020,49 @@ impl CudaBackend {
     }
 }
 
+/// The (token, slot) pairs q of routed expert ids `ids` grouped by expert: `(order, starts)`,
+/// `order` the pairs sorted by expert (ascending q within one), expert e's run
+/// `order[starts[e] .. starts[e + 1]]`. An id not below `n_exp` is a device error (the top-k
+/// kernel wrote something it cannot have).
+fn sort_pairs(ids: &[u32], n_exp: usize) -> Result<(Vec<u32>, Vec<usize>)> {
+    let mut starts = vec![0usize; n_exp + 1];
+    for &e in ids {
+        if e as usize >= n_exp {
+            return Err(BackendError::Device(format!(
+                "moe: routed to expert {e} of {n_exp}"
+            )));
+        }
+        starts[e as usize + 1] += 1;
+    }
+    for e in 0..n_exp {
+        starts[e + 1] += starts[e];
+    }
+    let mut fill = starts.clone();
+    let mut order = vec![0u32; ids.len()];
+    for (q, &e) in ids.iter().enumerate() {
+        order[fill[e as usize]] = q as u32;
+        fill[e as usize] += 1;
+    }
+    Ok((order, starts))
+}
+
+/// Appends to `table` the tiles of the sorted runs `starts` ([`sort_pairs`]): every expert's
+/// run cut into pieces of at most `tile` pairs, each as (expert, first sorted row, count).
+/// Returns the number of tiles.
+fn push_tiles(starts: &[usize], tile: usize, table: &mut Vec<u32>) -> usize {
+    let mut n_tiles = 0;
+    for (e, run) in starts.windows(2).enumerate() {
+        let mut f = run[0];
+        while f < run[1] {
+            let c = (run[1] - f).min(tile.max(1));
+            table.extend([e as u32, f as u32, c as u32]);
+            f += c;
+            n_tiles += 1;
+        }
+    }
+    n_tiles
+}
+
 /// The products `ps` (weight, first row within an expert, rows) into `views` (one each), no
 /// epilogues: the parts of a routed or grouped launch.
 fn expert_parts<'a, 'y>(
@@ -1113,4 +1130,52 @@ fn mma_tile() -> Option<usize> {
 fn tiled_on() -> bool {
     static CELL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     crate::matmul::switch("KAPITSA_MOE_TILED", &CELL)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{push_tiles, sort_pairs};
+
+    #[test]
+    fn pairs_sort_by_expert_keeping_their_order() {
+        // 4 tokens x top-2 over 3 experts
+        let ids = [2, 0, 0, 1, 2, 1, 0, 2];
+        let (order, starts) = sort_pairs(&ids, 3).expect("valid ids");
+        assert_eq!(starts, vec![0, 3, 5, 8]);
+        assert_eq!(order, vec![1, 2, 6, 3, 5, 0, 4, 7]);
+        for e in 0..3 {
+            assert!(order[starts[e]..starts[e + 1]]
+                .iter()
+                .all(|&q| ids[q as usize] == e as u32));
+        }
+        assert!(sort_pairs(&[0, 3], 3).is_err(), "an id past the experts");
+        assert_eq!(sort_pairs(&[], 2).expect("empty").1, vec![0, 0, 0]);
+    }
+
+    #[test]
+    fn tiles_cover_every_run_in_pieces_of_at_most_the_tile() {
+        // runs of 0, 17, 16, 1 and 40 pairs
+        let starts = [0usize, 0, 17, 33, 34, 74];
+        for tile in [8usize, 16, 64] {
+            let mut table = vec![9u32; 5]; // whatever came before is kept
+            let n = push_tiles(&starts, tile, &mut table);
+            assert_eq!(&table[..5], &[9; 5]);
+            let tiles: Vec<&[u32]> = table[5..].chunks(3).collect();
+            assert_eq!(tiles.len(), n);
+            let mut next = 0u32;
+            for t in &tiles {
+                let (e, f, c) = (t[0] as usize, t[1], t[2]);
+                assert!(c >= 1 && c as usize <= tile);
+                assert_eq!(f, next, "tiles follow each other");
+                assert!(f as usize >= starts[e] && (f + c) as usize <= starts[e + 1]);
+                next = f + c;
+            }
+            assert_eq!(next, 74, "every pair in a tile");
+            let expect: usize = starts
+                .windows(2)
+                .map(|r| (r[1] - r[0]).div_ceil(tile))
+                .sum();
+            assert_eq!(n, expect);
+        }
+    }
 }
