@@ -483,12 +483,16 @@ mod imp {
             return;
         }
         let n = outs.iter().fold(w.len() / rb, |m, o| m.min(o.len()));
-        for o in outs.iter_mut() {
-            o.fill(0.0);
-        }
         // The row-group kernels' shared limit on row size (gather offsets are i32).
         if i32::try_from(P * rb + ts).is_err() {
+            for o in outs.iter_mut() {
+                o.fill(0.0);
+            }
             return;
+        }
+        // rows 0..n are all stored below; only the rows past the weights are zeroed here
+        for o in outs.iter_mut() {
+            o[n..].fill(0.0);
         }
         let nb = xs.iter().fold(rb / ts, |m, x| m.min(x.len() / 292));
         // SAFETY: the cell lives as long as this thread; this function is its only user and
@@ -546,11 +550,12 @@ mod imp {
                     }
                     s0 += cn;
                 }
+                // the first nr lanes, stored straight into each token's output
+                let keep: __mmask16 = if nr >= P { !0 } else { (1u16 << nr) - 1 };
                 for (o, a) in oc.iter_mut().zip(acc) {
-                    let mut lanes = [0f32; P];
-                    // SAFETY: `lanes` holds 16 f32.
-                    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), a) };
-                    o[r0..r0 + nr].copy_from_slice(&lanes[..nr]);
+                    let dst = &mut o[r0..r0 + nr];
+                    // SAFETY: `dst` holds nr <= 16 f32 and the mask writes only lanes < nr.
+                    unsafe { _mm512_mask_storeu_ps(dst.as_mut_ptr(), keep, a) };
                 }
                 r0 += nr;
             }
@@ -631,12 +636,14 @@ mod tests {
                         })
                         .collect();
                     let xs: Vec<&[u8]> = xp.iter().map(|p| p.as_slice()).collect();
-                    let mut got = vec![vec![f32::NAN; rows]; n_tok];
+                    // (3 outputs past the weights' rows: zeroed, not left as they were)
+                    let mut got = vec![vec![f32::NAN; rows + 3]; n_tok];
                     let mut outs: Vec<&mut [f32]> =
                         got.iter_mut().map(|g| g.as_mut_slice()).collect();
                     // SAFETY: AVX-512 VNNI (checked above) gives the kernel's features.
                     unsafe { f(&w, rb, &xs, &mut outs) };
                     for (t, g) in got.iter().enumerate() {
+                        assert!(g[rows..].iter().all(|&v| v == 0.0), "tail of token {t}");
                         for (r, wr) in w.chunks_exact(rb).enumerate() {
                             let e = dot_sb::dot_scalar(ty, wr, &xq[t]);
                             assert_eq!(
