@@ -222,12 +222,14 @@ mod imp {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
     pub(super) unsafe fn rows<const K: u8>(w: &[u8], rb: usize, x: &[u8], out: &mut [f32]) {
         let bb: usize = if K == 0 { 34 } else { 22 };
-        out.fill(0.0);
         if rb == 0 {
+            out.fill(0.0);
             return;
         }
         let nb = (rb / bb).min(x.len() / XB);
         let n = out.len().min(w.len() / rb);
+        // rows 0..n are all stored below; only outputs past the weights' rows are zeroed here
+        out[n..].fill(0.0);
         // Q5_0: 0 in 128-bit lanes 0 and 2, 4 in lanes 1 and 3 (per i16).
         let s4 = 0x0004_0004_0004_0004;
         let k = Consts {
@@ -251,10 +253,11 @@ mod imp {
             } else {
                 group::<K, false>(&rows, nr, nb, x, &k, ahead)
             };
-            let mut lanes = [0f32; R];
-            // SAFETY: `lanes` holds 16 f32; the store is unaligned.
-            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), acc) };
-            out[r0..r0 + nr].copy_from_slice(&lanes[..nr]);
+            // the first nr lanes, stored straight into the output
+            let keep: __mmask16 = if nr >= R { !0 } else { (1u16 << nr) - 1 };
+            let dst = &mut out[r0..r0 + nr];
+            // SAFETY: `dst` holds nr <= 16 f32 and the mask writes only lanes < nr.
+            unsafe { _mm512_mask_storeu_ps(dst.as_mut_ptr(), keep, acc) };
             r0 += nr;
         }
     }

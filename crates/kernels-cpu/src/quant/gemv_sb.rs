@@ -524,16 +524,20 @@ mod imp {
             1 => 176,
             _ => 210,
         };
-        for o in outs.iter_mut() {
-            o.fill(0.0);
-        }
         // The row-group kernels' shared limit on row size (`matmul` takes the per-row kernels
         // for rows over 128 MiB).
         if rb == 0 || i32::try_from(R * rb + ts).is_err() {
+            for o in outs.iter_mut() {
+                o.fill(0.0);
+            }
             return;
         }
         let nb = xs.iter().fold(rb / ts, |m, x| m.min(x.len() / 292));
         let n = outs.iter().fold(w.len() / rb, |m, o| m.min(o.len()));
+        // rows 0..n are all stored below; only outputs past the weights' rows are zeroed here
+        for o in outs.iter_mut() {
+            o[n..].fill(0.0);
+        }
         let k = consts::<K>();
         // Byte offset of a dword ending with (Q6_K) or starting with (Q4_K/Q5_K) the scales.
         let dofs = if K == 2 { 206 } else { 0 };
@@ -646,11 +650,13 @@ mod imp {
                 }
                 j0 += jn;
             }
+            // the first nr lanes, stored straight into each token's output
+            let keep: __mmask8 = if nr >= R { !0 } else { (1u8 << nr) - 1 };
             for (o, a) in outs.iter_mut().zip(acc) {
-                let mut lanes = [0f32; R];
-                // SAFETY: `lanes` holds 8 f32.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
-                o[r0..r0 + nr].copy_from_slice(&lanes[..nr]);
+                let dst = &mut o[r0..r0 + nr];
+                // SAFETY: `dst` holds nr <= 8 f32 and the mask writes only lanes < nr
+                // (AVX-512VL: enabled on this function).
+                unsafe { _mm256_mask_storeu_ps(dst.as_mut_ptr(), keep, a) };
             }
             r0 += nr;
         }
