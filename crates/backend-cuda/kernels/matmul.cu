@@ -23,9 +23,9 @@
 //   1 for rows already per pair) into `y + q * ldy`. One token's GEMV otherwise (no staging),
 //   the GLU pair allowed; a pair whose id is not below `n_exp` writes nothing. Launch: one
 //   `GemvArgs` and one `GemvIdArgs` by value, grid (vblocks, n_pairs).
-// - `gemv_grp_<ty>`: the expert-grouped GEMV of a prompt's MoE (the tensor-core GEMM's
-//   per-expert launches folded into one): the rows of x are the (token, slot) pairs sorted by
-//   expert, and grid.y runs over tiles of up to 8 pairs of one expert. Tile i is
+// - `gemv_grp_<ty>`: the expert-grouped GEMV of a prompt's MoE (every used expert in one
+//   launch; the f32 form of `gemm_grp_<ty>_<bn>`): the rows of x are the (token, slot) pairs
+//   sorted by expert, and grid.y runs over tiles of up to 8 pairs of one expert. Tile i is
 //   `tiles[3i .. 3i + 3]` = (expert e, first sorted row f, count c <= 8): it computes part p's
 //   rows of expert e (`row0 + e * rpe[p] + r`) against x rows f .. f + c into y rows f .. f + c
 //   (`y + (f + t) * ldy`), 8 tokens' GEMV otherwise (the GLU pair allowed, no epilogues); a
@@ -36,6 +36,8 @@
 //   one on int8 activations (`quantize_x8_f32`'s rows instead of f32 x; `__dp4a` per 4
 //   weights, ~1 instruction per weight instead of ~4), same arguments and epilogues.
 // - `quantize_x8_f32`: f32 activation rows to that int8 layout (see `gemv_chunk_x8`).
+// - `gemm_grp_<ty>_<bn>` (quantised types, bn = 16 or 64): `gemv_grp_<ty>` on tensor cores
+//   for tiles of up to bn pairs (see there).
 // - `dequant_<ty>_f32`, `dequant_<ty>_f16` (quantised types): `out[r * n_in + k] =
 //   dequant(W[src(r), k])` for r < n_rows, src(r) = row0 + ids[r] when `ids` is non-null
 //   (embedding gather; ids[r] >= n_src_rows gives a zero row), else row0 + r (tiles for the
@@ -482,12 +484,13 @@ GEMV_ALL_NT(q6_k, KQ_Q6_K)
 // part p (warp w: rows 16 w .. 16 w + 15) against the tile's BN x rows; per K step of GEMM_BK
 // = 128 the weights are dequantised exactly (`exact4`, as `dequant_<ty>_f16`) into shared
 // memory beside the x rows (f16, rounded once by `cvt_f32_f16` before the launch), then
-// multiplied with `mma.sync.m16n8k16` (f16 in, f32 accumulation). y[(f + t) * ldy + r] = sum_k x[f + t, k]
-// W[row0 + e * rpe + r, k] for t < count, r < n_rows; rows of x past the tile's count read as
-// zero. A K step holds whole chunks: 128 / CE of them (Q6_K's chunks 2m, 2m + 1 cover elements
+// multiplied with `mma.sync.m16n8k16` (f16 in, f32 accumulation):
+// y[(f + t) * ldy + r] = sum_k x[f + t, k] W[row0 + e * rpe + r, k] for t < count,
+// r < n_rows; rows of x past the tile's count read as zero. A K step holds whole chunks: 128 / CE of them (Q6_K's chunks 2m, 2m + 1 cover elements
 // 128 m .. 128 m + 128; the other formats' chunks are contiguous). Launch: one `GemmGrpArgs`
 // by value, grid (row blocks of all parts: sum ceil(n_rows / 64), n_tiles), 128 threads.
-// four floats stored as f32, or rounded to f16 (round to nearest even)
+
+// Four floats stored as f32, or rounded to f16 (round to nearest even).
 __device__ __forceinline__ void store4(float* p, const float v[4]) {
   *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
 }
