@@ -504,6 +504,31 @@ __device__ __forceinline__ void store4(__half* p, const float v[4]) {
   *reinterpret_cast<uint2*>(p) = u;
 }
 
+// Chunk j of row `row` of m decoded exactly (`exact4`) with element e stored at
+// dst[off + e] (f32, or f16 rounded to nearest even); zeros at those places where !ok. Shared
+// by `dequant_<ty>_*` and the grouped GEMM's shared-memory tiles.
+template <int T, typename O>
+__device__ __forceinline__ void store_chunk_exact(const KqMat& m, uint64_t row, int j, bool ok, O* dst, int64_t off) {
+  using F = KqFmt<T>;
+  if (ok) {
+    const typename F::Raw raw = F::load(m, row, j);
+#pragma unroll
+    for (int s = 0; s < F::NSEG; s++)
+#pragma unroll
+      for (int q = 0; q < F::SEGLEN / 4; q++) {
+        float v[4];
+        F::exact4(raw, j, s, q, v);
+        store4(dst + (off + F::seg_elem(j, s) + 4 * q), v);
+      }
+  } else {
+    const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int s = 0; s < F::NSEG; s++)
+#pragma unroll
+      for (int q = 0; q < F::SEGLEN / 4; q++) store4(dst + (off + F::seg_elem(j, s) + 4 * q), z);
+  }
+}
+
 #define GEMM_BM 64
 #define GEMM_BK 128
 #define GEMM_LDS (GEMM_BK + 8)  // halves per shared row: rows 16 bytes apart in bank phase
@@ -566,24 +591,8 @@ __device__ __forceinline__ void gemm_grp_impl(const GemmGrpArgs& a) {
     for (int u = threadIdx.x; u < GEMM_BM * CPS; u += blockDim.x) {
       const int rr = u / CPS, j = kb / F::CE + (u - rr * CPS);
       const uint64_t row = row_base + (uint64_t)min(r_base + rr, P.n_rows - 1);
-      const int base = rr * GEMM_LDS - kb;  // + element index = its place in the K step
-      if (j < n_chunks) {
-        const typename F::Raw raw = F::load(m, row, j);
-#pragma unroll
-        for (int s = 0; s < F::NSEG; s++)
-#pragma unroll
-          for (int q = 0; q < F::SEGLEN / 4; q++) {
-            float v[4];
-            F::exact4(raw, j, s, q, v);
-            store4(as + (base + F::seg_elem(j, s) + 4 * q), v);
-          }
-      } else {
-        const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int s = 0; s < F::NSEG; s++)
-#pragma unroll
-          for (int q = 0; q < F::SEGLEN / 4; q++) store4(as + (base + F::seg_elem(j, s) + 4 * q), z);
-      }
+      // element e of the row goes to its place in the K step: as[rr * GEMM_LDS + e - kb]
+      store_chunk_exact<T>(m, row, j, j < n_chunks, as, rr * GEMM_LDS - kb);
     }
     // activations: BN rows of the step, zeros past the tile's count and past n_in (a
     // multiple of 8: whole 16-byte pieces)
@@ -652,23 +661,7 @@ __device__ __forceinline__ void dequant_impl(const uint8_t* __restrict__ w, uint
       src = row0 + id;
       ok = id < n_src_rows;
     }
-    if (ok) {
-      const typename F::Raw raw = F::load(m, src, j);
-#pragma unroll
-      for (int s = 0; s < F::NSEG; s++)
-#pragma unroll
-        for (int g = 0; g < F::SEGLEN / 4; g++) {
-          float v[4];
-          F::exact4(raw, j, s, g, v);
-          store4(o + F::seg_elem(j, s) + 4 * g, v);
-        }
-    } else {
-      const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int s = 0; s < F::NSEG; s++)
-#pragma unroll
-        for (int g = 0; g < F::SEGLEN / 4; g++) store4(o + F::seg_elem(j, s) + 4 * g, z);
-    }
+    store_chunk_exact<T>(m, src, j, ok, o, 0);
   }
 }
 

@@ -325,6 +325,18 @@ pub(crate) fn row_threads(width: usize) -> u32 {
 }
 
 /// `v` as a kernel's `uint32_t` argument, or a shape error naming `op` and `what`.
+/// A grid's y or z extent `n` (the hardware takes at most 65535), or a shape error naming
+/// `what` (a plural: "sequences", "expert tiles").
+pub(crate) fn grid_yz(op: &'static str, what: &str, n: usize) -> Result<u32, BackendError> {
+    match u32::try_from(n) {
+        Ok(v) if v <= 65_535 => Ok(v),
+        _ => Err(BackendError::Shape {
+            op,
+            msg: format!("{n} {what} (at most 65535)"),
+        }),
+    }
+}
+
 pub(crate) fn u32_arg(op: &'static str, what: &str, v: usize) -> Result<u32, BackendError> {
     u32::try_from(v).map_err(|_| BackendError::Shape {
         op,

@@ -24,7 +24,7 @@ use kapitsa_backend::{
     Tensor, Weight,
 };
 
-use crate::device::{dev_err, row_threads, u32_arg};
+use crate::device::{dev_err, grid_yz, row_threads, u32_arg};
 use crate::launch::KernelLaunch;
 use crate::matmul::{fuse_on, CudaWeight, GemvEpilogue, GemvPart, GemvRoute, GEMM_GRP_TILES};
 use crate::CudaBackend;
@@ -740,13 +740,7 @@ impl CudaBackend {
         let cfg = LaunchConfig {
             grid_dim: (
                 u32_arg(OP, "column blocks", d.div_ceil(THREADS))?,
-                u32::try_from(n)
-                    .ok()
-                    .filter(|&v| v <= 65_535)
-                    .ok_or_else(|| BackendError::Shape {
-                        op: OP,
-                        msg: format!("{n} tokens (at most 65535)"),
-                    })?,
+                grid_yz(OP, "tokens", n)?,
                 1,
             ),
             block_dim: (THREADS as u32, 1, 1),
@@ -914,8 +908,9 @@ impl CudaBackend {
             .map_err(dev_err)?;
         let order_d = table_d.slice(0..np);
         let tiles_d = table_d.slice(np..);
-        // (the grouped GEMV reads 7 rows past a tile's last)
-        let mut xg = self.scratch::<f32>((np + 7) * de)?;
+        // (the grouped GEMV reads 7 rows past a tile's last; the tensor-core GEMM none)
+        let pad = if mma { 0 } else { 7 };
+        let mut xg = self.scratch::<f32>((np + pad) * de)?;
         self.gather_rows_dev(xe, n, &order_d, k, np, de, &mut xg)?;
         let mut yg = self.scratch::<f32>(np * de)?;
         if mma {

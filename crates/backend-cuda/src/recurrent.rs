@@ -14,7 +14,7 @@ use kapitsa_backend::{
 };
 
 use crate::batch::DevBatch;
-use crate::device::{dev_err, u32_arg};
+use crate::device::{dev_err, grid_yz, u32_arg};
 use crate::launch::KernelLaunch;
 use crate::CudaBackend;
 
@@ -55,14 +55,11 @@ const CONV_CHUNK: usize = 16;
 
 /// The conv kernels' token chunks: enough for the longest sequence (at most all tokens).
 fn conv_chunks(op: &'static str, db: &DevBatch) -> Result<u32> {
-    u32_arg(op, "token chunks", db.n_tokens.div_ceil(CONV_CHUNK).max(1))
+    grid_yz(op, "token chunks", db.n_tokens.div_ceil(CONV_CHUNK).max(1))
 }
 
 fn grid_seqs(op: &'static str, db: &DevBatch) -> Result<u32> {
-    match u32::try_from(db.n_seqs) {
-        Ok(n) if n <= 65_535 => Ok(n),
-        _ => shape_err(op, format!("{} sequences (at most 65535)", db.n_seqs)),
-    }
+    grid_yz(op, "sequences", db.n_seqs)
 }
 
 impl CudaBackend {

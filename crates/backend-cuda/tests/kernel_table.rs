@@ -111,20 +111,29 @@ fn int8_activation_gemvs_are_defined_for_the_formats_that_load_them() {
     let cu = std::fs::read_to_string(dir.join("kernels/matmul.cu")).expect("matmul.cu");
     let rs = std::fs::read_to_string(dir.join("src/matmul.rs")).expect("matmul.rs");
     assert!(defined(&cu, "quantize_x8_f32"));
-    for s in [
-        "gemv_x8_##NAME(",
-        "gemv_id_x8_##NAME(",
-        "GEMV_X8(q4_k, KQ_Q4_K)",
-        "GEMV_X8(q6_k, KQ_Q6_K)",
-    ] {
-        assert!(cu.contains(s), "matmul.cu lacks `{s}`");
-    }
-    for s in [
-        "format!(\"gemv_x8_{}\", fmt.name())",
-        "format!(\"gemv_id_x8_{}\", fmt.name())",
-        "f(\"quantize_x8_f32\")",
-        "matches!(self, Fmt::Q4K | Fmt::Q6K)",
-    ] {
-        assert!(rs.contains(s), "matmul.rs lacks `{s}`");
-    }
+    let has = |text: &str, file: &str, needles: &[&str]| {
+        for s in needles {
+            assert!(text.contains(s), "{file} lacks `{s}`");
+        }
+    };
+    has(
+        &cu,
+        "matmul.cu",
+        &[
+            "gemv_x8_##NAME(",
+            "gemv_id_x8_##NAME(",
+            "GEMV_X8(q4_k, KQ_Q4_K)",
+            "GEMV_X8(q6_k, KQ_Q6_K)",
+        ],
+    );
+    has(
+        &rs,
+        "matmul.rs",
+        &[
+            "format!(\"gemv_x8_{}\", fmt.name())",
+            "format!(\"gemv_id_x8_{}\", fmt.name())",
+            "f(\"quantize_x8_f32\")",
+            "matches!(self, Fmt::Q4K | Fmt::Q6K)",
+        ],
+    );
 }

@@ -17,7 +17,7 @@ use cudarc::driver::{CudaStream, CudaView, DevicePtr, LaunchConfig};
 use kapitsa_backend::{shape_err, BackendError, Result};
 
 use super::{i32_arg, GemvPart, MatmulKernels};
-use crate::device::dev_err;
+use crate::device::{dev_err, grid_yz};
 use crate::launch::{KernelArg, KernelLaunch, Launch};
 
 /// Weight rows per block (kernels/matmul.cu `GEMM_BM`).
@@ -166,13 +166,7 @@ impl MatmulKernels {
                     op: OP,
                     msg: format!("{blocks} GEMM blocks"),
                 })?,
-                u32::try_from(n_tiles)
-                    .ok()
-                    .filter(|&t| t <= 65_535)
-                    .ok_or_else(|| BackendError::Shape {
-                        op: OP,
-                        msg: format!("{n_tiles} expert tiles (at most 65535)"),
-                    })?,
+                grid_yz(OP, "expert tiles", n_tiles)?,
                 1,
             ),
             block_dim: (128, 1, 1),

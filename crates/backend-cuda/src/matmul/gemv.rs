@@ -29,7 +29,7 @@ use kapitsa_backend::{shape_err, Result};
 use super::{
     i32_arg, CudaWeight, GemvEpilogue, MatmulKernels, GEMV_MAX_TOKENS, GEMV_ROWS, GEMV_WARPS,
 };
-use crate::device::dev_err;
+use crate::device::{dev_err, grid_yz};
 use crate::launch::{KernelArg, KernelLaunch, Launch};
 
 /// Most products of one launch (kernels/matmul.cu `GEMV_MAX_PARTS`).
@@ -355,13 +355,7 @@ impl MatmulKernels {
                     op: OP,
                     msg: format!("{blocks} GEMV blocks"),
                 })?,
-                u32::try_from(route.n_pairs)
-                    .ok()
-                    .filter(|&p| p <= 65_535)
-                    .ok_or_else(|| kapitsa_backend::BackendError::Shape {
-                        op: OP,
-                        msg: format!("{} routed pairs (at most 65535)", route.n_pairs),
-                    })?,
+                grid_yz(OP, "routed pairs or tiles", route.n_pairs)?,
                 1,
             ),
             block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
