@@ -113,6 +113,99 @@ extern "C" __global__ void moe_topk_f32(const float* __restrict__ logits, uint32
   }
 }
 
+// moe_topk_f32 with one warp per token (blockIdx.x) and the scores in registers, for
+// n_exp <= 32 * TOPK_VPL: lane l holds experts l, l + 32, ... No block barriers: the k picks
+// are k warp-wide argmax reductions. Same semantics and arithmetic as moe_topk_f32 (softmax
+// sum in f64; NaN counts as -inf; ties to the lower index). No shared memory.
+#define TOPK_VPL 16
+extern "C" __global__ void __launch_bounds__(32)
+    moe_topk_warp_f32(const float* __restrict__ logits, uint32_t n_exp, uint32_t k, uint32_t gating,
+                      const float* __restrict__ bias, uint32_t norm_topk, float scale, uint32_t* __restrict__ ids,
+                      float* __restrict__ weights) {
+  pdl_enter();
+  const float* l = logits + (uint64_t)blockIdx.x * n_exp;
+  const uint32_t lane = threadIdx.x;
+  float score[TOPK_VPL], sel[TOPK_VPL];
+  uint32_t live = 0;  // bit i: expert lane + 32 i exists and is not picked
+#pragma unroll
+  for (int i = 0; i < TOPK_VPL; i++) {
+    const uint32_t e = lane + 32 * i;
+    score[i] = e < n_exp ? l[e] : -INFINITY;
+    if (e < n_exp) live |= 1u << i;
+  }
+  if (gating == 0) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < TOPK_VPL; i++) m = fmaxf(m, score[i]);
+    m = warp_max(m);
+    double s = 0.0;
+#pragma unroll
+    for (int i = 0; i < TOPK_VPL; i++) {
+      const float v = (live >> i) & 1u ? expf(score[i] - m) : 0.0f;
+      score[i] = v;
+      s += (double)v;
+    }
+    s = warp_sum_d(s);
+    const float inv = (float)(1.0 / s);
+#pragma unroll
+    for (int i = 0; i < TOPK_VPL; i++) {
+      score[i] *= inv;
+      sel[i] = score[i];
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < TOPK_VPL; i++) {
+      const uint32_t e = lane + 32 * i;
+      const float v = sigmoid_f(score[i]);
+      score[i] = v;
+      sel[i] = (bias && e < n_exp) ? v + bias[e] : v;
+    }
+  }
+  float sum = 0.0f, picked_w = 0.0f;  // lane j < k keeps pick j's score
+  uint32_t picked_id = 0;
+  for (uint32_t j = 0; j < k; ++j) {
+    // this lane's best unpicked expert (ascending index: ties keep the lower one)
+    float bv = -INFINITY, bs = 0.0f;
+    uint32_t bi = 0xffffffffu;
+#pragma unroll
+    for (int i = 0; i < TOPK_VPL; i++) {
+      if (!((live >> i) & 1u)) continue;
+      float v = sel[i];
+      if (v != v) v = -INFINITY;
+      if (bi == 0xffffffffu || v > bv) {
+        bv = v;
+        bi = lane + 32 * i;
+        bs = score[i];
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const uint32_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      const float os = __shfl_xor_sync(0xffffffffu, bs, o);
+      if (oi != 0xffffffffu && (bi == 0xffffffffu || ov > bv || (ov == bv && oi < bi))) {
+        bv = ov;
+        bi = oi;
+        bs = os;
+      }
+    }
+    if (bi == 0xffffffffu) bi = 0;  // k > n_exp is rejected on the host
+    if ((bi & 31u) == lane) live &= ~(1u << (bi >> 5));
+    sum += bs;
+    if (lane == j) {
+      picked_id = bi;
+      picked_w = bs;
+    }
+  }
+  if (lane < k) {
+    float norm = 1.0f;
+    if (norm_topk) norm = gating == 0 ? 1.0f / sum : 1.0f / (sum + 1e-20f);
+    const uint64_t o = (uint64_t)blockIdx.x * k + lane;
+    ids[o] = picked_id;
+    weights[o] = picked_w * norm * scale;
+  }
+}
+
 // The end of an MoE block for token blockIdx.y, columns blockIdx.x * blockDim.x + threadIdx.x:
 // v = sum_j w[t, j] * ye[t * k + j, c] (j ascending; ye `[n * k, d]`, w `[n, k]`), then, when
 // sh `[n, d]` is given, v += g * sh[t, c] with g = sigmoid(x[t, :] . gate) (x `[n, dx]`) when

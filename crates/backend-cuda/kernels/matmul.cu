@@ -37,7 +37,9 @@
 //   weights, ~1 instruction per weight instead of ~4), same arguments and epilogues.
 // - `quantize_x8_f32`: f32 activation rows to that int8 layout (see `gemv_chunk_x8`).
 // - `gemm_grp_<ty>_<bn>` (quantised types, bn = 16 or 64): `gemv_grp_<ty>` on tensor cores
-//   for tiles of up to bn pairs (see there).
+//   for tiles of up to bn pairs (see there), x in f16; sorted row f + t reads x row
+//   xmap[f + t] and writes y row ymap[f + t] where the maps are given (`GemmGrpArgs`), so a
+//   prompt's MoE reads its token rows and writes its pair rows in place, unsorted.
 // - `dequant_<ty>_f32`, `dequant_<ty>_f16` (quantised types): `out[r * n_in + k] =
 //   dequant(W[src(r), k])` for r < n_rows, src(r) = row0 + ids[r] when `ids` is non-null
 //   (embedding gather; ids[r] >= n_src_rows gives a zero row), else row0 + r (tiles for the
@@ -543,8 +545,10 @@ struct GemmGrpPart {
 // Mirrored by src/matmul/gemv.rs `GemmGrpArgs`: change both together.
 struct GemmGrpArgs {
   GemmGrpPart part[2];
-  const __half* x;        // [rows of the tiles, n_in] f16, the sorted pairs (n_in % 8 == 0)
-  const uint32_t* tiles;  // (expert, first row, count <= BN) per tile
+  const __half* x;        // [x rows, n_in] f16 (n_in % 8 == 0)
+  const uint32_t* tiles;  // (expert, first sorted row, count <= BN) per tile
+  const uint32_t* xmap;   // sorted row -> x row, or null: x row = sorted row
+  const uint32_t* ymap;   // sorted row -> y row, or null: y row = sorted row
   int n_parts, n_in, n_exp, unused;
 };
 
@@ -577,7 +581,14 @@ __device__ __forceinline__ void gemm_grp_impl(const GemmGrpArgs& a) {
   const int n_in = a.n_in, n_chunks = n_in / F::CE;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
-  const __half* __restrict__ xt = a.x + (size_t)first * n_in;
+  // the x and y rows of the tile's pairs (through the maps, where given)
+  __shared__ uint32_t xrow[BN], yrow[BN];
+  for (int n = threadIdx.x; n < BN; n += blockDim.x) {
+    const uint32_t sr = first + (uint32_t)min(n, cnt - 1);
+    xrow[n] = a.xmap ? a.xmap[sr] : sr;
+    yrow[n] = a.ymap ? a.ymap[sr] : sr;
+  }
+  __syncthreads();  // every thread reads the maps' rows
 
   float acc[BN / 8][4];
 #pragma unroll
@@ -599,7 +610,7 @@ __device__ __forceinline__ void gemm_grp_impl(const GemmGrpArgs& a) {
     for (int i = threadIdx.x; i < BN * (GEMM_BK / 8); i += blockDim.x) {
       const int n = i / (GEMM_BK / 8), k = 8 * (i - n * (GEMM_BK / 8));
       uint4 v = make_uint4(0, 0, 0, 0);
-      if (n < cnt && kb + k < n_in) v = __ldg(reinterpret_cast<const uint4*>(xt + (size_t)n * n_in + kb + k));
+      if (n < cnt && kb + k < n_in) v = __ldg(reinterpret_cast<const uint4*>(a.x + (size_t)xrow[n] * n_in + kb + k));
       *reinterpret_cast<uint4*>(bs + n * GEMM_LDS + k) = v;
     }
     __syncthreads();
@@ -626,7 +637,7 @@ __device__ __forceinline__ void gemm_grp_impl(const GemmGrpArgs& a) {
     for (int i = 0; i < 4; i++) {
       const int tok = n * 8 + 2 * t4 + (i & 1);
       const int r = r_base + warp * 16 + g + (i >> 1) * 8;
-      if (tok < cnt && r < P.n_rows) P.y[(size_t)(first + tok) * P.ldy + r] = acc[n][i];
+      if (tok < cnt && r < P.n_rows) P.y[(size_t)yrow[tok] * P.ldy + r] = acc[n][i];
     }
 }
 

@@ -9,8 +9,9 @@
 // return): a conv output needs only the K - 1 inputs before it, read from x or, before the
 // sequence's first token, from the state; chunk 0 writes the state back at the end (the only
 // block that reads it). The recurrences (GDN, Mamba2) process a sequence's tokens in order,
-// the state on chip between them: the simple token-sequential forms (decode and short
-// prompts); chunked prefill forms are a later step.
+// the state on chip between them: the token-sequential forms (decode and short prompts).
+// Long Gated DeltaNet sequences take the chunked form below (gdn_chunk_*_f32); a chunked
+// Mamba2 (SSD) form is a later step.
 #include "common.cuh"
 
 // ---- conv1d_causal ------------------------------------------------------------------------------
@@ -270,6 +271,505 @@ extern "C" __global__ void __launch_bounds__(32 * GDN_MAX_WARPS)
   for (int r = 0; r < 32; ++r) {
     const uint32_t i = warp * 32 + r;
     if (col_ok && i < dk) sh[(uint64_t)i * dv + j] = s[r];
+  }
+}
+
+// ---- Gated DeltaNet, chunked (prefill) -----------------------------------------------------------
+//
+// The chunked form of gdn_recurrent_f32 for long sequences: the WY algorithm of
+// flash-linear-attention's chunk_gated_delta_rule, in f32 (docs/design-notes.md, "GPU prefill").
+// A sequence's tokens are cut into chunks of GDN_CT. Within a chunk of T tokens, with S
+// (dk x dv) the state at its start and G_t = g_0 + ... + g_t:
+//   A[t][j] = beta_t exp(G_t - G_j) (k_t . k_j) for j < t, and by forward substitution
+//   (I + A) U = beta v, (I + A) W = beta exp(G) k;
+//   V = U - W S (V_t is the recurrence's delta beta_t (v_t - (S_{t-1} exp(g_t))^T k_t));
+//   o_t = exp(G_t) S^T q_t + sum_{j <= t} exp(G_t - G_j) (q_t . k_j) V_j;
+//   S' = exp(G_{T-1}) S + sum_t exp(G_{T-1} - G_t) k_t V_t^T.
+// G is summed in f64 and every decay is exp of an f64 difference rounded once: an f32 G
+// loses ~ulp(|G|) in G_t - G_j (|G| reaches hundreds over a chunk with strong decay),
+// which the token-by-token recurrence never does.
+// Three launches over the whole batch (same arguments as gdn_recurrent_f32 for q, k, v, g,
+// beta, state, seqs, heads and order; the token-major work arrays come from the host):
+// - gdn_chunk_prep_f32, grid (chunks of the longest sequence, n_v_heads, sequences), 256
+//   threads: writes ge `[n_tokens, n_v]` (exp(G_t)), gl `[n_tokens, n_v]` (exp(G_{T-1} -
+//   G_t)), wb `[n_tokens, n_v, dk]` (W), ub `[n_tokens, n_v, dv]` (U) and ab
+//   `[n_tokens, n_v, GDN_CT]` (row t: exp(G_t - G_j) (q_t . k_j) for j <= t, 0 past it);
+// - gdn_chunk_state_f32, grid (ceil(dv / 32), n_v_heads, sequences), 128 threads: the
+//   chunks in order (the next chunk's W and k rows copied in by cp.async while
+//   one computes), lane = state column, warp w = rows 32 w ..; overwrites ub with V, writes
+//   each chunk's start state to hb `[n_ids, n_v, dk, dv]` (chunk c of sequence s at id
+//   start_s / GDN_CT + s + c, unique and below ceil(n_tokens / GDN_CT) + n_seqs) and the
+//   final state to the slot;
+// - gdn_chunk_out_f32, grid as prep, 256 threads: out `[n_tokens, n_v * dv]`.
+// dk, dv <= GDN_CD; dynamic shared memory as each kernel states (src/recurrent.rs
+// `gdn_chunk_smem`).
+#define GDN_CT 64             // tokens per chunk
+#define GDN_CD 128            // largest dk and dv
+#define GDN_LD (GDN_CD + 4)   // shared row stride of q/k/W rows (rows 4 banks apart)
+#define GDN_ALD (GDN_CT + 4)  // shared row stride of the chunk matrices
+#define GDN_THREADS 256       // threads of the prep and out kernels
+
+struct GdnChunk {
+  uint32_t t0, nt, id;  // first token, tokens, chunk id (hb index)
+};
+
+// Chunk c of sequence s, or false when the sequence is shorter or its slot is out of range.
+__device__ __forceinline__ bool gdn_chunk_at(const uint32_t* __restrict__ seqs, uint32_t s, uint32_t c,
+                                             uint32_t n_slots, GdnChunk& ch) {
+  const uint32_t* seq = seqs + s * SEQ_FIELDS;
+  const uint32_t start = seq[SEQ_START], len = seq[SEQ_LEN];
+  if (seq[SEQ_SLOT] >= n_slots || c * GDN_CT >= len) return false;
+  ch.t0 = start + c * GDN_CT;
+  ch.nt = min((uint32_t)GDN_CT, len - c * GDN_CT);
+  ch.id = start / GDN_CT + s + c;
+  return true;
+}
+
+__device__ __forceinline__ uint32_t gdn_key_head(uint32_t h, uint32_t n_k, uint32_t n_v, uint32_t order) {
+  return order == 0 ? h / (n_v / n_k) : h % n_k;
+}
+
+__device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
+  acc = fmaf(a.x, b.x, acc);
+  acc = fmaf(a.y, b.y, acc);
+  acc = fmaf(a.z, b.z, acc);
+  return fmaf(a.w, b.w, acc);
+}
+
+// Rows [0, GDN_CT) x [0, GDN_CD) of a token-major matrix into shared rows of GDN_LD, zero past
+// nt tokens and `width` columns: element (t, r) = src[(t0 + t) * ld + col0 + r], by a block
+// of GDN_THREADS. Every load is issued before the first store (float4 where width, ld and
+// col0 are multiples of 4).
+__device__ __forceinline__ void gdn_stage_rows(float* dst, const float* __restrict__ src, uint64_t t0, uint64_t ld,
+                                               uint64_t col0, uint32_t nt, uint32_t width) {
+  const int tid = threadIdx.x;
+  if ((width | ld | col0) % 4 == 0) {
+    constexpr int N4 = GDN_CT * GDN_CD / 4 / GDN_THREADS;
+    float4 v[N4];
+#pragma unroll
+    for (int u = 0; u < N4; u++) {
+      const int i = tid + u * GDN_THREADS, t = i / (GDN_CD / 4), r = 4 * (i - t * (GDN_CD / 4));
+      v[u] = (t < (int)nt && r < (int)width)
+                 ? __ldg(reinterpret_cast<const float4*>(src + (t0 + t) * ld + col0 + r))
+                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int u = 0; u < N4; u++) {
+      const int i = tid + u * GDN_THREADS, t = i / (GDN_CD / 4), r = 4 * (i - t * (GDN_CD / 4));
+      *reinterpret_cast<float4*>(dst + t * GDN_LD + r) = v[u];
+    }
+  } else {
+    constexpr int N1 = GDN_CT * GDN_CD / GDN_THREADS;
+#pragma unroll 8
+    for (int u = 0; u < N1; u++) {
+      const int i = tid + u * GDN_THREADS, t = i / GDN_CD, r = i - t * GDN_CD;
+      dst[t * GDN_LD + r] = (t < (int)nt && r < (int)width) ? src[(t0 + t) * ld + col0 + r] : 0.0f;
+    }
+  }
+}
+
+// Shared memory: q and k rows [GDN_CT][GDN_LD] each, A [GDN_CT][GDN_ALD], G (f64) and beta
+// [GDN_CT].
+extern "C" __global__ void __launch_bounds__(GDN_THREADS)
+    gdn_chunk_prep_f32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                       const float* __restrict__ g, const float* __restrict__ beta,
+                       const uint32_t* __restrict__ seqs, uint32_t n_k_heads, uint32_t n_v_heads, uint32_t dk,
+                       uint32_t dv, uint32_t order, uint32_t n_slots, float* __restrict__ ge,
+                       float* __restrict__ gl, float* __restrict__ wb, float* __restrict__ ub,
+                       float* __restrict__ ab) {
+  pdl_enter();
+  GdnChunk ch;
+  if (!gdn_chunk_at(seqs, blockIdx.z, blockIdx.x, n_slots, ch)) return;  // uniform
+  extern __shared__ float4 gdn_smem[];
+  float* qs = reinterpret_cast<float*>(gdn_smem);
+  float* ks = qs + GDN_CT * GDN_LD;
+  float* as = ks + GDN_CT * GDN_LD;
+  double* gs = reinterpret_cast<double*>(as + GDN_CT * GDN_ALD);
+  float* bs = reinterpret_cast<float*>(gs + GDN_CT);
+  const uint32_t h = blockIdx.y, nv = n_v_heads;
+  const uint64_t kh = gdn_key_head(h, n_k_heads, nv, order);
+  const int tid = threadIdx.x, nt = (int)ch.nt;
+  const uint64_t ldk = (uint64_t)n_k_heads * dk;
+  if (tid < GDN_CT) {
+    const bool ok = tid < nt;
+    gs[tid] = ok ? (double)g[(uint64_t)(ch.t0 + tid) * nv + h] : 0.0;
+    bs[tid] = ok ? beta[(uint64_t)(ch.t0 + tid) * nv + h] : 0.0f;
+  }
+  gdn_stage_rows(qs, q, ch.t0, ldk, kh * dk, ch.nt, dk);
+  gdn_stage_rows(ks, k, ch.t0, ldk, kh * dk, ch.nt, dk);
+  __syncthreads();
+  if (tid == 0) {
+    double acc = 0.0;
+    for (int t = 0; t < nt; t++) {
+      acc += gs[t];
+      gs[t] = acc;
+    }
+  }
+  __syncthreads();
+  if (tid < nt) {
+    const uint64_t o = (uint64_t)(ch.t0 + tid) * nv + h;
+    ge[o] = expf((float)gs[tid]);
+    gl[o] = expf((float)(gs[nt - 1] - gs[tid]));
+  }
+
+  // A (j < t) and the q.k matrix (j <= t): thread (ti, tj) of 16 x 16 takes rows ti + 16 a
+  // and columns tj + 16 b, a, b < 4
+  {
+    const int ti = tid >> 4, tj = tid & 15;
+    float kk[4][4], qk[4][4];
+#pragma unroll
+    for (int a = 0; a < 4; a++)
+#pragma unroll
+      for (int b = 0; b < 4; b++) kk[a][b] = qk[a][b] = 0.0f;
+    const int d4 = (int)((dk + 3) & ~3u);
+    for (int r = 0; r < d4; r += 4) {
+      float4 kj[4];
+#pragma unroll
+      for (int b = 0; b < 4; b++) kj[b] = *reinterpret_cast<const float4*>(ks + (tj + 16 * b) * GDN_LD + r);
+#pragma unroll
+      for (int a = 0; a < 4; a++) {
+        const float4 ki = *reinterpret_cast<const float4*>(ks + (ti + 16 * a) * GDN_LD + r);
+        const float4 qi = *reinterpret_cast<const float4*>(qs + (ti + 16 * a) * GDN_LD + r);
+#pragma unroll
+        for (int b = 0; b < 4; b++) {
+          kk[a][b] = dot4(ki, kj[b], kk[a][b]);
+          qk[a][b] = dot4(qi, kj[b], qk[a][b]);
+        }
+      }
+    }
+#pragma unroll
+    for (int a = 0; a < 4; a++)
+#pragma unroll
+      for (int b = 0; b < 4; b++) {
+        const int t = ti + 16 * a, j = tj + 16 * b;
+        const float e = j <= t ? expf((float)(gs[t] - gs[j])) : 0.0f;
+        as[t * GDN_ALD + j] = j < t ? bs[t] * e * kk[a][b] : 0.0f;
+        if (t < nt) ab[((uint64_t)(ch.t0 + t) * nv + h) * GDN_CT + j] = e * qk[a][b];
+      }
+  }
+  __syncthreads();
+
+  // forward substitution, one right-hand column per thread: columns 0 .. GDN_CD - 1 of U
+  // (value columns), GDN_CD .. of W (key columns); x in registers
+  {
+    const bool is_w = tid >= GDN_CD;  // uniform per warp
+    const int cc = is_w ? tid - GDN_CD : tid;
+    const bool ok = cc < (int)(is_w ? dk : dv);
+    float x[GDN_CT];
+#pragma unroll
+    for (int t = 0; t < GDN_CT; t++) {
+      x[t] = 0.0f;
+      if (ok && t < nt) {
+        x[t] = is_w ? bs[t] * expf((float)gs[t]) * ks[t * GDN_LD + cc]
+                    : bs[t] * v[((uint64_t)(ch.t0 + t) * nv + h) * dv + cc];
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < GDN_CT; t++) {
+      float r = x[t];
+      const float* ar = as + t * GDN_ALD;
+#pragma unroll
+      for (int j = 0; j + 4 <= t; j += 4) {
+        const float4 a4 = *reinterpret_cast<const float4*>(ar + j);
+        r = fmaf(-a4.x, x[j], r);
+        r = fmaf(-a4.y, x[j + 1], r);
+        r = fmaf(-a4.z, x[j + 2], r);
+        r = fmaf(-a4.w, x[j + 3], r);
+      }
+#pragma unroll
+      for (int j = t & ~3; j < t; j++) r = fmaf(-ar[j], x[j], r);
+      x[t] = r;
+    }
+    if (ok) {
+#pragma unroll
+      for (int t = 0; t < GDN_CT; t++) {
+        if (t < nt) {
+          const uint64_t row = (uint64_t)(ch.t0 + t) * nv + h;
+          if (is_w) {
+            wb[row * dk + cc] = x[t];
+          } else {
+            ub[row * dv + cc] = x[t];
+          }
+        }
+      }
+    }
+  }
+}
+
+// cp.async of `bytes` (4 or 16) from src to shared dst; src_bytes 0 fills zeros.
+__device__ __forceinline__ void cp_async(void* dst, const void* src, int bytes, bool ok) {
+  const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+  const int n = ok ? bytes : 0;
+  if (bytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(n) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(src), "r"(n) : "memory");
+  }
+}
+
+// The W rows, raw k rows, end decays (fl[t] = exp(G_last - G_t), fl[GDN_CT] = exp(G_last))
+// of chunk (t0, nt) into a buffer of the state kernel, as one cp.async group (see
+// gdn_chunk_state_f32).
+__device__ __forceinline__ void gdn_state_fetch(float* ws, float* kr, float* fl, const float* __restrict__ wb,
+                                                const float* __restrict__ k, const float* __restrict__ gl,
+                                                const float* __restrict__ ge,
+                                                uint32_t t0, uint32_t nt, uint32_t nv, uint64_t h, uint64_t ldk,
+                                                uint64_t kh, uint32_t dk) {
+  if (dk % 4 == 0) {
+    for (int i = threadIdx.x; i < GDN_CT * GDN_CD / 4; i += blockDim.x) {
+      const int t = i / (GDN_CD / 4), r = 4 * (i - t * (GDN_CD / 4));
+      const bool ok = t < (int)nt && r < (int)dk;
+      const uint64_t tt = ok ? t0 + t : t0;  // a valid address even when zero-filling
+      const int rr = ok ? r : 0;
+      cp_async(ws + t * GDN_LD + r, wb + (tt * nv + h) * dk + rr, 16, ok);
+      cp_async(kr + t * GDN_LD + r, k + tt * ldk + kh * dk + rr, 16, ok);
+    }
+  } else {
+    for (int i = threadIdx.x; i < GDN_CT * GDN_CD; i += blockDim.x) {
+      const int t = i / GDN_CD, r = i - t * GDN_CD;
+      const bool ok = t < (int)nt && r < (int)dk;
+      const uint64_t tt = ok ? t0 + t : t0;
+      const int rr = ok ? r : 0;
+      cp_async(ws + t * GDN_LD + r, wb + (tt * nv + h) * dk + rr, 4, ok);
+      cp_async(kr + t * GDN_LD + r, k + tt * ldk + kh * dk + rr, 4, ok);
+    }
+  }
+  for (int t = threadIdx.x; t < GDN_CT; t += blockDim.x) {
+    const bool ok = t < (int)nt;
+    cp_async(fl + t, gl + (uint64_t)(ok ? t0 + t : t0) * nv + h, 4, ok);
+  }
+  if (threadIdx.x == 0) cp_async(fl + GDN_CT, ge + (uint64_t)(t0 + nt - 1) * nv + h, 4, true);
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Shared memory: two buffers of W rows and k rows [GDN_CT][GDN_LD] each and of the end
+// decays [GDN_CT + 4]; the warps' partial sums [4][GDN_CT][32], V [GDN_CT][33].
+extern "C" __global__ void __launch_bounds__(128)
+    gdn_chunk_state_f32(const float* __restrict__ k, const float* __restrict__ ge, const float* __restrict__ gl,
+                        const float* __restrict__ wb, float* __restrict__ ub, float* __restrict__ state,
+                        float* __restrict__ hb, const uint32_t* __restrict__ seqs, uint32_t n_k_heads,
+                        uint32_t n_v_heads, uint32_t dk, uint32_t dv, uint32_t order, uint32_t n_slots) {
+  pdl_enter();
+  extern __shared__ float4 gdn_smem[];
+  float* base = reinterpret_cast<float*>(gdn_smem);
+  // buffer b: W rows at ws0 + b * GDN_CT * GDN_LD, k rows at kr0 + .., end decays at fl0 + b * GDN_CT
+  float* ws0 = base;
+  float* kr0 = base + 2 * GDN_CT * GDN_LD;
+  float* part = base + 4 * GDN_CT * GDN_LD;
+  float* vs = part + 4 * GDN_CT * 32;
+  float* fl0 = vs + GDN_CT * 33;
+  constexpr int n_warps = 4;  // blockDim 128: rows 32 w .. 32 w + 31 (zero past dk)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t h = blockIdx.y, nv = n_v_heads;
+  const uint32_t j = blockIdx.x * 32 + lane;
+  const bool col_ok = j < dv;
+  const uint32_t* seq = seqs + blockIdx.z * SEQ_FIELDS;
+  const uint32_t slot = seq[SEQ_SLOT], start = seq[SEQ_START], len = seq[SEQ_LEN];
+  if (slot >= n_slots) return;  // uniform
+  const uint64_t kh = gdn_key_head(h, n_k_heads, nv, order);
+  const uint64_t ldk = (uint64_t)n_k_heads * dk;
+  const uint64_t hd = (uint64_t)dk * dv;
+  float* sh = state + ((uint64_t)slot * nv + h) * hd;
+  float s[32];
+#pragma unroll
+  for (int r = 0; r < 32; ++r) {
+    const uint32_t i = warp * 32 + r;
+    s[r] = (col_ok && i < dk) ? sh[(uint64_t)i * dv + j] : 0.0f;
+  }
+  const uint32_t n_chunks = (len + GDN_CT - 1) / GDN_CT;
+  if (n_chunks > 0) gdn_state_fetch(ws0, kr0, fl0, wb, k, gl, ge, start, min((uint32_t)GDN_CT, len), nv, h, ldk, kh, dk);
+  for (uint32_t c = 0; c < n_chunks; c++) {
+    const int b = c & 1;
+    const uint32_t t0 = start + c * GDN_CT, nt = min((uint32_t)GDN_CT, len - c * GDN_CT);
+    const uint64_t id = start / GDN_CT + blockIdx.z + c;
+    // U of this thread's rows of V (t = warp + n_warps u), loaded while the products run
+    constexpr int N_MINE = GDN_CT / n_warps;
+    float u_in[N_MINE];
+#pragma unroll
+    for (int u = 0; u < N_MINE; u++) {
+      const int t = warp + u * n_warps;
+      u_in[u] = (col_ok && t < (int)nt) ? ub[((uint64_t)(t0 + t) * nv + h) * dv + j] : 0.0f;
+    }
+    float* hc = hb + (id * nv + h) * hd;
+#pragma unroll
+    for (int r = 0; r < 32; ++r) {
+      const uint32_t i = warp * 32 + r;
+      if (col_ok && i < dk) hc[(uint64_t)i * dv + j] = s[r];
+    }
+    __syncthreads();  // every thread is done with buffer b ^ 1 (chunk c - 1)
+    if (c + 1 < n_chunks) {
+      const uint32_t t1 = t0 + GDN_CT;
+      const int o = (b ^ 1) * GDN_CT;
+      gdn_state_fetch(ws0 + o * GDN_LD, kr0 + o * GDN_LD, fl0 + (b ^ 1) * (GDN_CT + 4), wb, k, gl, ge, t1,
+                      min((uint32_t)GDN_CT, len - (c + 1) * GDN_CT), nv, h, ldk, kh, dk);
+      asm volatile("cp.async.wait_group 1;" ::: "memory");
+    } else {
+      asm volatile("cp.async.wait_group 0;" ::: "memory");
+    }
+    __syncthreads();  // chunk c's buffer is complete for every thread
+    const float* wsb = ws0 + b * GDN_CT * GDN_LD;
+    const float* krb = kr0 + b * GDN_CT * GDN_LD;
+    const float* flb = fl0 + b * (GDN_CT + 4);
+    const float dl = flb[GDN_CT];  // exp(G_last)
+    // this warp's rows' part of (W S)[t][j]
+#pragma unroll 4
+    for (int t = 0; t < (int)nt; t++) {
+      const float* wr = wsb + t * GDN_LD + warp * 32;
+      float p = 0.0f;
+#pragma unroll
+      for (int r = 0; r < 32; r += 4) {
+        const float4 w4 = *reinterpret_cast<const float4*>(wr + r);
+        p = fmaf(w4.x, s[r], p);
+        p = fmaf(w4.y, s[r + 1], p);
+        p = fmaf(w4.z, s[r + 2], p);
+        p = fmaf(w4.w, s[r + 3], p);
+      }
+      part[(warp * GDN_CT + t) * 32 + lane] = p;
+    }
+    __syncthreads();
+    // V = U - W S, kept in shared memory (times the decay to the chunk's end) and written
+    // over U
+#pragma unroll
+    for (int u = 0; u < N_MINE; u++) {
+      const int t = warp + u * n_warps;
+      if (t >= (int)nt) break;
+      float a = 0.0f;
+#pragma unroll
+      for (int w = 0; w < n_warps; w++) a += part[(w * GDN_CT + t) * 32 + lane];
+      const float vn = u_in[u] - a;
+      if (col_ok) ub[((uint64_t)(t0 + t) * nv + h) * dv + j] = vn;
+      vs[t * 33 + lane] = vn * flb[t];
+    }
+    __syncthreads();
+    // S = exp(G_last) S + sum_t k_t (exp(G_last - G_t) V_t)^T
+#pragma unroll
+    for (int r = 0; r < 32; ++r) s[r] *= dl;
+    for (int t = 0; t < (int)nt; t++) {
+      const float vt = vs[t * 33 + lane];
+      const float* kp = krb + t * GDN_LD + warp * 32;
+#pragma unroll
+      for (int r = 0; r < 32; r += 4) {
+        const float4 k4 = *reinterpret_cast<const float4*>(kp + r);
+        s[r] = fmaf(k4.x, vt, s[r]);
+        s[r + 1] = fmaf(k4.y, vt, s[r + 1]);
+        s[r + 2] = fmaf(k4.z, vt, s[r + 2]);
+        s[r + 3] = fmaf(k4.w, vt, s[r + 3]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 32; ++r) {
+    const uint32_t i = warp * 32 + r;
+    if (col_ok && i < dk) sh[(uint64_t)i * dv + j] = s[r];
+  }
+}
+
+// Thread (tt, cc) of 32 x 8 computes rows tt and tt + 32, columns 4 cc .. 4 cc + 3 of each
+// block of 32 value columns. Shared memory: q rows [GDN_CT][GDN_LD], the q.k matrix
+// [GDN_CT][GDN_ALD], the chunk-start state's columns [GDN_CD][36], V's [GDN_CT][36],
+// exp(G) [GDN_CT].
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2)
+    gdn_chunk_out_f32(const float* __restrict__ q, const float* __restrict__ ge, const float* __restrict__ ab,
+                      const float* __restrict__ ub, const float* __restrict__ hb, float* __restrict__ out,
+                      const uint32_t* __restrict__ seqs, uint32_t n_k_heads, uint32_t n_v_heads, uint32_t dk,
+                      uint32_t dv, uint32_t order, uint32_t n_slots) {
+  pdl_enter();
+  GdnChunk ch;
+  if (!gdn_chunk_at(seqs, blockIdx.z, blockIdx.x, n_slots, ch)) return;  // uniform
+  extern __shared__ float4 gdn_smem[];
+  float* qs = reinterpret_cast<float*>(gdn_smem);
+  float* as = qs + GDN_CT * GDN_LD;
+  float* hs = as + GDN_CT * GDN_ALD;
+  float* vs = hs + GDN_CD * 36;
+  float* es = vs + GDN_CT * 36;
+  const uint32_t h = blockIdx.y, nv = n_v_heads;
+  const uint64_t kh = gdn_key_head(h, n_k_heads, nv, order);
+  const int tid = threadIdx.x, nt = (int)ch.nt;
+  gdn_stage_rows(qs, q, ch.t0, (uint64_t)n_k_heads * dk, kh * dk, ch.nt, dk);
+  {
+    constexpr int N4 = GDN_CT * GDN_CT / 4 / GDN_THREADS;
+    float4 a4[N4];
+#pragma unroll
+    for (int u = 0; u < N4; u++) {
+      const int i = tid + u * GDN_THREADS, t = i / (GDN_CT / 4), jj = 4 * (i - t * (GDN_CT / 4));
+      a4[u] = t < nt ? __ldg(reinterpret_cast<const float4*>(ab + ((uint64_t)(ch.t0 + t) * nv + h) * GDN_CT + jj))
+                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int u = 0; u < N4; u++) {
+      const int i = tid + u * GDN_THREADS, t = i / (GDN_CT / 4), jj = 4 * (i - t * (GDN_CT / 4));
+      *reinterpret_cast<float4*>(as + t * GDN_ALD + jj) = a4[u];
+    }
+  }
+  if (tid < GDN_CT) es[tid] = tid < nt ? ge[(uint64_t)(ch.t0 + tid) * nv + h] : 0.0f;
+  const float* hc = hb + ((uint64_t)ch.id * nv + h) * dk * dv;
+  const int tt = tid >> 3, cc = tid & 7;
+  const int d4 = (int)((dk + 3) & ~3u);
+  for (uint32_t cb = 0; cb < dv; cb += 32) {
+    __syncthreads();  // the previous column block's reads are done (and the staging above)
+    {
+      constexpr int NH = GDN_CD * 32 / GDN_THREADS, NV = GDN_CT * 32 / GDN_THREADS;
+      float hv[NH], vv[NV];
+#pragma unroll
+      for (int u = 0; u < NH; u++) {
+        const int i = tid + u * GDN_THREADS, r = i >> 5, c = i & 31;
+        hv[u] = (r < (int)dk && cb + c < dv) ? hc[(uint64_t)r * dv + cb + c] : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < NV; u++) {
+        const int i = tid + u * GDN_THREADS, t = i >> 5, c = i & 31;
+        vv[u] = (t < nt && cb + c < dv) ? ub[((uint64_t)(ch.t0 + t) * nv + h) * dv + cb + c] : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < NH; u++) {
+        const int i = tid + u * GDN_THREADS;
+        hs[(i >> 5) * 36 + (i & 31)] = hv[u];
+      }
+#pragma unroll
+      for (int u = 0; u < NV; u++) {
+        const int i = tid + u * GDN_THREADS;
+        vs[(i >> 5) * 36 + (i & 31)] = vv[u];
+      }
+    }
+    __syncthreads();
+    float o[2][4];
+#pragma unroll
+    for (int a = 0; a < 2; a++)
+#pragma unroll
+      for (int c = 0; c < 4; c++) o[a][c] = 0.0f;
+    for (int r = 0; r < d4; r++) {
+      const float4 h4 = *reinterpret_cast<const float4*>(hs + r * 36 + 4 * cc);
+#pragma unroll
+      for (int a = 0; a < 2; a++) {
+        const float qv = qs[(tt + 32 * a) * GDN_LD + r];
+        o[a][0] = fmaf(qv, h4.x, o[a][0]);
+        o[a][1] = fmaf(qv, h4.y, o[a][1]);
+        o[a][2] = fmaf(qv, h4.z, o[a][2]);
+        o[a][3] = fmaf(qv, h4.w, o[a][3]);
+      }
+    }
+#pragma unroll
+    for (int a = 0; a < 2; a++) {
+      const int t = tt + 32 * a;
+      const float e = es[t];
+#pragma unroll
+      for (int c = 0; c < 4; c++) o[a][c] *= e;
+      // the chunk's own tokens: the q.k matrix is 0 past the diagonal
+      for (int jj = 0; jj <= t; jj++) {
+        const float av = as[t * GDN_ALD + jj];
+        const float4 v4 = *reinterpret_cast<const float4*>(vs + jj * 36 + 4 * cc);
+        o[a][0] = fmaf(av, v4.x, o[a][0]);
+        o[a][1] = fmaf(av, v4.y, o[a][1]);
+        o[a][2] = fmaf(av, v4.z, o[a][2]);
+        o[a][3] = fmaf(av, v4.w, o[a][3]);
+      }
+      if (t < nt) {
+        float* op = out + ((uint64_t)(ch.t0 + t) * nv + h) * dv + cb + 4 * cc;
+#pragma unroll
+        for (int c = 0; c < 4; c++)
+          if (cb + 4 * cc + c < dv) op[c] = o[a][c];
+      }
+    }
   }
 }
 

@@ -23,6 +23,7 @@ use kapitsa_backend::{shape_err, BackendError, Batch, BatchDesc, Result};
 
 use crate::attention::{ATTN_SPLIT, TILE_MIN, TILE_Q};
 use crate::device::dev_err;
+use crate::recurrent::gdn_chunked;
 use crate::CudaBackend;
 
 /// Where the parts of a batch array start, and the facts about the step the host needs
@@ -51,6 +52,8 @@ pub(crate) struct BatchMeta {
     pub(crate) max_block: Option<u32>,
     /// Largest slot of the batch.
     pub(crate) max_slot: usize,
+    /// Tokens of the longest sequence.
+    pub(crate) max_len: usize,
     /// Largest token id.
     pub(crate) max_token: u32,
     /// Positions per KV block.
@@ -294,6 +297,7 @@ fn layout(desc: &BatchDesc, table_cap: Option<usize>) -> Result<(Vec<u32>, Batch
         max_ctx_short,
         max_block,
         max_slot,
+        max_len: desc.seqs.iter().map(|s| s.len).max().unwrap_or(0),
         max_token: desc.tokens.iter().copied().max().unwrap_or(0),
         block_size: desc.block_size,
         table_cap,
@@ -365,7 +369,8 @@ impl CudaBackend {
             && meta.n_tiles == db.n_tiles
             && meta.n_short == db.n_short
             && meta.off_short == db.off_short
-            && meta.block_size == db.block_size;
+            && meta.block_size == db.block_size
+            && gdn_chunked(&meta) == gdn_chunked(db);
         let needs = meta.max_ctx_short.div_ceil(ATTN_SPLIT).max(1);
         if !same_layout || needs > splits {
             return Ok(false);

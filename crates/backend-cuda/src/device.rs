@@ -251,9 +251,10 @@ kernel_table! {
         attn_mma_f16_64, attn_mma_f16_128, attn_mma_f16_256,
     ],
     "recurrent" => [
-        conv1d_causal_f32, gdn_preamble_f32, gdn_recurrent_f32, mamba2_preamble_f32, mamba2_recurrent_f32,
+        conv1d_causal_f32, gdn_preamble_f32, gdn_recurrent_f32, gdn_chunk_prep_f32, gdn_chunk_state_f32,
+        gdn_chunk_out_f32, mamba2_preamble_f32, mamba2_recurrent_f32,
     ],
-    "ffn" => [moe_topk_f32, moe_finish_f32, moe_shared_add_f32],
+    "ffn" => [moe_topk_f32, moe_topk_warp_f32, moe_finish_f32, moe_shared_add_f32],
 }
 
 /// Dynamic shared memory the tiled attention kernels may use (head_dim 256 needs ~84 KB).
@@ -267,8 +268,8 @@ pub(crate) const fn attn_mma_smem(d: usize) -> usize {
 }
 
 impl Kernels {
-    /// Per-kernel attributes: the tiled attention kernels (scalar and tensor-core) may use
-    /// more than the default 48 KB of dynamic shared memory.
+    /// Per-kernel attributes: the tiled attention kernels (scalar and tensor-core) and the
+    /// chunked Gated DeltaNet may use more than the default 48 KB of dynamic shared memory.
     fn configure(&self) -> Result<(), BackendError> {
         for f in [
             &self.attn_tile_f32_8,
@@ -302,6 +303,20 @@ impl Kernels {
                 BackendError::Unavailable(format!("configuring the attention kernels: {e}"))
             })?;
         }
+        let (prep, state, out) = crate::recurrent::gdn_chunk_smem();
+        for (f, bytes) in [
+            (&self.gdn_chunk_prep_f32, prep),
+            (&self.gdn_chunk_state_f32, state),
+            (&self.gdn_chunk_out_f32, out),
+        ] {
+            f.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .map_err(|e| {
+                BackendError::Unavailable(format!("configuring the Gated DeltaNet kernels: {e}"))
+            })?;
+        }
         Ok(())
     }
 }
@@ -324,7 +339,6 @@ pub(crate) fn row_threads(width: usize) -> u32 {
     (width.div_ceil(32) * 32).clamp(32, 256) as u32
 }
 
-/// `v` as a kernel's `uint32_t` argument, or a shape error naming `op` and `what`.
 /// A grid's y or z extent `n` (the hardware takes at most 65535), or a shape error naming
 /// `what` (a plural: "sequences", "expert tiles").
 pub(crate) fn grid_yz(op: &'static str, what: &str, n: usize) -> Result<u32, BackendError> {
@@ -337,6 +351,7 @@ pub(crate) fn grid_yz(op: &'static str, what: &str, n: usize) -> Result<u32, Bac
     }
 }
 
+/// `v` as a kernel's `uint32_t` argument, or a shape error naming `op` and `what`.
 pub(crate) fn u32_arg(op: &'static str, what: &str, v: usize) -> Result<u32, BackendError> {
     u32::try_from(v).map_err(|_| BackendError::Shape {
         op,

@@ -3,14 +3,16 @@
 //! src/ffn.rs.
 //!
 //! MoE: the router logits are a matmul, the scores and top-k run on the device
-//! (kernels/ffn.cu `moe_topk_f32`). Up to 16 tokens ([`MOE_ROUTED_MAX_TOKENS`]) the experts run
+//! (kernels/ffn.cu `moe_topk_warp_f32`, one warp per token; `moe_topk_f32` past 512
+//! experts). Up to 16 tokens ([`MOE_ROUTED_MAX_TOKENS`]) the experts run
 //! routed on the device ([`CudaBackend::moe_experts`]: one GEMV launch for every (token, slot)
 //! pair's gate/up with SwiGLU, one for its down projection, the expert rows chosen by the ids
 //! in device memory), so the op never waits for the host and decode steps record. More tokens
 //! take the tiled form ([`CudaBackend::moe_tiled`]): the ids come back to the host (one
-//! synchronisation), which sorts the pairs by expert into tiles of up to 8; the sorted rows
-//! are gathered, run through the same two launches on the tiles, and scattered into
-//! `ye [n * top_k, d]`. Experts uploaded one by one take the per-expert form
+//! synchronisation), which sorts the pairs by expert into tiles (16 or 64 pairs for the
+//! tensor-core GEMM, which reads the tokens' rows and writes the pairs' rows of
+//! `ye [n * top_k, d]` through row maps; 8 for the grouped GEMV, whose sorted rows are
+//! gathered and scattered). Experts uploaded one by one take the per-expert form
 //! ([`CudaBackend::moe_grouped`]: each used expert's rows gathered, run through its MLP and
 //! scattered). `moe_finish_f32` then sums each
 //! token's rows in top-k order with their weights, adds the (gated) shared expert and, for
@@ -604,20 +606,27 @@ impl CudaBackend {
             });
         }
         {
-            let mut b = self.stream.kernel(&self.k.moe_topk_f32);
+            // one warp per token where the scores fit its registers
+            let warp = n_exp <= TOPK_WARP_MAX_EXPERTS && k <= 32 && topk_warp_on();
+            let f = match warp {
+                true => &self.k.moe_topk_warp_f32,
+                false => &self.k.moe_topk_f32,
+            };
+            let mut b = self.stream.kernel(f);
             b.arg(&logits).arg(&ne).arg(&ka).arg(&gating);
             b.arg(bias);
             b.arg(&norm).arg(&scale).arg(&mut ids).arg(&mut wts);
             let cfg = LaunchConfig {
                 grid_dim: (nt, 1, 1),
-                block_dim: (row_threads(n_exp), 1, 1),
-                shared_mem_bytes: smem,
+                block_dim: (if warp { 32 } else { row_threads(n_exp) }, 1, 1),
+                shared_mem_bytes: if warp { 0 } else { smem },
             };
-            // SAFETY: moe_topk_f32(const float* logits, uint32_t n_exp, uint32_t k,
-            // uint32_t gating, const float* bias (or null), uint32_t norm_topk, float scale,
-            // uint32_t* ids, float* weights), one block per token with n_exp * 9 bytes of
-            // dynamic shared memory: logits hold n * n_exp floats, bias n_exp, ids and weights
-            // n * k entries, k <= n_exp.
+            // SAFETY: moe_topk_f32 / moe_topk_warp_f32(const float* logits, uint32_t n_exp,
+            // uint32_t k, uint32_t gating, const float* bias (or null), uint32_t norm_topk,
+            // float scale, uint32_t* ids, float* weights), one block per token (the block
+            // kernel with n_exp * 9 bytes of dynamic shared memory; the warp kernel 32
+            // threads, n_exp <= 32 * TOPK_VPL and k <= 32): logits hold n * n_exp floats,
+            // bias n_exp, ids and weights n * k entries, k <= n_exp.
             unsafe { b.launch(cfg) }.map_err(dev_err)?;
         }
         // expert inputs (projected into the latent space when there is one)
@@ -864,11 +873,13 @@ impl CudaBackend {
 
     /// The tiled experts (prompts): the pairs are grouped by expert on the host
     /// ([`Self::group_pairs`]), each expert's run cut into tiles ([`push_tiles`]: 16 or 64
-    /// pairs for the tensor-core kernels, 8 for the grouped GEMV); the sorted rows of `xe` are
-    /// gathered, run through the stacked experts ([`Self::moe_experts_mma`]: gate/up in one
-    /// launch, the activation, down; or [`Self::moe_experts`] on `gemv_grp_<ty>`) and
-    /// scattered into `ye`: a handful of launches a layer whatever the expert count. Shapes
-    /// as in [`Self::moe_experts`] (`xe [n, de]`, `ids [n * k]`, `ye [n * k, de]`).
+    /// pairs for the tensor-core kernels, 8 for the grouped GEMV) and run through the stacked
+    /// experts: on tensor cores ([`Self::moe_experts_mma`]: gate/up in one launch, the
+    /// activation, down) reading the tokens' rows of `xe` and writing the pairs' rows of `ye`
+    /// through row maps; else the sorted rows of `xe` gathered, run through
+    /// [`Self::moe_experts`] on `gemv_grp_<ty>` and scattered into `ye`. A handful of
+    /// launches a layer whatever the expert count. Shapes as in [`Self::moe_experts`]
+    /// (`xe [n, de]`, `ids [n * k]`, `ye [n * k, de]`).
     #[allow(clippy::too_many_arguments)]
     fn moe_tiled(
         &self,
@@ -899,81 +910,105 @@ impl CudaBackend {
             (true, None) if np >= 24 * used => GEMM_GRP_TILES[1],
             (true, None) => GEMM_GRP_TILES[0],
         };
-        // order, then the tiles (expert, first sorted row, count), in one upload
+        // order, then (tensor cores) each sorted pair's token, then the tiles (expert, first
+        // sorted row, count), in one upload
         let mut table = order;
+        if mma {
+            let k32 = k as u32;
+            table.extend_from_within(..np);
+            table[np..].iter_mut().for_each(|q| *q /= k32);
+        }
+        let maps_len = table.len();
         let n_tiles = push_tiles(&starts, tile, &mut table);
         let mut table_d = self.scratch::<u32>(table.len())?;
         self.stream
             .memcpy_htod(&table[..], &mut table_d)
             .map_err(dev_err)?;
         let order_d = table_d.slice(0..np);
-        let tiles_d = table_d.slice(np..);
-        // (the grouped GEMV reads 7 rows past a tile's last; the tensor-core GEMM none)
-        let pad = if mma { 0 } else { 7 };
-        let mut xg = self.scratch::<f32>((np + pad) * de)?;
+        let tiles_d = table_d.slice(maps_len..);
+        if mma {
+            // the tokens' rows read and the pairs' rows written in place: no gather or
+            // scatter
+            let toks_d = table_d.slice(np..2 * np);
+            let tl = (&tiles_d, n_tiles, tile);
+            let rows = MmaRows {
+                tokens: n,
+                toks: &toks_d,
+                order: &order_d,
+            };
+            return self.moe_experts_mma(m, act, n_ff, np, (xe, ye), tl, &rows);
+        }
+        // (the grouped GEMV reads 7 rows past a tile's last)
+        let mut xg = self.scratch::<f32>((np + 7) * de)?;
         self.gather_rows_dev(xe, n, &order_d, k, np, de, &mut xg)?;
         let mut yg = self.scratch::<f32>(np * de)?;
-        if mma {
-            let tl = (&tiles_d, n_tiles, tile);
-            self.moe_experts_mma(m, act, n_ff, np, (&xg, &mut yg), tl)?;
-        } else {
-            let route = GemvRoute {
-                ids: &tiles_d,
-                n_pairs: n_tiles,
-                x_div: 1,
-                tiles: true,
-            };
-            self.moe_experts(m, act, n_ff, np, (&xg, &mut yg), &route, &route)?;
-        }
+        let route = GemvRoute {
+            ids: &tiles_d,
+            n_pairs: n_tiles,
+            x_div: 1,
+            tiles: true,
+        };
+        self.moe_experts(m, act, n_ff, np, (&xg, &mut yg), &route, &route)?;
         self.scatter_rows_dev(&yg, &order_d, np, de, ye, np)
     }
 
     /// [`Self::moe_experts`] over tiles on tensor cores (kernels/matmul.cu
     /// `gemm_grp_<ty>_<bn>`): gate and up in one launch, the activation, down. `tiles` is
-    /// (the tiles, their count, pairs per tile); `xe`, `ye` `[rows, de]` (device), the pairs
-    /// sorted by expert.
+    /// (the tiles, their count, pairs per tile) over the `pairs` (token, slot) pairs sorted
+    /// by expert; `xe [rows.tokens, de]` and `ye [pairs, de]` (device) in token and pair
+    /// order, read and written through `rows`' maps; the hidden rows in sorted order.
+    #[allow(clippy::too_many_arguments)]
     fn moe_experts_mma(
         &self,
         m: &ExpertMats<'_>,
         act: Act,
         n_ff: usize,
-        rows: usize,
+        pairs: usize,
         (xe, ye): (&CudaSlice<f32>, &mut CudaSlice<f32>),
-        (tiles, n_tiles, bn): (&CudaView<'_, u32>, usize, usize),
+        tl: (&CudaView<'_, u32>, usize, usize),
+        rows: &MmaRows<'_, '_>,
     ) -> Result<()> {
         const OP: &str = "moe";
         let launch = |ps: &[(&CudaWeight, usize, usize)],
                       ys: Vec<&mut CudaSlice<f32>>,
-                      x: &CudaSlice<f32>|
+                      (x, x_rows): (&CudaSlice<f32>, usize),
+                      maps: [Option<&CudaView<'_, u32>>; 2]|
          -> Result<()> {
             let mut views: Vec<_> = ys.into_iter().map(|y| y.as_view_mut()).collect();
             let mut parts = expert_parts(ps, &mut views);
             let xv = x.as_view();
             self.mm
-                .gemm_grp(&self.stream, &mut parts, &xv, rows, tiles, n_tiles, bn)
+                .gemm_grp(&self.stream, &mut parts, &xv, x_rows, tl, maps)
         };
-        let mut h = self.scratch::<f32>(rows * n_ff)?;
+        let xin = (xe, rows.tokens);
+        let in_maps = [Some(rows.toks), None];
+        let mut h = self.scratch::<f32>(pairs * n_ff)?;
         match (act, &m.gate) {
             (Act::SwiGlu, Some(gate)) => {
-                let mut u = self.scratch::<f32>(rows * n_ff)?;
+                let mut u = self.scratch::<f32>(pairs * n_ff)?;
                 let (g, up) = (part(gate, n_ff), part(&m.up, n_ff));
                 if gate.w.dtype() == m.up.w.dtype() {
-                    launch(&[g, up], vec![&mut h, &mut u], xe)?;
+                    launch(&[g, up], vec![&mut h, &mut u], xin, in_maps)?;
                 } else {
-                    launch(&[g], vec![&mut h], xe)?;
-                    launch(&[up], vec![&mut u], xe)?;
+                    launch(&[g], vec![&mut h], xin, in_maps)?;
+                    launch(&[up], vec![&mut u], xin, in_maps)?;
                 }
-                self.silu_mul_dev(&mut h, &u, rows * n_ff)?;
+                self.silu_mul_dev(&mut h, &u, pairs * n_ff)?;
             }
             (Act::Relu2, None) => {
-                launch(&[part(&m.up, n_ff)], vec![&mut h], xe)?;
-                self.relu2_dev(&mut h, rows * n_ff)?;
+                launch(&[part(&m.up, n_ff)], vec![&mut h], xin, in_maps)?;
+                self.relu2_dev(&mut h, pairs * n_ff)?;
             }
             (Act::SwiGlu, None) => return shape_err(OP, "a SwiGLU expert without a gate"),
             (Act::Relu2, Some(_)) => return shape_err(OP, "a squared-ReLU expert with a gate"),
         }
         let de = m.down.rows.len();
-        launch(&[part(&m.down, de)], vec![ye], &h)
+        launch(
+            &[part(&m.down, de)],
+            vec![ye],
+            (&h, pairs),
+            [None, Some(rows.order)],
+        )
     }
 
     /// The per-expert form (experts uploaded one by one, or `KAPITSA_MOE_TILED=0`): the
@@ -1019,6 +1054,15 @@ impl CudaBackend {
 /// `order` the pairs sorted by expert (ascending q within one), expert e's run
 /// `order[starts[e] .. starts[e + 1]]`. An id not below `n_exp` is a device error (the top-k
 /// kernel wrote something it cannot have).
+/// The row maps of the tensor-core MoE ([`CudaBackend::moe_experts_mma`]): the expert
+/// inputs have `tokens` rows; sorted pair s reads row `toks[s]` (its token) and its output
+/// goes to row `order[s]` (its pair index); device arrays of the pairs' count.
+struct MmaRows<'a, 'b> {
+    tokens: usize,
+    toks: &'a CudaView<'b, u32>,
+    order: &'a CudaView<'b, u32>,
+}
+
 fn sort_pairs(ids: &[u32], n_exp: usize) -> Result<(Vec<u32>, Vec<usize>)> {
     let mut starts = vec![0usize; n_exp + 1];
     for &e in ids {
@@ -1118,6 +1162,16 @@ fn mma_tile() -> Option<usize> {
         let v = std::env::var("KAPITSA_MOE_TILE").ok()?.parse().ok()?;
         GEMM_GRP_TILES.contains(&v).then_some(v)
     })
+}
+
+/// Most experts the one-warp top-k takes (kernels/ffn.cu `32 * TOPK_VPL`).
+const TOPK_WARP_MAX_EXPERTS: usize = 512;
+
+/// Whether routing may take the one-warp top-k (`KAPITSA_TOPK_WARP=0`: the block kernel
+/// always, for measurements).
+fn topk_warp_on() -> bool {
+    static CELL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::matmul::switch("KAPITSA_TOPK_WARP", &CELL)
 }
 
 /// Whether larger batches take the tiled form (`KAPITSA_MOE_TILED=0`: the per-expert form,

@@ -5,15 +5,17 @@
 //! are f32 `[n_slots, ...]` tensors read and updated in place at each sequence's slot (slots
 //! checked against the state size on the host).
 //!
-//! These are the token-sequential forms (right for decode and short prompts). Chunked prefill
-//! forms (FLA's WY form for Gated DeltaNet, SSD for Mamba2) are future work.
+//! The token-sequential forms serve decode and short prompts. A batch whose longest sequence
+//! has at least [`GDN_CHUNK_MIN`] tokens runs the Gated DeltaNet in its chunked form
+//! (flash-linear-attention's WY form, three launches: kernels/recurrent.cu `gdn_chunk_*_f32`);
+//! a chunked Mamba2 (SSD) is future work.
 
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{CudaSlice, LaunchConfig};
 use kapitsa_backend::{
     shape_err, Batch, GdnConv, GdnShape, HeadOrder, Mamba2Conv, Mamba2Shape, Result, Tensor,
 };
 
-use crate::batch::DevBatch;
+use crate::batch::{BatchMeta, DevBatch};
 use crate::device::{dev_err, grid_yz, u32_arg};
 use crate::launch::KernelLaunch;
 use crate::CudaBackend;
@@ -22,10 +24,61 @@ use crate::CudaBackend;
 const CONV_MAXK: usize = 8;
 /// Largest Gated DeltaNet key head width (8 warps of 32 rows).
 const GDN_MAX_DK: usize = 256;
+/// Tokens per chunk of the chunked Gated DeltaNet (kernels/recurrent.cu `GDN_CT`).
+const GDN_CT: usize = 64;
+/// Largest dk and dv of the chunked form (`GDN_CD`).
+const GDN_CD: usize = 128;
+/// Longest sequence from which a batch takes the chunked form (`KAPITSA_GDN_CHUNK_MIN`
+/// overrides it; 0 turns the chunked form off).
+pub(crate) const GDN_CHUNK_MIN: usize = 64;
 /// Warps (head dims) per block of the Mamba2 kernel (kernels/recurrent.cu `M2_WARPS`).
 const M2_WARPS: usize = 4;
 /// Largest Mamba2 state size (8 per lane).
 const M2_MAX_N: usize = 256;
+
+/// The smallest longest sequence for the chunked Gated DeltaNet (`KAPITSA_GDN_CHUNK_MIN`,
+/// default [`GDN_CHUNK_MIN`]; 0: never).
+fn gdn_chunk_min() -> usize {
+    static CELL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CELL.get_or_init(|| {
+        std::env::var("KAPITSA_GDN_CHUNK_MIN")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(GDN_CHUNK_MIN)
+    })
+}
+
+/// Whether a batch takes the chunked Gated DeltaNet (where the heads allow it): its longest
+/// sequence has at least [`gdn_chunk_min`] tokens. Part of a recorded batch's layout.
+pub(crate) fn gdn_chunked(m: &BatchMeta) -> bool {
+    let min = gdn_chunk_min();
+    min > 0 && m.max_len >= min
+}
+
+/// Dynamic shared memory of the chunked Gated DeltaNet kernels (kernels/recurrent.cu: rows of
+/// `GDN_CD + 4` floats, chunk matrices of `GDN_CT + 4`): (prep, state, out).
+pub(crate) const fn gdn_chunk_smem() -> (usize, usize, usize) {
+    let (ct, ld, ald) = (GDN_CT, GDN_CD + 4, GDN_CT + 4);
+    (
+        // q, k rows; A; G (f64); beta
+        4 * (2 * ct * ld + ct * ald) + 8 * ct + 4 * ct,
+        // two buffers of W and k rows; partial sums; V; two buffers of end decays
+        4 * (4 * ct * ld + 4 * ct * 32 + ct * 33 + 2 * (ct + 4)),
+        // q rows; q.k; state columns; V columns; exp(G)
+        4 * (ct * ld + ct * ald + GDN_CD * 36 + ct * 36 + ct),
+    )
+}
+
+/// The device buffers of one `gdn` call (lengths checked against the batch).
+struct GdnIo<'a> {
+    q: &'a CudaSlice<f32>,
+    k: &'a CudaSlice<f32>,
+    v: &'a CudaSlice<f32>,
+    g: &'a CudaSlice<f32>,
+    beta: &'a CudaSlice<f32>,
+    state: &'a mut CudaSlice<f32>,
+    out: &'a mut CudaSlice<f32>,
+}
 
 /// Number of state slots of `state` (`per` values each), checking the batch's slots fit.
 fn n_slots(op: &'static str, state: &Tensor, per: usize, db: &DevBatch) -> Result<usize> {
@@ -271,6 +324,19 @@ impl CudaBackend {
             return shape_err(OP, format!("{nv} heads (at most 65535)"));
         }
         let seqs = db.seqs();
+        if dk <= GDN_CD && dv <= GDN_CD && gdn_chunked(db) {
+            let io = GdnIo {
+                q: qb,
+                k: kb,
+                v: vb,
+                g: gb,
+                beta: bb,
+                state: sb,
+                out: ob,
+            };
+            let dims = [nka, nva, dka, dva, ord, ns];
+            return self.gdn_chunked(io, db, dims, nseq);
+        }
         let mut b = self.stream.kernel(&self.k.gdn_recurrent_f32);
         b.arg(qb)
             .arg(kb)
@@ -293,6 +359,86 @@ impl CudaBackend {
         // checked on host and device.
         unsafe { b.launch(cfg) }.map_err(dev_err)?;
         Ok(())
+    }
+
+    /// The chunked Gated DeltaNet over the batch `db` (kernels/recurrent.cu `gdn_chunk_*_f32`):
+    /// `dims` = the kernels' (n_k_heads, n_v_heads, dk, dv, order, n_slots) arguments, dk and
+    /// dv at most [`GDN_CD`], buffers checked by the caller.
+    fn gdn_chunked(&self, io: GdnIo<'_>, db: &DevBatch, dims: [u32; 6], nseq: u32) -> Result<()> {
+        const OP: &str = "gdn";
+        let [nka, nva, dka, dva, ord, ns] = dims;
+        let (n, nv, dk, dv) = (db.n_tokens, nva as usize, dka as usize, dva as usize);
+        let ids = n.div_ceil(GDN_CT) + db.n_seqs;
+        let mut ge = self.scratch::<f32>(n * nv)?;
+        let mut gl = self.scratch::<f32>(n * nv)?;
+        let mut wb = self.scratch::<f32>(n * nv * dk)?;
+        let mut ub = self.scratch::<f32>(n * nv * dv)?;
+        let mut ab = self.scratch::<f32>(n * nv * GDN_CT)?;
+        let mut hb = self.scratch::<f32>(ids * nv * dk * dv)?;
+        let chunks = u32_arg(OP, "chunks", db.max_len.div_ceil(GDN_CT))?;
+        let seqs = db.seqs();
+        let (prep_smem, state_smem, out_smem) = gdn_chunk_smem();
+        let mut b = self.stream.kernel(&self.k.gdn_chunk_prep_f32);
+        b.arg(io.q)
+            .arg(io.k)
+            .arg(io.v)
+            .arg(io.g)
+            .arg(io.beta)
+            .arg(&seqs);
+        b.arg(&nka).arg(&nva).arg(&dka).arg(&dva).arg(&ord).arg(&ns);
+        b.arg(&mut ge)
+            .arg(&mut gl)
+            .arg(&mut wb)
+            .arg(&mut ub)
+            .arg(&mut ab);
+        let cfg = LaunchConfig {
+            grid_dim: (chunks, nva, nseq),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: prep_smem as u32,
+        };
+        // SAFETY: gdn_chunk_prep_f32(const float* q, k, v, g, beta, const uint32_t* seqs,
+        // uint32_t n_k_heads, n_v_heads, dk, dv, order, n_slots, float* ge, gl, wb, ub, ab), grid
+        // (chunks of the longest sequence, value heads, sequences), 256 threads, its shared
+        // memory (configured at load): q, k hold n_tokens * n_k * dk floats, v n_tokens * n_v
+        // * dv, g and beta n_tokens * n_v (checked by the caller); ge, gl, wb, ub and ab were
+        // allocated above for n_tokens tokens; dk, dv <= GDN_CD; slots checked on host and
+        // device.
+        unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        let mut b = self.stream.kernel(&self.k.gdn_chunk_state_f32);
+        b.arg(io.k).arg(&ge).arg(&gl).arg(&wb).arg(&mut ub);
+        b.arg(io.state).arg(&mut hb);
+        b.arg(&seqs);
+        b.arg(&nka).arg(&nva).arg(&dka).arg(&dva).arg(&ord).arg(&ns);
+        let cfg = LaunchConfig {
+            grid_dim: (dv.div_ceil(32) as u32, nva, nseq),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: state_smem as u32,
+        };
+        // SAFETY: gdn_chunk_state_f32(const float* k, ge, gl, wb, float* ub, state, hb, const
+        // uint32_t* seqs, uint32_t n_k_heads, n_v_heads, dk, dv, order, n_slots), grid (column
+        // blocks of 32, value heads, sequences), 128 threads, its shared
+        // memory: hb holds ceil(n_tokens / GDN_CT) + n_seqs chunk states (the largest id the
+        // kernel forms is below that), the rest as above; state n_slots * n_v * dk * dv.
+        unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        let mut b = self.stream.kernel(&self.k.gdn_chunk_out_f32);
+        b.arg(io.q)
+            .arg(&ge)
+            .arg(&ab)
+            .arg(&ub)
+            .arg(&hb)
+            .arg(io.out)
+            .arg(&seqs);
+        b.arg(&nka).arg(&nva).arg(&dka).arg(&dva).arg(&ord).arg(&ns);
+        let cfg = LaunchConfig {
+            grid_dim: (chunks, nva, nseq),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: out_smem as u32,
+        };
+        // SAFETY: gdn_chunk_out_f32(const float* q, ge, ab, ub, hb, float* out, const
+        // uint32_t* seqs, uint32_t n_k_heads, n_v_heads, dk, dv, order, n_slots), grid as the
+        // prep kernel's, 256 threads, its shared memory: out holds n_tokens * n_v * dv floats,
+        // the rest as above.
+        unsafe { b.launch(cfg) }.map_err(dev_err)
     }
 
     /// [`kapitsa_backend::Backend::mamba2_preamble`] in one launch (kernels/recurrent.cu

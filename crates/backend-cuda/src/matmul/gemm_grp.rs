@@ -3,10 +3,11 @@
 //! the grouped GEMV (`gemv_grp_<ty>`, [`MatmulKernels::gemv_id`] with tiles).
 //!
 //! # Contract
-//! - x is `[rows, n_in]` f32 (the (token, slot) pairs sorted by expert), rounded to f16 once
-//!   per launch (`cvt_f32_f16`) for the kernel; tile
-//!   i is `tiles[3i .. 3i + 3]` = (expert, first row, count <= bn) in device memory; each
-//!   part's y is `[rows, n_rows]` and only the tiles' rows are written.
+//! - x is `[x_rows, n_in]` f32, rounded to f16 once per launch (`cvt_f32_f16`) for the
+//!   kernel; tile i is `tiles[3i .. 3i + 3]` = (expert, first sorted row, count <= bn) in
+//!   device memory; sorted row s reads x row `xmap[s]` and writes row `ymap[s]` of each
+//!   part's y (`[y rows, n_rows]`; only those rows are written), each map the identity where
+//!   not given (the (token, slot) pairs sorted by expert in x and y).
 //! - Weights are dequantised exactly and rounded to f16, x is rounded to f16, products
 //!   accumulate in f32 (as the per-expert path's cuBLAS GEMM over `dequant_<ty>_f16` tiles);
 //!   quantised formats only ([`MatmulKernels::gemm_grp_ok`]).
@@ -51,6 +52,8 @@ struct GemmGrpArgs {
     part: [GemmGrpPart; 2],
     x: u64,
     tiles: u64,
+    xmap: u64,
+    ymap: u64,
     n_parts: i32,
     n_in: i32,
     n_exp: i32,
@@ -71,9 +74,11 @@ impl MatmulKernels {
 
     /// The grouped GEMM (module doc): `parts` (one or two, of one format, `n_in` and expert
     /// count; rows `row0 + e * n_out + r` of expert e, no epilogues) of the tiles' rows of x
-    /// into each part's y, in one launch of the `bn`-pair kernel ([`GEMM_GRP_TILES`]). Views
-    /// checked by the caller (y lengths cover the tiles' rows; x holds `rows` rows, checked
-    /// here, and the tiles' rows are below `rows`).
+    /// into each part's y, in one launch of the `bn`-pair kernel ([`GEMM_GRP_TILES`]), the
+    /// rows mapped by `maps` (x map, y map; `None`: the identity). Views checked by the
+    /// caller: y lengths cover the rows the tiles write, the tiles' sorted rows are below
+    /// the maps' lengths and the x map's values below `rows` (x's rows; x's length is
+    /// checked here).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemm_grp(
         &self,
@@ -81,9 +86,8 @@ impl MatmulKernels {
         parts: &mut [GemvPart<'_, '_>],
         x: &CudaView<'_, f32>,
         rows: usize,
-        tiles: &CudaView<'_, u32>,
-        n_tiles: usize,
-        bn: usize,
+        (tiles, n_tiles, bn): (&CudaView<'_, u32>, usize, usize),
+        maps: [Option<&CudaView<'_, u32>>; 2],
     ) -> Result<()> {
         const OP: &str = "moe";
         let Some(first) = parts.first() else {
@@ -129,9 +133,12 @@ impl MatmulKernels {
         unsafe { c.launch(self.elem_cfg(rows * n_in)) }.map_err(dev_err)?;
         let (xp, _xs) = x16.device_ptr(stream);
         let (tp, _ts) = tiles.device_ptr(stream);
+        let [xm, ym] = maps.map(|m| m.map(|v| v.device_ptr(stream)));
         let mut args = GemmGrpArgs {
             x: xp,
             tiles: tp,
+            xmap: xm.as_ref().map_or(0, |m| m.0),
+            ymap: ym.as_ref().map_or(0, |m| m.0),
             n_parts: parts.len() as i32,
             n_in: i32_arg(OP, "n_in", n_in)?,
             n_exp: i32_arg(OP, "experts", n_exp)?,
@@ -178,10 +185,11 @@ impl MatmulKernels {
         // offsets and stride from `upload`; rows row0 + e * n_out + r (r < n_rows; e < n_exp,
         // the kernel skips tiles of other experts) exist when row0 + n_rows <= n_out (the
         // caller's contract); x holds rows * n_in halves (a fresh allocation: 16-byte aligned,
-        // n_in a multiple of 8, checked) and the tiles' rows are below rows (the caller's
-        // contract), n_in a multiple of the chunk (checked); tiles hold
-        // 3 * n_tiles u32 (checked) with counts <= bn (the caller's); each y holds the tiles'
-        // rows of n_rows floats (the caller's); grid (row blocks of 64, n_tiles), 128 threads,
+        // n_in a multiple of 8, checked) and the rows the tiles read (through the x map) are
+        // below rows, the maps cover the tiles' sorted rows (the caller's contract), n_in a
+        // multiple of the chunk (checked); tiles hold
+        // 3 * n_tiles u32 (checked) with counts <= bn (the caller's); each y holds the rows
+        // the tiles write (through the y map) of n_rows floats (the caller's); grid (row blocks of 64, n_tiles), 128 threads,
         // static shared memory only.
         unsafe { b.launch(cfg) }.map_err(dev_err)?;
         Ok(())

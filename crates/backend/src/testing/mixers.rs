@@ -191,57 +191,112 @@ fn unit_rows(rng: &mut Rng, n: usize, w: usize, scale: f32) -> Vec<f32> {
     v
 }
 
+/// The Gated DeltaNet recurrence: short sequences (the token-sequential kernels), then
+/// batches with a sequence of 64 to 200 tokens and heads up to 128 wide (a device backend's
+/// chunked form, reported as `gdn chunked`).
 pub(super) fn gdn(s: &mut Suite<'_>) -> R<()> {
-    const SLOTS: usize = 4;
     for _ in 0..s.cases {
-        let n_k_heads = s.rng.range(1, 2);
-        let n_v_heads = n_k_heads * s.rng.range(1, 3);
         let (dk, dv) = (s.rng.range(2, 40), s.rng.range(2, 70));
-        let order = if s.rng.coin() {
-            HeadOrder::Grouped
-        } else {
-            HeadOrder::Tiled
-        };
-        let shape = GdnShape {
-            n_k_heads,
-            n_v_heads,
-            dk,
-            dv,
-            order,
-        };
         let max_len = s.rng.pick(&[1, 3, 12]);
-        let d = state_batch(s, SLOTS, max_len);
-        let b = s.batch(&d)?;
-        let nt = d.n_tokens();
-        let qv = unit_rows(&mut s.rng, nt * n_k_heads, dk, 1.0 / (dk as f32).sqrt());
-        let kv = unit_rows(&mut s.rng, nt * n_k_heads, dk, 1.0);
-        let (q, k) = (s.up(&qv)?, s.up(&kv)?);
-        let v = s.rand(nt * n_v_heads * dv, 1.0)?;
-        let g: Vec<f32> = (0..nt * n_v_heads)
-            .map(|_| -(0.01 + s.rng.unit() * 1.5))
-            .collect();
-        let beta: Vec<f32> = (0..nt * n_v_heads)
-            .map(|_| 0.05 + 0.9 * s.rng.unit())
-            .collect();
-        let (g, beta) = (s.up(&g)?, s.up(&beta)?);
-        let mut st = s.rand(SLOTS * shape.state_len(), 0.3)?;
-        let mut out = s.alloc(DType::F32, nt * n_v_heads * dv)?;
-        s.both("gdn", |be, i| {
-            be.gdn(
-                shape,
-                &q[i],
-                &k[i],
-                &v[i],
-                &g[i],
-                &beta[i],
-                &mut st[i],
-                &b[i],
-                &mut out[i],
-            )
-        })?;
-        s.cmp_all("gdn", s.tol.scan, &[&out, &st])?;
+        gdn_case(s, "gdn", [dk, dv], max_len, None)?;
+    }
+    for i in 0..s.cases {
+        // the production head width, then odd ones
+        let (dk, dv) = match i {
+            0 => (128, 128),
+            _ => (s.rng.range(2, 128), s.rng.range(2, 128)),
+        };
+        let long = s.rng.range(64, 200);
+        gdn_case(s, "gdn chunked", [dk, dv], 40, Some(long))?;
     }
     Ok(())
+}
+
+/// One `gdn` case: random sequences of up to `max_len` tokens, the first one `long` tokens
+/// when given.
+fn gdn_case(
+    s: &mut Suite<'_>,
+    name: &str,
+    [dk, dv]: [usize; 2],
+    max_len: usize,
+    long: Option<usize>,
+) -> R<()> {
+    const SLOTS: usize = 4;
+    let n_k_heads = s.rng.range(1, 2);
+    let n_v_heads = n_k_heads * s.rng.range(1, 3);
+    let order = if s.rng.coin() {
+        HeadOrder::Grouped
+    } else {
+        HeadOrder::Tiled
+    };
+    let shape = GdnShape {
+        n_k_heads,
+        n_v_heads,
+        dk,
+        dv,
+        order,
+    };
+    let mut d = state_batch(s, SLOTS, max_len);
+    if let Some(len) = long {
+        lengthen_first(&mut d, len);
+    }
+    let b = s.batch(&d)?;
+    let nt = d.n_tokens();
+    let qv = unit_rows(&mut s.rng, nt * n_k_heads, dk, 1.0 / (dk as f32).sqrt());
+    let kv = unit_rows(&mut s.rng, nt * n_k_heads, dk, 1.0);
+    let (q, k) = (s.up(&qv)?, s.up(&kv)?);
+    let v = s.rand(nt * n_v_heads * dv, 1.0)?;
+    // log decays from -0.001 to -12 (mostly weak; a random model's A reaches 16, and summed
+    // over a chunk such decays lose precision in f32), betas up to 1
+    let g: Vec<f32> = (0..nt * n_v_heads)
+        .map(|_| -(0.001 + 12.0 * s.rng.unit().powi(3)))
+        .collect();
+    let beta: Vec<f32> = (0..nt * n_v_heads)
+        .map(|_| 0.05 + 0.95 * s.rng.unit())
+        .collect();
+    let (g, beta) = (s.up(&g)?, s.up(&beta)?);
+    let mut st = s.rand(SLOTS * shape.state_len(), 0.3)?;
+    let mut out = s.alloc(DType::F32, nt * n_v_heads * dv)?;
+    s.both(name, |be, i| {
+        be.gdn(
+            shape,
+            &q[i],
+            &k[i],
+            &v[i],
+            &g[i],
+            &beta[i],
+            &mut st[i],
+            &b[i],
+            &mut out[i],
+        )
+    })?;
+    s.cmp_all(name, s.tol.scan, &[&out, &st])
+}
+
+/// Make the first sequence of the state batch `d` (no block tables) `len` tokens long,
+/// shifting the others; the logit rows become each sequence's last token.
+fn lengthen_first(d: &mut BatchDesc, len: usize) {
+    let Some(first) = d.seqs.first().copied() else {
+        return;
+    };
+    let extra = len.saturating_sub(first.len);
+    let tok = d.tokens[first.start];
+    d.tokens
+        .splice(first.start..first.start, std::iter::repeat_n(tok, extra));
+    let p0 = first.pos0;
+    d.positions.splice(
+        first.start..first.start + first.len,
+        (0..first.len + extra).map(|j| (p0 + j) as u32),
+    );
+    d.seqs[0].len += extra;
+    for sq in d.seqs.iter_mut().skip(1) {
+        sq.start += extra;
+    }
+    d.logit_rows = d
+        .seqs
+        .iter()
+        .map(|q| (q.start + q.len - 1) as u32)
+        .collect();
 }
 
 /// `mamba2_preamble` (the fused split + softplus + conv of a device backend against the

@@ -1163,7 +1163,7 @@ fn zip2<A, B>([a0, a1]: Two<A>, [b0, b1]: Two<B>) -> Two<(A, B)> {
     [(a0, b0), (a1, b1)]
 }
 
-/// Mixture-of-experts blocks: top-k of 8 experts (k 1..=4), softmax or sigmoid gating (with
+/// Mixture-of-experts blocks: top-k of 8 or 70 experts (k 1..=4), softmax or sigmoid gating (with
 /// or without a selection bias), stacked, fused or per-expert weights, SwiGLU or squared ReLU
 /// experts, an optional (optionally gated) shared expert and an optional latent space; 1 to 12
 /// tokens (experts meeting 1, 2-4 and more (token, slot) pairs).
@@ -1173,8 +1173,9 @@ fn moe(s: &mut Suite<'_>, sigmoid: bool) -> R<()> {
     } else {
         "moe softmax"
     };
-    const N_EXP: usize = 8;
     for _ in 0..s.cases {
+        // 70 experts: more than one per lane of a one-warp top-k
+        let n_exp = s.rng.pick(&[8, 8, 70]);
         let ty = s.rng.pick(&[
             GgmlType::Q8_0,
             GgmlType::Q4_K,
@@ -1208,16 +1209,16 @@ fn moe(s: &mut Suite<'_>, sigmoid: bool) -> R<()> {
         };
         let n = s.rng.pick(sizes);
 
-        let router = s.rand_weight("router", GgmlType::F32, vec![N_EXP, d], 1.0)?;
+        let router = s.rand_weight("router", GgmlType::F32, vec![n_exp, d], 1.0)?;
         let bias = match sigmoid && s.rng.coin() {
-            true => Some(s.rand(N_EXP, 0.3)?),
+            true => Some(s.rand(n_exp, 0.3)?),
             false => None,
         };
         let gating = opt2(bias).map(|bias| match sigmoid {
             true => Gating::Sigmoid { bias },
             false => Gating::Softmax,
         });
-        let (e_in, e_mid) = ([N_EXP, n_ff, d_exp], [N_EXP, d_exp, n_ff]);
+        let (e_in, e_mid) = ([n_exp, n_ff, d_exp], [n_exp, d_exp, n_ff]);
         let experts: Two<Experts> = match layout {
             0 => {
                 let gate = match act {
@@ -1233,13 +1234,13 @@ fn moe(s: &mut Suite<'_>, sigmoid: bool) -> R<()> {
                 })
             }
             1 => {
-                let gu = s.rand_weight("gate_up", ty, vec![N_EXP, 2 * n_ff, d_exp], 0.5)?;
+                let gu = s.rand_weight("gate_up", ty, vec![n_exp, 2 * n_ff, d_exp], 0.5)?;
                 let down = s.rand_weight("down_exps", ty, e_mid.to_vec(), 0.5)?;
                 zip2(gu, down).map(|(gate_up, down)| Experts::FusedGateUp { gate_up, down })
             }
             _ => {
                 let mut v: Two<Vec<MlpWeights>> = [Vec::new(), Vec::new()];
-                for _ in 0..N_EXP {
+                for _ in 0..n_exp {
                     let [a, b] = rand_mlp(s, ty, act, (d_exp, n_ff, d_exp))?;
                     v[0].push(a);
                     v[1].push(b);
