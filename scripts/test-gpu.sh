@@ -12,8 +12,10 @@
 #      Qwen3.6-35B-A3B, Qwen3-30B-A3B and Nemotron 3 Nano shapes with a few layers
 #      (`TEST_GPU_SYNTH` lists `preset:layers`); then the hybrid and MoE fixtures again with
 #      their decode steps run op by op instead of recorded as graphs (`KAPITSA_RECORD_HYBRID=0`);
-#      then the Gated DeltaNet fixtures and the synthetic Qwen3.6 with the chunked Gated
-#      DeltaNet for every sequence, decode steps too (`KAPITSA_GDN_CHUNK_MIN=1`); then the
+#      then the ops, the Gated DeltaNet and Mamba2 fixtures and the synthetic Qwen3.6 and
+#      Nemotron with the chunked scans for every sequence, decode steps too
+#      (`KAPITSA_GDN_CHUNK_MIN=1 KAPITSA_MAMBA2_CHUNK_MIN=1`; the chunked Mamba2 is opt-in
+#      otherwise); then the
 #      ops, one fixture and the synthetic files with the int8-activation GEMVs
 #      (`KAPITSA_GEMV_X8=1`).
 #   2. `kapitsa serve --device cuda` answering the same HTTP checks as on the CPU (streaming,
@@ -62,11 +64,12 @@ KAPITSA_RECORD_HYBRID=0 "$BIN" selftest --device cuda --fixtures tests/fixtures/
   --archs "${TEST_GPU_HYBRID_ARCHS:-qwen3_5,qwen3_5_moe,qwen3_moe,nemotron_h,nemotron_h_moe}" \
   2>&1 | tee "$OUT/selftest-op-by-op.log" || status=1
 
-echo "== selftest, the chunked Gated DeltaNet for every sequence (KAPITSA_GDN_CHUNK_MIN=1) =="
-gdn_models=()
-for m in "${models[@]}"; do [[ "$m" == *qwen3.6* ]] && gdn_models+=(--model "$m"); done
-KAPITSA_GDN_CHUNK_MIN=1 "$BIN" selftest --device cuda --fixtures tests/fixtures/tiny --no-ops \
-  --archs qwen3_5,qwen3_5_moe "${gdn_models[@]}" 2>&1 | tee "$OUT/selftest-gdn-chunked.log" || status=1
+echo "== selftest, the chunked scans for every sequence (KAPITSA_GDN_CHUNK_MIN=1 KAPITSA_MAMBA2_CHUNK_MIN=1) =="
+scan_models=()
+for m in "${models[@]}"; do [[ "$m" == *qwen3.6* || "$m" == *nemotron* ]] && scan_models+=(--model "$m"); done
+KAPITSA_GDN_CHUNK_MIN=1 KAPITSA_MAMBA2_CHUNK_MIN=1 "$BIN" selftest --device cuda --fixtures tests/fixtures/tiny \
+  --archs qwen3_5,qwen3_5_moe,nemotron_h,nemotron_h_moe "${scan_models[@]}" 2>&1 \
+  | tee "$OUT/selftest-chunked-scans.log" || status=1
 
 echo "== selftest, int8 activations for the Q4_K/Q6_K one-token GEMVs (KAPITSA_GEMV_X8=1) =="
 KAPITSA_GEMV_X8=1 "$BIN" selftest --device cuda --fixtures tests/fixtures/tiny --archs qwen3_5_moe \

@@ -10,8 +10,7 @@
 // sequence's first token, from the state; chunk 0 writes the state back at the end (the only
 // block that reads it). The recurrences (GDN, Mamba2) process a sequence's tokens in order,
 // the state on chip between them: the token-sequential forms (decode and short prompts).
-// Long Gated DeltaNet sequences take the chunked form below (gdn_chunk_*_f32); a chunked
-// Mamba2 (SSD) form is a later step.
+// Long sequences take the chunked forms below (gdn_chunk_*_f32, mamba2_chunk_*_f32).
 #include "common.cuh"
 
 // ---- conv1d_causal ------------------------------------------------------------------------------
@@ -368,6 +367,55 @@ __device__ __forceinline__ void gdn_stage_rows(float* dst, const float* __restri
   }
 }
 
+// The products of a chunk's staged rows, 4 x 4 per thread of a 16 x 16 block: qk[a][b] =
+// qs[ti + 16 a] . ks[tj + 16 b] and (with KK) kk[a][b] = ks[ti + 16 a] . ks[tj + 16 b] over
+// the first `width` columns (rows of GDN_LD; columns past width are zero).
+template <bool KK>
+__device__ __forceinline__ void chunk_tiles(const float* qs, const float* ks, uint32_t width, int ti, int tj,
+                                            float (&qk)[4][4], float (&kk)[4][4]) {
+#pragma unroll
+  for (int a = 0; a < 4; a++)
+#pragma unroll
+    for (int b = 0; b < 4; b++) kk[a][b] = qk[a][b] = 0.0f;
+  const int d4 = (int)((width + 3) & ~3u);
+  for (int r = 0; r < d4; r += 4) {
+    float4 kj[4];
+#pragma unroll
+    for (int b = 0; b < 4; b++) kj[b] = *reinterpret_cast<const float4*>(ks + (tj + 16 * b) * GDN_LD + r);
+#pragma unroll
+    for (int a = 0; a < 4; a++) {
+      const float4 qi = *reinterpret_cast<const float4*>(qs + (ti + 16 * a) * GDN_LD + r);
+      float4 ki = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if constexpr (KK) ki = *reinterpret_cast<const float4*>(ks + (ti + 16 * a) * GDN_LD + r);
+#pragma unroll
+      for (int b = 0; b < 4; b++) {
+        qk[a][b] = dot4(qi, kj[b], qk[a][b]);
+        if constexpr (KK) kk[a][b] = dot4(ki, kj[b], kk[a][b]);
+      }
+    }
+  }
+}
+
+// The decays of a chunk from its log decays gs (f64, summed in place): ge[t] = exp(G_t),
+// gl[t] = exp(G_{nt-1} - G_t) at row (t0 + t) * ld + h, t < nt. Thread 0 sums; the block
+// synchronises after.
+__device__ __forceinline__ void chunk_decays(double* gs, int nt, uint64_t t0, uint64_t ld, uint64_t h,
+                                             float* __restrict__ ge, float* __restrict__ gl) {
+  if (threadIdx.x == 0) {
+    double acc = 0.0;
+    for (int t = 0; t < nt; t++) {
+      acc += gs[t];
+      gs[t] = acc;
+    }
+  }
+  __syncthreads();
+  if ((int)threadIdx.x < nt) {
+    const uint64_t o = (t0 + threadIdx.x) * ld + h;
+    ge[o] = expf((float)gs[threadIdx.x]);
+    gl[o] = expf((float)(gs[nt - 1] - gs[threadIdx.x]));
+  }
+}
+
 // Shared memory: q and k rows [GDN_CT][GDN_LD] each, A [GDN_CT][GDN_ALD], G (f64) and beta
 // [GDN_CT].
 extern "C" __global__ void __launch_bounds__(GDN_THREADS)
@@ -398,45 +446,14 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS)
   gdn_stage_rows(qs, q, ch.t0, ldk, kh * dk, ch.nt, dk);
   gdn_stage_rows(ks, k, ch.t0, ldk, kh * dk, ch.nt, dk);
   __syncthreads();
-  if (tid == 0) {
-    double acc = 0.0;
-    for (int t = 0; t < nt; t++) {
-      acc += gs[t];
-      gs[t] = acc;
-    }
-  }
-  __syncthreads();
-  if (tid < nt) {
-    const uint64_t o = (uint64_t)(ch.t0 + tid) * nv + h;
-    ge[o] = expf((float)gs[tid]);
-    gl[o] = expf((float)(gs[nt - 1] - gs[tid]));
-  }
+  chunk_decays(gs, nt, ch.t0, nv, h, ge, gl);
 
   // A (j < t) and the q.k matrix (j <= t): thread (ti, tj) of 16 x 16 takes rows ti + 16 a
   // and columns tj + 16 b, a, b < 4
   {
     const int ti = tid >> 4, tj = tid & 15;
     float kk[4][4], qk[4][4];
-#pragma unroll
-    for (int a = 0; a < 4; a++)
-#pragma unroll
-      for (int b = 0; b < 4; b++) kk[a][b] = qk[a][b] = 0.0f;
-    const int d4 = (int)((dk + 3) & ~3u);
-    for (int r = 0; r < d4; r += 4) {
-      float4 kj[4];
-#pragma unroll
-      for (int b = 0; b < 4; b++) kj[b] = *reinterpret_cast<const float4*>(ks + (tj + 16 * b) * GDN_LD + r);
-#pragma unroll
-      for (int a = 0; a < 4; a++) {
-        const float4 ki = *reinterpret_cast<const float4*>(ks + (ti + 16 * a) * GDN_LD + r);
-        const float4 qi = *reinterpret_cast<const float4*>(qs + (ti + 16 * a) * GDN_LD + r);
-#pragma unroll
-        for (int b = 0; b < 4; b++) {
-          kk[a][b] = dot4(ki, kj[b], kk[a][b]);
-          qk[a][b] = dot4(qi, kj[b], qk[a][b]);
-        }
-      }
-    }
+    chunk_tiles<true>(qs, ks, dk, ti, tj, qk, kk);
 #pragma unroll
     for (int a = 0; a < 4; a++)
 #pragma unroll
@@ -664,49 +681,41 @@ extern "C" __global__ void __launch_bounds__(128)
   }
 }
 
-// Thread (tt, cc) of 32 x 8 computes rows tt and tt + 32, columns 4 cc .. 4 cc + 3 of each
-// block of 32 value columns. Shared memory: q rows [GDN_CT][GDN_LD], the q.k matrix
-// [GDN_CT][GDN_ALD], the chunk-start state's columns [GDN_CD][36], V's [GDN_CT][36],
-// exp(G) [GDN_CT].
-extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2)
-    gdn_chunk_out_f32(const float* __restrict__ q, const float* __restrict__ ge, const float* __restrict__ ab,
-                      const float* __restrict__ ub, const float* __restrict__ hb, float* __restrict__ out,
-                      const uint32_t* __restrict__ seqs, uint32_t n_k_heads, uint32_t n_v_heads, uint32_t dk,
-                      uint32_t dv, uint32_t order, uint32_t n_slots) {
-  pdl_enter();
-  GdnChunk ch;
-  if (!gdn_chunk_at(seqs, blockIdx.z, blockIdx.x, n_slots, ch)) return;  // uniform
-  extern __shared__ float4 gdn_smem[];
-  float* qs = reinterpret_cast<float*>(gdn_smem);
-  float* as = qs + GDN_CT * GDN_LD;
-  float* hs = as + GDN_CT * GDN_ALD;
-  float* vs = hs + GDN_CD * 36;
-  float* es = vs + GDN_CT * 36;
-  const uint32_t h = blockIdx.y, nv = n_v_heads;
-  const uint64_t kh = gdn_key_head(h, n_k_heads, nv, order);
-  const int tid = threadIdx.x, nt = (int)ch.nt;
-  gdn_stage_rows(qs, q, ch.t0, (uint64_t)n_k_heads * dk, kh * dk, ch.nt, dk);
-  {
-    constexpr int N4 = GDN_CT * GDN_CT / 4 / GDN_THREADS;
-    float4 a4[N4];
+// The chunk matrix rows t < nt of `src` (`[n_tokens, n_heads, GDN_CT]`, head h) into shared
+// rows of GDN_ALD (zeros past nt), by a block of GDN_THREADS.
+__device__ __forceinline__ void stage_chunk_matrix(float* as, const float* __restrict__ src, uint64_t t0, uint64_t nh,
+                                                   uint64_t h, int nt) {
+  constexpr int N4 = GDN_CT * GDN_CT / 4 / GDN_THREADS;
+  const int tid = threadIdx.x;
+  float4 a4[N4];
 #pragma unroll
-    for (int u = 0; u < N4; u++) {
-      const int i = tid + u * GDN_THREADS, t = i / (GDN_CT / 4), jj = 4 * (i - t * (GDN_CT / 4));
-      a4[u] = t < nt ? __ldg(reinterpret_cast<const float4*>(ab + ((uint64_t)(ch.t0 + t) * nv + h) * GDN_CT + jj))
-                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-#pragma unroll
-    for (int u = 0; u < N4; u++) {
-      const int i = tid + u * GDN_THREADS, t = i / (GDN_CT / 4), jj = 4 * (i - t * (GDN_CT / 4));
-      *reinterpret_cast<float4*>(as + t * GDN_ALD + jj) = a4[u];
-    }
+  for (int u = 0; u < N4; u++) {
+    const int i = tid + u * GDN_THREADS, t = i / (GDN_CT / 4), jj = 4 * (i - t * (GDN_CT / 4));
+    a4[u] = t < nt ? __ldg(reinterpret_cast<const float4*>(src + ((t0 + t) * nh + h) * GDN_CT + jj))
+                   : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
-  if (tid < GDN_CT) es[tid] = tid < nt ? ge[(uint64_t)(ch.t0 + tid) * nv + h] : 0.0f;
-  const float* hc = hb + ((uint64_t)ch.id * nv + h) * dk * dv;
+#pragma unroll
+  for (int u = 0; u < N4; u++) {
+    const int i = tid + u * GDN_THREADS, t = i / (GDN_CT / 4), jj = 4 * (i - t * (GDN_CT / 4));
+    *reinterpret_cast<float4*>(as + t * GDN_ALD + jj) = a4[u];
+  }
+}
+
+// The output pass of a chunked scan (gdn_chunk_out_f32, mamba2_chunk_out_f32), by a block of
+// GDN_THREADS: for t < nt, c < dv, out(t, c, es[t] (qs[t] . S[:, c]) + sum_{j <= t} as[t][j]
+// vval(j, c)) with S = hc `[dk, dv]` (the chunk's start state) and qs (rows of GDN_LD), as
+// (rows of GDN_ALD, zero past the diagonal) and es staged by the caller. Thread (tt, cc) of
+// 32 x 8 computes rows tt and tt + 32, columns 4 cc .. 4 cc + 3 of each block of 32 columns,
+// staged in hs `[GDN_CD][36]` and vs `[GDN_CT][36]`.
+template <typename VF, typename OF>
+__device__ __forceinline__ void chunk_out(const float* qs, const float* as, float* hs, float* vs, const float* es,
+                                          const float* __restrict__ hc, uint32_t dk, uint32_t dv, int nt, VF vval,
+                                          OF out) {
+  const int tid = threadIdx.x;
   const int tt = tid >> 3, cc = tid & 7;
   const int d4 = (int)((dk + 3) & ~3u);
   for (uint32_t cb = 0; cb < dv; cb += 32) {
-    __syncthreads();  // the previous column block's reads are done (and the staging above)
+    __syncthreads();  // the previous column block's reads are done (and the caller's staging)
     {
       constexpr int NH = GDN_CD * 32 / GDN_THREADS, NV = GDN_CT * 32 / GDN_THREADS;
       float hv[NH], vv[NV];
@@ -718,7 +727,7 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2)
 #pragma unroll
       for (int u = 0; u < NV; u++) {
         const int i = tid + u * GDN_THREADS, t = i >> 5, c = i & 31;
-        vv[u] = (t < nt && cb + c < dv) ? ub[((uint64_t)(ch.t0 + t) * nv + h) * dv + cb + c] : 0.0f;
+        vv[u] = (t < nt && cb + c < dv) ? vval(t, cb + c) : 0.0f;
       }
 #pragma unroll
       for (int u = 0; u < NH; u++) {
@@ -754,7 +763,7 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2)
       const float e = es[t];
 #pragma unroll
       for (int c = 0; c < 4; c++) o[a][c] *= e;
-      // the chunk's own tokens: the q.k matrix is 0 past the diagonal
+      // the chunk's own tokens: the matrix is 0 past the diagonal
       for (int jj = 0; jj <= t; jj++) {
         const float av = as[t * GDN_ALD + jj];
         const float4 v4 = *reinterpret_cast<const float4*>(vs + jj * 36 + 4 * cc);
@@ -764,13 +773,41 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2)
         o[a][3] = fmaf(av, v4.w, o[a][3]);
       }
       if (t < nt) {
-        float* op = out + ((uint64_t)(ch.t0 + t) * nv + h) * dv + cb + 4 * cc;
 #pragma unroll
         for (int c = 0; c < 4; c++)
-          if (cb + 4 * cc + c < dv) op[c] = o[a][c];
+          if (cb + 4 * cc + c < dv) out(t, cb + 4 * cc + c, o[a][c]);
       }
     }
   }
+}
+
+// Shared memory: q rows [GDN_CT][GDN_LD], the q.k matrix [GDN_CT][GDN_ALD], the chunk-start
+// state's columns [GDN_CD][36], V's [GDN_CT][36], exp(G) [GDN_CT] (`chunk_out`).
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2)
+    gdn_chunk_out_f32(const float* __restrict__ q, const float* __restrict__ ge, const float* __restrict__ ab,
+                      const float* __restrict__ ub, const float* __restrict__ hb, float* __restrict__ out,
+                      const uint32_t* __restrict__ seqs, uint32_t n_k_heads, uint32_t n_v_heads, uint32_t dk,
+                      uint32_t dv, uint32_t order, uint32_t n_slots) {
+  pdl_enter();
+  GdnChunk ch;
+  if (!gdn_chunk_at(seqs, blockIdx.z, blockIdx.x, n_slots, ch)) return;  // uniform
+  extern __shared__ float4 gdn_smem[];
+  float* qs = reinterpret_cast<float*>(gdn_smem);
+  float* as = qs + GDN_CT * GDN_LD;
+  float* hs = as + GDN_CT * GDN_ALD;
+  float* vs = hs + GDN_CD * 36;
+  float* es = vs + GDN_CT * 36;
+  const uint32_t h = blockIdx.y, nv = n_v_heads;
+  const uint64_t kh = gdn_key_head(h, n_k_heads, nv, order);
+  const int nt = (int)ch.nt;
+  gdn_stage_rows(qs, q, ch.t0, (uint64_t)n_k_heads * dk, kh * dk, ch.nt, dk);
+  stage_chunk_matrix(as, ab, ch.t0, nv, h, nt);
+  if ((int)threadIdx.x < GDN_CT) es[threadIdx.x] = (int)threadIdx.x < nt ? ge[(uint64_t)(ch.t0 + threadIdx.x) * nv + h] : 0.0f;
+  const float* hc = hb + ((uint64_t)ch.id * nv + h) * dk * dv;
+  const uint64_t t0 = ch.t0;
+  chunk_out(
+      qs, as, hs, vs, es, hc, dk, dv, nt, [&](int t, uint32_t c) { return ub[((t0 + t) * nv + h) * dv + c]; },
+      [&](int t, uint32_t c, float v) { out[((t0 + t) * nv + h) * dv + c] = v; });
 }
 
 // ---- Mamba2 --------------------------------------------------------------------------------------------
@@ -910,3 +947,220 @@ extern "C" __global__ void __launch_bounds__(32 * M2_WARPS)
     if (p_ok && n < d_state) sp[n] = s[i];
   }
 }
+
+// ---- Mamba2, chunked (prefill) ------------------------------------------------------------------
+//
+// The chunked (SSD) form of mamba2_recurrent_f32 for long sequences, in chunks of GDN_CT on the
+// chunked Gated DeltaNet's helpers. For head h (group g) and a chunk of T tokens with S
+// (P x N) the state at its start, L_t = dt_0 a + ... + dt_t a (f64, as the GDN's G) and
+// xd_t = dt_t x_t:
+//   y_t = exp(L_t) S C_t + sum_{j <= t} exp(L_t - L_j) (C_t . B_j) xd_j + D x_t;
+//   S' = exp(L_{T-1}) S + sum_t exp(L_{T-1} - L_t) xd_t B_t^T.
+// No triangular solve: the chunk matrix is the masked C B^T with the decays. Launches:
+// - mamba2_chunk_prep_f32, grid (chunks of the longest sequence, n_heads, sequences), 256
+//   threads: ge, gl `[n_tokens, H]` (exp(L_t), exp(L_{T-1} - L_t)), mb `[n_tokens, H,
+//   GDN_CT]` (row t: exp(L_t - L_j) (C_t . B_j) for j <= t, 0 past it; the out pass
+//   multiplies by xd_j);
+// - mamba2_chunk_state_f32, grid (ceil(P / 32), n_heads, sequences), 128 threads: the chunks
+//   in order (B rows, x columns, dt and decays of the next chunk copied in by cp.async),
+//   lane = head dim p, warp w = state indices 32 w ..; writes each chunk's start state to hb
+//   `[n_ids, H, N, P]` (ids as the GDN's) and the final state to the slot (`[n_slots, H, P,
+//   N]`);
+// - mamba2_chunk_out_f32, grid as prep, 256 threads: y `[n_tokens, H * P]`.
+// d_state <= GDN_CD; shared memory per src/recurrent.rs `mamba2_chunk_smem`.
+
+// Shared memory: C and B rows [GDN_CT][GDN_LD] each, L (f64) [GDN_CT].
+extern "C" __global__ void __launch_bounds__(GDN_THREADS)
+    mamba2_chunk_prep_f32(const float* __restrict__ dt, const float* __restrict__ a, const float* __restrict__ bm,
+                          const float* __restrict__ cm, const uint32_t* __restrict__ seqs, uint32_t n_heads,
+                          uint32_t d_state, uint32_t n_groups, uint32_t n_slots, float* __restrict__ ge,
+                          float* __restrict__ gl, float* __restrict__ mb) {
+  pdl_enter();
+  GdnChunk ch;
+  if (!gdn_chunk_at(seqs, blockIdx.z, blockIdx.x, n_slots, ch)) return;  // uniform
+  extern __shared__ float4 gdn_smem[];
+  float* cs = reinterpret_cast<float*>(gdn_smem);
+  float* bs = cs + GDN_CT * GDN_LD;
+  double* ls = reinterpret_cast<double*>(bs + GDN_CT * GDN_LD);
+  const uint32_t h = blockIdx.y;
+  const uint64_t grp = h / (n_heads / n_groups);
+  const int tid = threadIdx.x, nt = (int)ch.nt;
+  const uint64_t ldg = (uint64_t)n_groups * d_state;
+  if (tid < GDN_CT) {
+    const bool ok = tid < nt;
+    ls[tid] = ok ? (double)(dt[(uint64_t)(ch.t0 + tid) * n_heads + h] * a[h]) : 0.0;
+  }
+  gdn_stage_rows(cs, cm, ch.t0, ldg, grp * d_state, ch.nt, d_state);
+  gdn_stage_rows(bs, bm, ch.t0, ldg, grp * d_state, ch.nt, d_state);
+  __syncthreads();
+  chunk_decays(ls, nt, ch.t0, n_heads, h, ge, gl);
+  const int ti = tid >> 4, tj = tid & 15;
+  float cb[4][4], unused[4][4];
+  chunk_tiles<false>(cs, bs, d_state, ti, tj, cb, unused);
+#pragma unroll
+  for (int a4 = 0; a4 < 4; a4++)
+#pragma unroll
+    for (int b4 = 0; b4 < 4; b4++) {
+      const int t = ti + 16 * a4, j = tj + 16 * b4;
+      if (t < nt) {
+        const float e = j <= t ? expf((float)(ls[t] - ls[j])) : 0.0f;
+        mb[((uint64_t)(ch.t0 + t) * n_heads + h) * GDN_CT + j] = e * cb[a4][b4];
+      }
+    }
+}
+
+// The B rows, x columns p0 .. p0 + 31 of head h, dt and end decays of chunk (t0, nt) into a
+// buffer of mamba2_chunk_state_f32 as one cp.async group: bs [GDN_CT][GDN_LD], xs
+// [GDN_CT][32], fs [GDN_CT + 4] (fs[t] = dt_t exp(L_{T-1} - L_t), fs[GDN_CT] = exp(L_{T-1})).
+__device__ __forceinline__ void m2_state_fetch(float* bs, float* xs, float* ds, float* fs, const float* __restrict__ bm,
+                                               const float* __restrict__ x, const float* __restrict__ dt,
+                                               const float* __restrict__ ge, const float* __restrict__ gl,
+                                               uint32_t t0, uint32_t nt, uint64_t h, uint64_t grp, uint32_t n_heads,
+                                               uint32_t head_dim, uint32_t d_state, uint32_t n_groups, uint32_t p0) {
+  const uint64_t ldg = (uint64_t)n_groups * d_state, ldx = (uint64_t)n_heads * head_dim;
+  if (d_state % 4 == 0) {
+    for (int i = threadIdx.x; i < GDN_CT * GDN_CD / 4; i += blockDim.x) {
+      const int t = i / (GDN_CD / 4), r = 4 * (i - t * (GDN_CD / 4));
+      const bool ok = t < (int)nt && r < (int)d_state;
+      cp_async(bs + t * GDN_LD + r, bm + (ok ? (t0 + t) * ldg + grp * d_state + r : 0), 16, ok);
+    }
+  } else {
+    for (int i = threadIdx.x; i < GDN_CT * GDN_CD; i += blockDim.x) {
+      const int t = i / GDN_CD, r = i - t * GDN_CD;
+      const bool ok = t < (int)nt && r < (int)d_state;
+      cp_async(bs + t * GDN_LD + r, bm + (ok ? (t0 + t) * ldg + grp * d_state + r : 0), 4, ok);
+    }
+  }
+  for (int i = threadIdx.x; i < GDN_CT * 32; i += blockDim.x) {
+    const int t = i >> 5, c = i & 31;
+    const bool ok = t < (int)nt && p0 + c < head_dim;
+    cp_async(xs + i, x + (ok ? (t0 + t) * ldx + h * head_dim + p0 + c : 0), 4, ok);
+  }
+  for (int t = threadIdx.x; t < GDN_CT; t += blockDim.x) {
+    const bool ok = t < (int)nt;
+    cp_async(ds + t, dt + (ok ? (uint64_t)(t0 + t) * n_heads + h : 0), 4, ok);
+    cp_async(fs + t, gl + (ok ? (uint64_t)(t0 + t) * n_heads + h : 0), 4, ok);
+  }
+  if (threadIdx.x == 0) cp_async(fs + GDN_CT, ge + (uint64_t)(t0 + nt - 1) * n_heads + h, 4, true);
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Floats of one buffer of mamba2_chunk_state_f32: B rows, x columns, dt, decays.
+#define M2C_BUF (GDN_CT * GDN_LD + GDN_CT * 32 + GDN_CT + GDN_CT + 4)
+
+// Shared memory: two buffers of M2C_BUF floats.
+extern "C" __global__ void __launch_bounds__(128)
+    mamba2_chunk_state_f32(const float* __restrict__ x, const float* __restrict__ dt, const float* __restrict__ bm,
+                           const float* __restrict__ ge, const float* __restrict__ gl, float* __restrict__ state,
+                           float* __restrict__ hb, const uint32_t* __restrict__ seqs, uint32_t n_heads,
+                           uint32_t head_dim, uint32_t d_state, uint32_t n_groups, uint32_t n_slots) {
+  pdl_enter();
+  extern __shared__ float4 gdn_smem[];
+  float* base = reinterpret_cast<float*>(gdn_smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;  // 4 warps: state rows 32 w ..
+  const uint32_t h = blockIdx.y, p0 = blockIdx.x * 32, p = p0 + lane;
+  const bool col_ok = p < head_dim;
+  const uint32_t* seq = seqs + blockIdx.z * SEQ_FIELDS;
+  const uint32_t slot = seq[SEQ_SLOT], start = seq[SEQ_START], len = seq[SEQ_LEN];
+  if (slot >= n_slots) return;  // uniform
+  const uint64_t grp = h / (n_heads / n_groups);
+  const uint64_t hd = (uint64_t)head_dim * d_state;
+  float* sp = state + ((uint64_t)slot * n_heads + h) * hd;
+  float s[32];
+#pragma unroll
+  for (int r = 0; r < 32; ++r) {
+    const uint32_t n = warp * 32 + r;
+    s[r] = (col_ok && n < d_state) ? sp[(uint64_t)p * d_state + n] : 0.0f;
+  }
+  // buffer b's parts
+  auto buf = [&](int b, float*& bs, float*& xs, float*& ds, float*& fs) {
+    bs = base + b * M2C_BUF;
+    xs = bs + GDN_CT * GDN_LD;
+    ds = xs + GDN_CT * 32;
+    fs = ds + GDN_CT;
+  };
+  const uint32_t n_chunks = (len + GDN_CT - 1) / GDN_CT;
+  if (n_chunks > 0) {
+    float *bs, *xs, *ds, *fs;
+    buf(0, bs, xs, ds, fs);
+    m2_state_fetch(bs, xs, ds, fs, bm, x, dt, ge, gl, start, min((uint32_t)GDN_CT, len), h, grp, n_heads, head_dim,
+                   d_state, n_groups, p0);
+  }
+  for (uint32_t c = 0; c < n_chunks; c++) {
+    const int b = c & 1;
+    const uint32_t nt = min((uint32_t)GDN_CT, len - c * GDN_CT);
+    const uint64_t id = start / GDN_CT + blockIdx.z + c;
+    float* hc = hb + (id * n_heads + h) * hd;  // [N][P]
+#pragma unroll
+    for (int r = 0; r < 32; ++r) {
+      const uint32_t n = warp * 32 + r;
+      if (col_ok && n < d_state) hc[(uint64_t)n * head_dim + p] = s[r];
+    }
+    __syncthreads();  // every thread is done with buffer b ^ 1 (chunk c - 1)
+    if (c + 1 < n_chunks) {
+      float *bs, *xs, *ds, *fs;
+      buf(b ^ 1, bs, xs, ds, fs);
+      m2_state_fetch(bs, xs, ds, fs, bm, x, dt, ge, gl, start + (c + 1) * GDN_CT,
+                     min((uint32_t)GDN_CT, len - (c + 1) * GDN_CT), h, grp, n_heads, head_dim, d_state, n_groups, p0);
+      asm volatile("cp.async.wait_group 1;" ::: "memory");
+    } else {
+      asm volatile("cp.async.wait_group 0;" ::: "memory");
+    }
+    __syncthreads();  // chunk c's buffer is complete for every thread
+    float *bs, *xs, *ds, *fs;
+    buf(b, bs, xs, ds, fs);
+    const float dl = fs[GDN_CT];  // exp(L_last)
+#pragma unroll
+    for (int r = 0; r < 32; ++r) s[r] *= dl;
+    for (int t = 0; t < (int)nt; t++) {
+      const float vt = xs[t * 32 + lane] * (ds[t] * fs[t]);
+      const float* br = bs + t * GDN_LD + warp * 32;
+#pragma unroll
+      for (int r = 0; r < 32; r += 4) {
+        const float4 b4 = *reinterpret_cast<const float4*>(br + r);
+        s[r] = fmaf(b4.x, vt, s[r]);
+        s[r + 1] = fmaf(b4.y, vt, s[r + 1]);
+        s[r + 2] = fmaf(b4.z, vt, s[r + 2]);
+        s[r + 3] = fmaf(b4.w, vt, s[r + 3]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 32; ++r) {
+    const uint32_t n = warp * 32 + r;
+    if (col_ok && n < d_state) sp[(uint64_t)p * d_state + n] = s[r];
+  }
+}
+
+// Shared memory as gdn_chunk_out_f32's: C rows, the chunk matrix, state and x columns, exp(L).
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2)
+    mamba2_chunk_out_f32(const float* __restrict__ x, const float* __restrict__ dt, const float* __restrict__ cm,
+                         const float* __restrict__ dm, const float* __restrict__ ge, const float* __restrict__ mb,
+                         const float* __restrict__ hb, float* __restrict__ y, const uint32_t* __restrict__ seqs,
+                         uint32_t n_heads, uint32_t head_dim, uint32_t d_state, uint32_t n_groups,
+                         uint32_t n_slots) {
+  pdl_enter();
+  GdnChunk ch;
+  if (!gdn_chunk_at(seqs, blockIdx.z, blockIdx.x, n_slots, ch)) return;  // uniform
+  extern __shared__ float4 gdn_smem[];
+  float* cs = reinterpret_cast<float*>(gdn_smem);
+  float* as = cs + GDN_CT * GDN_LD;
+  float* hs = as + GDN_CT * GDN_ALD;
+  float* vs = hs + GDN_CD * 36;
+  float* es = vs + GDN_CT * 36;
+  const uint32_t h = blockIdx.y;
+  const uint64_t grp = h / (n_heads / n_groups);
+  const int nt = (int)ch.nt;
+  gdn_stage_rows(cs, cm, ch.t0, (uint64_t)n_groups * d_state, grp * d_state, ch.nt, d_state);
+  stage_chunk_matrix(as, mb, ch.t0, n_heads, h, nt);
+  if ((int)threadIdx.x < GDN_CT)
+    es[threadIdx.x] = (int)threadIdx.x < nt ? ge[(uint64_t)(ch.t0 + threadIdx.x) * n_heads + h] : 0.0f;
+  const float* hc = hb + ((uint64_t)ch.id * n_heads + h) * d_state * head_dim;
+  const uint64_t t0 = ch.t0, ldx = (uint64_t)n_heads * head_dim, hp = (uint64_t)h * head_dim;
+  const float dh = dm[h];
+  chunk_out(
+      cs, as, hs, vs, es, hc, d_state, head_dim, nt,
+      [&](int t, uint32_t c) { return dt[(t0 + t) * n_heads + h] * x[(t0 + t) * ldx + hp + c]; },
+      [&](int t, uint32_t c, float v) { y[(t0 + t) * ldx + hp + c] = v + dh * x[(t0 + t) * ldx + hp + c]; });
+}
+

@@ -23,7 +23,7 @@ use kapitsa_backend::{shape_err, BackendError, Batch, BatchDesc, Result};
 
 use crate::attention::{ATTN_SPLIT, TILE_MIN, TILE_Q};
 use crate::device::dev_err;
-use crate::recurrent::gdn_chunked;
+use crate::recurrent::{gdn_chunked, mamba2_chunked};
 use crate::CudaBackend;
 
 /// Where the parts of a batch array start, and the facts about the step the host needs
@@ -370,7 +370,8 @@ impl CudaBackend {
             && meta.n_short == db.n_short
             && meta.off_short == db.off_short
             && meta.block_size == db.block_size
-            && gdn_chunked(&meta) == gdn_chunked(db);
+            && gdn_chunked(&meta) == gdn_chunked(db)
+            && mamba2_chunked(&meta) == mamba2_chunked(db);
         let needs = meta.max_ctx_short.div_ceil(ATTN_SPLIT).max(1);
         if !same_layout || needs > splits {
             return Ok(false);

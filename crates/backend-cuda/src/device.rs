@@ -252,7 +252,8 @@ kernel_table! {
     ],
     "recurrent" => [
         conv1d_causal_f32, gdn_preamble_f32, gdn_recurrent_f32, gdn_chunk_prep_f32, gdn_chunk_state_f32,
-        gdn_chunk_out_f32, mamba2_preamble_f32, mamba2_recurrent_f32,
+        gdn_chunk_out_f32, mamba2_preamble_f32, mamba2_recurrent_f32, mamba2_chunk_prep_f32,
+        mamba2_chunk_state_f32, mamba2_chunk_out_f32,
     ],
     "ffn" => [moe_topk_f32, moe_topk_warp_f32, moe_finish_f32, moe_shared_add_f32],
 }
@@ -269,7 +270,8 @@ pub(crate) const fn attn_mma_smem(d: usize) -> usize {
 
 impl Kernels {
     /// Per-kernel attributes: the tiled attention kernels (scalar and tensor-core) and the
-    /// chunked Gated DeltaNet may use more than the default 48 KB of dynamic shared memory.
+    /// chunked scans (Gated DeltaNet, Mamba2) may use more than the default 48 KB of dynamic
+    /// shared memory.
     fn configure(&self) -> Result<(), BackendError> {
         for f in [
             &self.attn_tile_f32_8,
@@ -304,17 +306,21 @@ impl Kernels {
             })?;
         }
         let (prep, state, out) = crate::recurrent::gdn_chunk_smem();
+        let (m_prep, m_state, m_out) = crate::recurrent::mamba2_chunk_smem();
         for (f, bytes) in [
             (&self.gdn_chunk_prep_f32, prep),
             (&self.gdn_chunk_state_f32, state),
             (&self.gdn_chunk_out_f32, out),
+            (&self.mamba2_chunk_prep_f32, m_prep),
+            (&self.mamba2_chunk_state_f32, m_state),
+            (&self.mamba2_chunk_out_f32, m_out),
         ] {
             f.set_attribute(
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 bytes as i32,
             )
             .map_err(|e| {
-                BackendError::Unavailable(format!("configuring the Gated DeltaNet kernels: {e}"))
+                BackendError::Unavailable(format!("configuring the chunked scan kernels: {e}"))
             })?;
         }
         Ok(())

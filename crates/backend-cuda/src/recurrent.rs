@@ -6,9 +6,10 @@
 //! checked against the state size on the host).
 //!
 //! The token-sequential forms serve decode and short prompts. A batch whose longest sequence
-//! has at least [`GDN_CHUNK_MIN`] tokens runs the Gated DeltaNet in its chunked form
-//! (flash-linear-attention's WY form, three launches: kernels/recurrent.cu `gdn_chunk_*_f32`);
-//! a chunked Mamba2 (SSD) is future work.
+//! has at least [`CHUNK_MIN`] tokens runs the Gated DeltaNet in its chunked form
+//! (flash-linear-attention's WY form, three launches: kernels/recurrent.cu `gdn_chunk_*_f32`).
+//! Mamba2's chunked (SSD) form (`mamba2_chunk_*_f32`) is written but opt-in
+//! ([`mamba2_chunked`]) until it has passed on a GPU.
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use kapitsa_backend::{
@@ -28,30 +29,42 @@ const GDN_MAX_DK: usize = 256;
 const GDN_CT: usize = 64;
 /// Largest dk and dv of the chunked form (`GDN_CD`).
 const GDN_CD: usize = 128;
-/// Longest sequence from which a batch takes the chunked form (`KAPITSA_GDN_CHUNK_MIN`
-/// overrides it; 0 turns the chunked form off).
-pub(crate) const GDN_CHUNK_MIN: usize = 64;
+/// Longest sequence from which a batch takes the chunked Gated DeltaNet
+/// (`KAPITSA_GDN_CHUNK_MIN` overrides it; 0 turns it off; the chunked Mamba2 scan is opt-in
+/// through `KAPITSA_MAMBA2_CHUNK_MIN`).
+pub(crate) const CHUNK_MIN: usize = 64;
 /// Warps (head dims) per block of the Mamba2 kernel (kernels/recurrent.cu `M2_WARPS`).
 const M2_WARPS: usize = 4;
 /// Largest Mamba2 state size (8 per lane).
 const M2_MAX_N: usize = 256;
 
-/// The smallest longest sequence for the chunked Gated DeltaNet (`KAPITSA_GDN_CHUNK_MIN`,
-/// default [`GDN_CHUNK_MIN`]; 0: never).
-fn gdn_chunk_min() -> usize {
-    static CELL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CELL.get_or_init(|| {
-        std::env::var("KAPITSA_GDN_CHUNK_MIN")
+/// The smallest longest sequence for a chunked form from the environment variable `var`
+/// (else `default`; 0: never).
+fn chunk_min(var: &str, default: usize, cell: &'static std::sync::OnceLock<usize>) -> usize {
+    *cell.get_or_init(|| {
+        std::env::var(var)
             .ok()
             .and_then(|v| v.parse().ok())
-            .unwrap_or(GDN_CHUNK_MIN)
+            .unwrap_or(default)
     })
 }
 
 /// Whether a batch takes the chunked Gated DeltaNet (where the heads allow it): its longest
-/// sequence has at least [`gdn_chunk_min`] tokens. Part of a recorded batch's layout.
+/// sequence has at least `KAPITSA_GDN_CHUNK_MIN` tokens ([`CHUNK_MIN`] by default, 0: never).
+/// Part of a recorded batch's layout.
 pub(crate) fn gdn_chunked(m: &BatchMeta) -> bool {
-    let min = gdn_chunk_min();
+    static CELL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let min = chunk_min("KAPITSA_GDN_CHUNK_MIN", CHUNK_MIN, &CELL);
+    min > 0 && m.max_len >= min
+}
+
+/// Whether a batch takes the chunked Mamba2 scan (where d_state allows it): as
+/// [`gdn_chunked`] with `KAPITSA_MAMBA2_CHUNK_MIN`, **off by default**: its first GPU run
+/// counted dt twice in the chunk matrix (fixed since by analysis, not yet run on a GPU), so
+/// it stays opt-in until `scripts/test-gpu.sh` has checked it.
+pub(crate) fn mamba2_chunked(m: &BatchMeta) -> bool {
+    static CELL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let min = chunk_min("KAPITSA_MAMBA2_CHUNK_MIN", 0, &CELL);
     min > 0 && m.max_len >= min
 }
 
@@ -69,6 +82,21 @@ pub(crate) const fn gdn_chunk_smem() -> (usize, usize, usize) {
     )
 }
 
+/// Dynamic shared memory of the chunked Mamba2 kernels (kernels/recurrent.cu): (prep, state,
+/// out).
+pub(crate) const fn mamba2_chunk_smem() -> (usize, usize, usize) {
+    let (ct, ld) = (GDN_CT, GDN_CD + 4);
+    let buf = ct * ld + ct * 32 + ct + ct + 4; // `M2C_BUF`
+    (
+        // C and B rows; L (f64)
+        4 * (2 * ct * ld) + 8 * ct,
+        // two buffers of B rows, x columns, dt and decays
+        4 * 2 * buf,
+        // as gdn_chunk_out_f32
+        gdn_chunk_smem().2,
+    )
+}
+
 /// The device buffers of one `gdn` call (lengths checked against the batch).
 struct GdnIo<'a> {
     q: &'a CudaSlice<f32>,
@@ -78,6 +106,18 @@ struct GdnIo<'a> {
     beta: &'a CudaSlice<f32>,
     state: &'a mut CudaSlice<f32>,
     out: &'a mut CudaSlice<f32>,
+}
+
+/// The device buffers of one `mamba2` call (lengths checked against the batch).
+struct Mamba2Io<'a> {
+    x: &'a CudaSlice<f32>,
+    dt: &'a CudaSlice<f32>,
+    a: &'a CudaSlice<f32>,
+    b: &'a CudaSlice<f32>,
+    c: &'a CudaSlice<f32>,
+    d: &'a CudaSlice<f32>,
+    state: &'a mut CudaSlice<f32>,
+    y: &'a mut CudaSlice<f32>,
 }
 
 /// Number of state slots of `state` (`per` values each), checking the batch's slots fit.
@@ -571,6 +611,19 @@ impl CudaBackend {
             return shape_err(OP, format!("{h} heads (at most 65535)"));
         }
         let seqs = db.seqs();
+        if ns_ <= GDN_CD && mamba2_chunked(db) {
+            let io = Mamba2Io {
+                x: xb,
+                dt: dtb,
+                a: ab,
+                b: bb,
+                c: cb,
+                d: db_,
+                state: sb,
+                y: yb,
+            };
+            return self.mamba2_chunked(io, db, [ha, pa, na, ga, sl], nseq);
+        }
         let mut b = self.stream.kernel(&self.k.mamba2_recurrent_f32);
         b.arg(xb)
             .arg(dtb)
@@ -594,5 +647,84 @@ impl CudaBackend {
         // kernel's shared arrays; slots are checked on host and device.
         unsafe { b.launch(cfg) }.map_err(dev_err)?;
         Ok(())
+    }
+    /// The chunked Mamba2 scan over the batch `db` (kernels/recurrent.cu
+    /// `mamba2_chunk_*_f32`): `dims` = the kernels' (n_heads, head_dim, d_state, n_groups,
+    /// n_slots) arguments, d_state at most [`GDN_CD`], buffers checked by the caller.
+    fn mamba2_chunked(
+        &self,
+        io: Mamba2Io<'_>,
+        db: &DevBatch,
+        dims: [u32; 5],
+        nseq: u32,
+    ) -> Result<()> {
+        const OP: &str = "mamba2";
+        let [ha, pa, na, ga, sl] = dims;
+        let (n, h, p, ns_) = (db.n_tokens, ha as usize, pa as usize, na as usize);
+        let ids = n.div_ceil(GDN_CT) + db.n_seqs;
+        let mut ge = self.scratch::<f32>(n * h)?;
+        let mut gl = self.scratch::<f32>(n * h)?;
+        let mut mb = self.scratch::<f32>(n * h * GDN_CT)?;
+        let mut hb = self.scratch::<f32>(ids * h * p * ns_)?;
+        let chunks = u32_arg(OP, "chunks", db.max_len.div_ceil(GDN_CT))?;
+        let seqs = db.seqs();
+        let (prep_smem, state_smem, out_smem) = mamba2_chunk_smem();
+        let mut b = self.stream.kernel(&self.k.mamba2_chunk_prep_f32);
+        b.arg(io.dt).arg(io.a).arg(io.b).arg(io.c).arg(&seqs);
+        b.arg(&ha).arg(&na).arg(&ga).arg(&sl);
+        b.arg(&mut ge).arg(&mut gl).arg(&mut mb);
+        let cfg = LaunchConfig {
+            grid_dim: (chunks, ha, nseq),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: prep_smem as u32,
+        };
+        // SAFETY: mamba2_chunk_prep_f32(const float* dt, a, b, c, const uint32_t* seqs,
+        // uint32_t n_heads, d_state, n_groups, n_slots, float* ge, gl, mb), grid (chunks of
+        // the longest sequence, heads, sequences), 256 threads, its shared memory (configured
+        // at load): dt holds n_tokens * H floats, a H, b and c n_tokens * G * N (checked by the
+        // caller); ge, gl and mb were allocated above for n_tokens tokens; N <= GDN_CD; slots
+        // checked on host and device.
+        unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        let mut b = self.stream.kernel(&self.k.mamba2_chunk_state_f32);
+        b.arg(io.x)
+            .arg(io.dt)
+            .arg(io.b)
+            .arg(&ge)
+            .arg(&gl)
+            .arg(io.state);
+        b.arg(&mut hb).arg(&seqs);
+        b.arg(&ha).arg(&pa).arg(&na).arg(&ga).arg(&sl);
+        let cfg = LaunchConfig {
+            grid_dim: (p.div_ceil(32) as u32, ha, nseq),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: state_smem as u32,
+        };
+        // SAFETY: mamba2_chunk_state_f32(const float* x, dt, b, ge, gl, float* state, hb,
+        // const uint32_t* seqs, uint32_t n_heads, head_dim, d_state, n_groups, n_slots), grid
+        // (head-dim blocks of 32, heads, sequences), 128 threads, its shared memory: x holds
+        // n_tokens * H * P floats, state n_slots * H * P * N (checked by the caller), hb
+        // ceil(n_tokens / GDN_CT) + n_seqs chunk states (the largest id the kernel forms is
+        // below that), the rest as above.
+        unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        let mut b = self.stream.kernel(&self.k.mamba2_chunk_out_f32);
+        b.arg(io.x)
+            .arg(io.dt)
+            .arg(io.c)
+            .arg(io.d)
+            .arg(&ge)
+            .arg(&mb)
+            .arg(&hb);
+        b.arg(io.y).arg(&seqs);
+        b.arg(&ha).arg(&pa).arg(&na).arg(&ga).arg(&sl);
+        let cfg = LaunchConfig {
+            grid_dim: (chunks, ha, nseq),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: out_smem as u32,
+        };
+        // SAFETY: mamba2_chunk_out_f32(const float* x, dt, c, d, ge, mb, hb, float* y, const
+        // uint32_t* seqs, uint32_t n_heads, head_dim, d_state, n_groups, n_slots), grid as the
+        // prep kernel's, 256 threads, its shared memory: d holds H floats, y n_tokens * H * P,
+        // the rest as above.
+        unsafe { b.launch(cfg) }.map_err(dev_err)
     }
 }

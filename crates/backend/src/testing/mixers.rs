@@ -359,43 +359,77 @@ pub(super) fn mamba2_preamble(s: &mut Suite<'_>) -> R<()> {
     Ok(())
 }
 
+/// The Mamba2 scan: short and 80-token sequences (the CPU's chunked form from 64 tokens),
+/// then batches with a sequence of 64 to 200 tokens at up to the production head sizes
+/// (reported as `mamba2 chunked`: a device backend's chunked form where it takes them).
 pub(super) fn mamba2(s: &mut Suite<'_>) -> R<()> {
-    const SLOTS: usize = 4;
     for _ in 0..s.cases {
         let n_groups = s.rng.range(1, 2);
-        let n_heads = n_groups * s.rng.range(1, 3);
-        let head_dim = s.rng.range(1, 20);
-        let d_state = s.rng.range(1, 40);
         let shape = Mamba2Shape {
-            n_heads,
+            n_heads: n_groups * s.rng.range(1, 3),
+            head_dim: s.rng.range(1, 20),
+            d_state: s.rng.range(1, 40),
+            n_groups,
+        };
+        let max_len = s.rng.pick(&[1, 5, 12, 80]);
+        mamba2_case(s, "mamba2", shape, max_len, None)?;
+    }
+    for i in 0..s.cases {
+        let n_groups = s.rng.range(1, 2);
+        // Nemotron 3's head (64 x 128), then odd sizes
+        let (head_dim, d_state) = match i {
+            0 => (64, 128),
+            _ => (s.rng.range(1, 70), s.rng.range(1, 128)),
+        };
+        let shape = Mamba2Shape {
+            n_heads: n_groups * s.rng.range(1, 2),
             head_dim,
             d_state,
             n_groups,
         };
-        // Long chunks take the chunked scan (64 tokens and more).
-        let max_len = s.rng.pick(&[1, 5, 12, 80]);
-        let d = state_batch(s, SLOTS, max_len);
-        let b = s.batch(&d)?;
-        let nt = d.n_tokens();
-        let di = n_heads * head_dim;
-        let gn = n_groups * d_state;
-        let x = s.rand(nt * di, 1.0)?;
-        let dt: Vec<f32> = (0..nt * n_heads)
-            .map(|_| (s.rng.val() * 2.0).exp().ln_1p())
-            .collect();
-        let a: Vec<f32> = (0..n_heads).map(|_| -(s.rng.val().exp())).collect();
-        let (dt, a) = (s.up(&dt)?, s.up(&a)?);
-        let bm = s.rand(nt * gn, 1.0)?;
-        let cm = s.rand(nt * gn, 1.0)?;
-        let dd = s.rand(n_heads, 1.0)?;
-        let mut st = s.rand(SLOTS * shape.state_len(), 0.3)?;
-        let mut y = s.alloc(DType::F32, nt * di)?;
-        s.both("mamba2", |be, i| {
-            be.mamba2(
-                shape, &x[i], &dt[i], &a[i], &bm[i], &cm[i], &dd[i], &mut st[i], &b[i], &mut y[i],
-            )
-        })?;
-        s.cmp_all("mamba2", s.tol.scan, &[&y, &st])?;
+        let long = s.rng.range(64, 200);
+        mamba2_case(s, "mamba2 chunked", shape, 40, Some(long))?;
     }
     Ok(())
+}
+
+/// One `mamba2` case: random sequences of up to `max_len` tokens, the first one `long` tokens
+/// when given.
+fn mamba2_case(
+    s: &mut Suite<'_>,
+    name: &str,
+    shape: Mamba2Shape,
+    max_len: usize,
+    long: Option<usize>,
+) -> R<()> {
+    const SLOTS: usize = 4;
+    let (n_heads, head_dim, d_state, n_groups) =
+        (shape.n_heads, shape.head_dim, shape.d_state, shape.n_groups);
+    let mut d = state_batch(s, SLOTS, max_len);
+    if let Some(len) = long {
+        lengthen_first(&mut d, len);
+    }
+    let b = s.batch(&d)?;
+    let nt = d.n_tokens();
+    let di = n_heads * head_dim;
+    let gn = n_groups * d_state;
+    let x = s.rand(nt * di, 1.0)?;
+    // step sizes after softplus (0.13 to 2.1) and A from -0.37 to -2.7: per-token log decays
+    // down to about -6, summed over a chunk to hundreds (where an f32 sum loses digits)
+    let dt: Vec<f32> = (0..nt * n_heads)
+        .map(|_| (s.rng.val() * 2.0).exp().ln_1p())
+        .collect();
+    let a: Vec<f32> = (0..n_heads).map(|_| -(s.rng.val().exp())).collect();
+    let (dt, a) = (s.up(&dt)?, s.up(&a)?);
+    let bm = s.rand(nt * gn, 1.0)?;
+    let cm = s.rand(nt * gn, 1.0)?;
+    let dd = s.rand(n_heads, 1.0)?;
+    let mut st = s.rand(SLOTS * shape.state_len(), 0.3)?;
+    let mut y = s.alloc(DType::F32, nt * di)?;
+    s.both(name, |be, i| {
+        be.mamba2(
+            shape, &x[i], &dt[i], &a[i], &bm[i], &cm[i], &dd[i], &mut st[i], &b[i], &mut y[i],
+        )
+    })?;
+    s.cmp_all(name, s.tol.scan, &[&y, &st])
 }
