@@ -276,7 +276,8 @@ extern "C" __global__ void __launch_bounds__(32 * GDN_MAX_WARPS)
 // ---- Gated DeltaNet, chunked (prefill) -----------------------------------------------------------
 //
 // The chunked form of gdn_recurrent_f32 for long sequences: the WY algorithm of
-// flash-linear-attention's chunk_gated_delta_rule, in f32 (docs/design-notes.md, "GPU prefill").
+// flash-linear-attention's chunk_gated_delta_rule, in f32 (docs/design-notes.md, "GPU prefill");
+// CPU twin: kernels-cpu gdn.rs `gdn_chunked` (the same algorithm, its decays in f32).
 // A sequence's tokens are cut into chunks of GDN_CT. Within a chunk of T tokens, with S
 // (dk x dv) the state at its start and G_t = g_0 + ... + g_t:
 //   A[t][j] = beta_t exp(G_t - G_j) (k_t . k_j) for j < t, and by forward substitution
@@ -951,7 +952,8 @@ extern "C" __global__ void __launch_bounds__(32 * M2_WARPS)
 // ---- Mamba2, chunked (prefill) ------------------------------------------------------------------
 //
 // The chunked (SSD) form of mamba2_recurrent_f32 for long sequences, in chunks of GDN_CT on the
-// chunked Gated DeltaNet's helpers. For head h (group g) and a chunk of T tokens with S
+// chunked Gated DeltaNet's helpers; CPU twin: kernels-cpu mamba2.rs `mamba2_chunked` (the same
+// sums; it forms C B^T once per group). For head h (group g) and a chunk of T tokens with S
 // (P x N) the state at its start, L_t = dt_0 a + ... + dt_t a (f64, as the GDN's G) and
 // xd_t = dt_t x_t:
 //   y_t = exp(L_t) S C_t + sum_{j <= t} exp(L_t - L_j) (C_t . B_j) xd_j + D x_t;

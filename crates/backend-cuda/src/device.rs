@@ -273,41 +273,22 @@ impl Kernels {
     /// chunked scans (Gated DeltaNet, Mamba2) may use more than the default 48 KB of dynamic
     /// shared memory.
     fn configure(&self) -> Result<(), BackendError> {
-        for f in [
-            &self.attn_tile_f32_8,
-            &self.attn_tile_f32_16,
-            &self.attn_tile_f32_32,
-            &self.attn_tile_f16_8,
-            &self.attn_tile_f16_16,
-            &self.attn_tile_f16_32,
-            &self.attn_tile_q8_0_8,
-            &self.attn_tile_q8_0_16,
-            &self.attn_tile_q8_0_32,
-        ] {
-            f.set_attribute(
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                TILE_SMEM_MAX as i32,
-            )
-            .map_err(|e| {
-                BackendError::Unavailable(format!("configuring the attention kernels: {e}"))
-            })?;
-        }
-        for (f, d) in [
-            (&self.attn_mma_f16_64, 64),
-            (&self.attn_mma_f16_128, 128),
-            (&self.attn_mma_f16_256, 256),
-        ] {
-            f.set_attribute(
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                attn_mma_smem(d) as i32,
-            )
-            .map_err(|e| {
-                BackendError::Unavailable(format!("configuring the attention kernels: {e}"))
-            })?;
-        }
+        let tile = TILE_SMEM_MAX as usize;
         let (prep, state, out) = crate::recurrent::gdn_chunk_smem();
         let (m_prep, m_state, m_out) = crate::recurrent::mamba2_chunk_smem();
         for (f, bytes) in [
+            (&self.attn_tile_f32_8, tile),
+            (&self.attn_tile_f32_16, tile),
+            (&self.attn_tile_f32_32, tile),
+            (&self.attn_tile_f16_8, tile),
+            (&self.attn_tile_f16_16, tile),
+            (&self.attn_tile_f16_32, tile),
+            (&self.attn_tile_q8_0_8, tile),
+            (&self.attn_tile_q8_0_16, tile),
+            (&self.attn_tile_q8_0_32, tile),
+            (&self.attn_mma_f16_64, attn_mma_smem(64)),
+            (&self.attn_mma_f16_128, attn_mma_smem(128)),
+            (&self.attn_mma_f16_256, attn_mma_smem(256)),
             (&self.gdn_chunk_prep_f32, prep),
             (&self.gdn_chunk_state_f32, state),
             (&self.gdn_chunk_out_f32, out),
@@ -320,7 +301,9 @@ impl Kernels {
                 bytes as i32,
             )
             .map_err(|e| {
-                BackendError::Unavailable(format!("configuring the chunked scan kernels: {e}"))
+                BackendError::Unavailable(format!(
+                    "setting a kernel's shared memory to {bytes} bytes: {e}"
+                ))
             })?;
         }
         Ok(())
