@@ -197,8 +197,11 @@ fn load_module(ctx: &Arc<CudaContext>, stem: &str) -> Result<Arc<CudaModule>, Ba
         .map(|(_, b)| *b)
         .filter(|b| !b.is_empty())
         .ok_or_else(|| BackendError::Unavailable(NO_KERNELS.into()))?;
-    ctx.load_module(Ptx::from_binary(bytes.to_vec()))
-        .map_err(|e| BackendError::Unavailable(format!("loading the {stem} kernels: {e}")))
+    let m = ctx
+        .load_module(Ptx::from_binary(bytes.to_vec()))
+        .map_err(|e| BackendError::Unavailable(format!("loading the {stem} kernels: {e}")))?;
+    crate::prof::note_module(&m);
+    Ok(m)
 }
 
 /// Declares [`Kernels`]: one `CudaFunction` field per `extern "C"` kernel, grouped by the

@@ -27,6 +27,8 @@ pub(crate) struct StepGraph {
     ctx: Arc<CudaContext>,
     graph: sys::CUgraph,
     exec: sys::CUgraphExec,
+    /// The kernels launched while recording, in order (`KAPITSA_CUDA_PROF=1` only).
+    names: Vec<String>,
 }
 
 // SAFETY: the graph and its executable instance are plain driver handles; the driver allows
@@ -106,12 +108,14 @@ impl CudaBackend {
     }
 
     pub(crate) fn begin_recording_impl(&self) -> Result<()> {
+        crate::prof::start_capture();
         self.stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(dev_err)
     }
 
     pub(crate) fn end_recording_impl(&self) -> Result<Recording> {
+        let names = crate::prof::take_capture();
         self.ctx.bind_to_thread().map_err(dev_err)?;
         // SAFETY: the stream is this backend's and was put in capture mode by
         // `begin_recording_impl` on this thread (the driver reports an error otherwise).
@@ -149,6 +153,7 @@ impl CudaBackend {
             ctx: self.ctx.clone(),
             graph,
             exec,
+            names,
         };
         Ok(Recording::from_parts(Box::new(g), kernels))
     }
@@ -164,8 +169,15 @@ impl CudaBackend {
             }
         };
         self.ctx.bind_to_thread().map_err(dev_err)?;
+        if let Some(p) = &self.prof {
+            p.before_replay(&self.stream)?;
+        }
         // SAFETY: `exec` is a live executable graph of this context (owned by `g`, which the
         // caller keeps alive), launched on this backend's stream.
-        unsafe { result::graph::launch(g.exec, self.stream.cu_stream()) }.map_err(dev_err)
+        unsafe { result::graph::launch(g.exec, self.stream.cu_stream()) }.map_err(dev_err)?;
+        match &self.prof {
+            Some(p) => p.after_replay(&self.stream, &g.names),
+            None => Ok(()),
+        }
     }
 }

@@ -141,6 +141,7 @@ impl<'a> Launch<'a> {
     /// buffer must be large enough for what the kernel reads and writes with this `cfg`.
     pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<(), DriverError> {
         self.stream.context().bind_to_thread()?;
+        crate::prof::note_launch(self.func);
         let mut params: Vec<*mut c_void> = self
             .slots
             .iter()

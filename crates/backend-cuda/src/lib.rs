@@ -51,6 +51,8 @@ mod matmul;
 #[cfg(feature = "cuda")]
 mod ops;
 #[cfg(feature = "cuda")]
+mod prof;
+#[cfg(feature = "cuda")]
 mod recurrent;
 
 /// The answer of a build without the `cuda` feature.
@@ -127,6 +129,19 @@ mod imp {
         pub(crate) k: Kernels,
         pub(crate) mm: MatmulKernels,
         pub(crate) ctx: Arc<CudaContext>,
+        /// In-graph kernel timing (`KAPITSA_CUDA_PROF=1`, src/prof.rs).
+        pub(crate) prof: Option<crate::prof::Prof>,
+    }
+
+    impl Drop for CudaBackend {
+        fn drop(&mut self) {
+            if let Some(p) = &self.prof {
+                let r = p.report();
+                if !r.is_empty() {
+                    eprint!("{r}");
+                }
+            }
+        }
     }
 
     impl CudaBackend {
@@ -146,6 +161,10 @@ mod imp {
             let k = Kernels::load(&ctx)?;
             let mm = MatmulKernels::load(&ctx, KERNELS)?;
             let blas = make_blas(&stream)?;
+            let prof = match crate::prof::prof_on() {
+                true => Some(crate::prof::Prof::new(&stream)?),
+                false => None,
+            };
             Ok(CudaBackend {
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 info,
@@ -154,6 +173,7 @@ mod imp {
                 k,
                 mm,
                 ctx,
+                prof,
             })
         }
     }

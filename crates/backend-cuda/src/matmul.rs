@@ -384,6 +384,7 @@ impl MatmulKernels {
         let module = ctx
             .load_module(Ptx::from_binary(bytes.to_vec()))
             .map_err(|e| BackendError::Unavailable(format!("loading the {MODULE} kernels: {e}")))?;
+        crate::prof::note_module(&module);
         let f = |name: &str| {
             module
                 .load_function(name)
