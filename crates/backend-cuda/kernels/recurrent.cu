@@ -1013,7 +1013,8 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS)
 
 // The B rows, x columns p0 .. p0 + 31 of head h, dt and end decays of chunk (t0, nt) into a
 // buffer of mamba2_chunk_state_f32 as one cp.async group: bs [GDN_CT][GDN_LD], xs
-// [GDN_CT][32], fs [GDN_CT + 4] (fs[t] = dt_t exp(L_{T-1} - L_t), fs[GDN_CT] = exp(L_{T-1})).
+// [GDN_CT][32], ds [GDN_CT] (dt), fs [GDN_CT + 4] (fs[t] = exp(L_{T-1} - L_t), fs[GDN_CT] =
+// exp(L_{T-1})).
 __device__ __forceinline__ void m2_state_fetch(float* bs, float* xs, float* ds, float* fs, const float* __restrict__ bm,
                                                const float* __restrict__ x, const float* __restrict__ dt,
                                                const float* __restrict__ ge, const float* __restrict__ gl,
