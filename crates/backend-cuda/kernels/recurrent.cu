@@ -277,7 +277,7 @@ extern "C" __global__ void __launch_bounds__(32 * GDN_MAX_WARPS)
 //
 // The chunked form of gdn_recurrent_f32 for long sequences: the WY algorithm of
 // flash-linear-attention's chunk_gated_delta_rule, in f32 (docs/design-notes.md, "GPU prefill");
-// CPU twin: kernels-cpu gdn.rs `gdn_chunked` (the same algorithm, its decays in f32).
+// CPU twin: kernels-cpu gdn.rs `gdn_chunked` (the same algorithm, its decays in f64 too).
 // A sequence's tokens are cut into chunks of GDN_CT. Within a chunk of T tokens, with S
 // (dk x dv) the state at its start and G_t = g_0 + ... + g_t:
 //   A[t][j] = beta_t exp(G_t - G_j) (k_t . k_j) for j < t, and by forward substitution

@@ -474,7 +474,9 @@ impl Job<'_> {
         // Row i of `uw` is [U_i | W_i] (dv + dk wide); U becomes Vn after `Vn = U − W S`.
         let uww = dv + dk;
         let mut uw = vec![0f32; C * uww];
-        let mut gam = [0f32; C];
+        // the cumulative log decays in f64: |γ| reaches hundreds within a chunk of strong
+        // decays, where an f32 γ_i − γ_j would lose ~ulp(|γ|)
+        let mut gam = [0f64; C];
         let mut a = vec![0f32; C * C]; // −A, strictly lower
         let mut p = vec![0f32; C * C]; // P, lower incl. diagonal
         let mut kt = vec![0f32; dk * C]; // Kᵀ of the chunk, [dk, n]
@@ -487,9 +489,9 @@ impl Job<'_> {
         while c0 < self.t {
             let n = C.min(self.t - c0);
             let toks: Vec<Tok<'_>> = (0..n).map(|i| self.tok(h, kh, c0 + i)).collect();
-            let mut acc = 0f32;
+            let mut acc = 0f64;
             for (i, gi) in gam[..n].iter_mut().enumerate() {
-                acc += self.g[(c0 + i) * nv + h];
+                acc += f64::from(self.g[(c0 + i) * nv + h]);
                 *gi = acc;
             }
             for (i, ti) in toks.iter().enumerate() {
@@ -505,7 +507,7 @@ impl Job<'_> {
                 acc_rows([&mut kk[..n], &mut qk[..n]], [ti.k, ti.q], &kt, n);
                 for j in 0..=i {
                     // j <= i: γ_i − γ_j <= 0 for g <= 0, no overflow; never evaluated for j > i.
-                    let dij = (gam[i] - gam[j]).exp();
+                    let dij = ((gam[i] - gam[j]) as f32).exp();
                     a[i * C + j] = if j < i { -ti.beta * kk[j] * dij } else { 0.0 };
                     p[i * C + j] = qk[j] * dij;
                 }
@@ -513,7 +515,7 @@ impl Job<'_> {
                 for (x, &vj) in ur.iter_mut().zip(ti.v) {
                     *x = ti.beta * vj;
                 }
-                let bw = ti.beta * gam[i].exp();
+                let bw = ti.beta * (gam[i] as f32).exp();
                 for (x, &kj) in wr.iter_mut().zip(ti.k) {
                     *x = bw * kj;
                 }
@@ -529,7 +531,7 @@ impl Job<'_> {
                 for (c, &x) in coef.iter_mut().zip(wr.iter()) {
                     *c = -x;
                 }
-                let eg = gam[i].exp();
+                let eg = (gam[i] as f32).exp();
                 for (c, &x) in qe.iter_mut().zip(ti.q) {
                     *c = eg * x;
                 }
@@ -547,12 +549,12 @@ impl Job<'_> {
             // S = exp(γ_last) S + (K ⊙ exp(γ_last − γ))ᵀ Vn
             let gl = gam[n - 1];
             for (i, ti) in toks.iter().enumerate() {
-                let e = (gl - gam[i]).exp();
+                let e = ((gl - gam[i]) as f32).exp();
                 for (aa, &x) in ti.k.iter().enumerate() {
                     kdt[aa * n + i] = x * e;
                 }
             }
-            let el = gl.exp();
+            let el = (gl as f32).exp();
             for x in s.iter_mut() {
                 *x *= el;
             }
