@@ -442,6 +442,27 @@ mod tests {
     }
 
     #[test]
+    fn the_longest_sequence_is_measured() {
+        let (_, m) = layout(&decode(&[5, 40], 16), Some(4)).unwrap();
+        assert_eq!(m.max_len, 1);
+        let mut d = decode(&[5], 16);
+        // a 70-token prompt after the decode token
+        d.seqs.push(SeqDesc {
+            slot: 1,
+            start: 1,
+            len: 70,
+            pos0: 0,
+            table_start: d.block_tables.len(),
+            table_len: 5,
+        });
+        d.block_tables.extend(10..15);
+        d.tokens.extend(std::iter::repeat_n(3, 70));
+        d.positions.extend(0..70);
+        let (_, m) = layout(&d, None).unwrap();
+        assert_eq!(m.max_len, 70);
+    }
+
+    #[test]
     fn a_table_past_the_capacity_is_an_error() {
         assert!(layout(&decode(&[5, 70], 16), Some(4)).is_err());
     }
