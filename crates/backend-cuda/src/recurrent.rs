@@ -648,6 +648,7 @@ impl CudaBackend {
         unsafe { b.launch(cfg) }.map_err(dev_err)?;
         Ok(())
     }
+
     /// The chunked Mamba2 scan over the batch `db` (kernels/recurrent.cu
     /// `mamba2_chunk_*_f32`): `dims` = the kernels' (n_heads, head_dim, d_state, n_groups,
     /// n_slots) arguments, d_state at most [`GDN_CD`], buffers checked by the caller.
