@@ -428,9 +428,8 @@ impl CudaBackend {
     }
 }
 
-/// Whether f16 caches take the tensor-core tiled attention (`KAPITSA_ATTN_MMA=0`: the scalar
-/// tiled kernel, for measurements).
-fn mma_on() -> bool {
-    static CELL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    crate::matmul::switch("KAPITSA_ATTN_MMA", &CELL)
+env_switch! {
+    /// Whether f16 caches take the tensor-core tiled attention (`KAPITSA_ATTN_MMA=0`: the
+    /// scalar tiled kernel, for measurements).
+    fn mma_on = "KAPITSA_ATTN_MMA"
 }

@@ -1141,17 +1141,15 @@ struct MoeFinish<'a> {
 /// (`MAX_RECORDED_TOKENS`, 16).
 const MOE_ROUTED_MAX_TOKENS: usize = 16;
 
-/// Whether the routed form is on (`KAPITSA_MOE_ROUTED=0` turns it off, for measurements).
-fn routed_on() -> bool {
-    static CELL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    crate::matmul::switch("KAPITSA_MOE_ROUTED", &CELL)
+env_switch! {
+    /// Whether the routed form is on (`KAPITSA_MOE_ROUTED=0` turns it off, for measurements).
+    fn routed_on = "KAPITSA_MOE_ROUTED"
 }
 
-/// Whether the tiled form runs on tensor cores where the format allows
-/// (`KAPITSA_MOE_MMA=0`: the grouped GEMV's tiles, for measurements).
-fn mma_on() -> bool {
-    static CELL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    crate::matmul::switch("KAPITSA_MOE_MMA", &CELL)
+env_switch! {
+    /// Whether the tiled form runs on tensor cores where the format allows
+    /// (`KAPITSA_MOE_MMA=0`: the grouped GEMV's tiles, for measurements).
+    fn mma_on = "KAPITSA_MOE_MMA"
 }
 
 /// Pairs per tensor-core tile forced by `KAPITSA_MOE_TILE` (16 or 64; unset: chosen by the
@@ -1167,18 +1165,16 @@ fn mma_tile() -> Option<usize> {
 /// Most experts the one-warp top-k takes (kernels/ffn.cu `32 * TOPK_VPL`).
 const TOPK_WARP_MAX_EXPERTS: usize = 512;
 
-/// Whether routing may take the one-warp top-k (`KAPITSA_TOPK_WARP=0`: the block kernel
-/// always, for measurements).
-fn topk_warp_on() -> bool {
-    static CELL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    crate::matmul::switch("KAPITSA_TOPK_WARP", &CELL)
+env_switch! {
+    /// Whether routing may take the one-warp top-k (`KAPITSA_TOPK_WARP=0`: the block kernel
+    /// always, for measurements).
+    fn topk_warp_on = "KAPITSA_TOPK_WARP"
 }
 
-/// Whether larger batches take the tiled form (`KAPITSA_MOE_TILED=0`: the per-expert form,
-/// for measurements).
-fn tiled_on() -> bool {
-    static CELL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    crate::matmul::switch("KAPITSA_MOE_TILED", &CELL)
+env_switch! {
+    /// Whether larger batches take the tiled form (`KAPITSA_MOE_TILED=0`: the per-expert form,
+    /// for measurements).
+    fn tiled_on = "KAPITSA_MOE_TILED"
 }
 
 #[cfg(test)]

@@ -14,17 +14,15 @@
 //! in the order of the kernel's parameters.
 
 use std::ffi::c_void;
-use std::sync::OnceLock;
 
 use cudarc::driver::{
     sys, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
     DriverError, LaunchConfig,
 };
 
-/// Whether kernels are launched with the PDL attribute (`KAPITSA_CUDA_PDL=0`: no).
-fn pdl_on() -> bool {
-    static PDL: OnceLock<bool> = OnceLock::new();
-    *PDL.get_or_init(|| std::env::var("KAPITSA_CUDA_PDL").map_or(true, |v| v != "0"))
+env_switch! {
+    /// Whether kernels are launched with the PDL attribute (`KAPITSA_CUDA_PDL=0`: no).
+    fn pdl_on = "KAPITSA_CUDA_PDL"
 }
 
 /// One argument slot: a device pointer (kept in the builder) or a host value's address.

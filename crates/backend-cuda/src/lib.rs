@@ -32,6 +32,19 @@ use std::sync::Arc;
 
 use kapitsa_backend::{Backend, BackendError};
 
+/// Declares `fn $name() -> bool`: whether the environment switch `$var` is on (anything but
+/// `0`; unset: on), read once. The backend's A/B switches for measurements.
+#[cfg(feature = "cuda")]
+macro_rules! env_switch {
+    ($(#[$doc:meta])* $vis:vis fn $name:ident = $var:literal) => {
+        $(#[$doc])*
+        $vis fn $name() -> bool {
+            static CELL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            *CELL.get_or_init(|| std::env::var($var).map_or(true, |v| v != "0"))
+        }
+    };
+}
+
 #[cfg(feature = "cuda")]
 mod attention;
 #[cfg(feature = "cuda")]

@@ -52,7 +52,7 @@ use crate::launch::KernelLaunch;
 mod gemm_grp;
 mod gemv;
 pub(crate) use gemm_grp::GEMM_GRP_TILES;
-pub(crate) use gemv::{fuse_on, switch, GemvPart, GemvRoute, GEMV_MAX_PARTS};
+pub(crate) use gemv::{fuse_on, GemvPart, GemvRoute, GEMV_MAX_PARTS};
 
 /// The GEMV kernels' epilogue: a bias added to every row, accumulation into `y`.
 #[derive(Clone, Copy, Default)]

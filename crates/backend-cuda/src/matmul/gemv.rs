@@ -39,15 +39,9 @@ pub(crate) const GEMV_MAX_PARTS: usize = 3;
 const FLAG_PREFETCH: i32 = 1;
 const FLAG_GLU: i32 = 2;
 
-/// Whether an environment switch is on (anything but `0`; unset: on), read once into `cell`.
-pub(crate) fn switch(name: &str, cell: &'static OnceLock<bool>) -> bool {
-    *cell.get_or_init(|| std::env::var(name).map_or(true, |v| v != "0"))
-}
-
-/// Whether the GEMV loads its first weights before the PDL wait (`KAPITSA_GEMV_PREFETCH`).
-fn prefetch_on() -> bool {
-    static CELL: OnceLock<bool> = OnceLock::new();
-    switch("KAPITSA_GEMV_PREFETCH", &CELL)
+env_switch! {
+    /// Whether the GEMV loads its first weights before the PDL wait (`KAPITSA_GEMV_PREFETCH`).
+    fn prefetch_on = "KAPITSA_GEMV_PREFETCH"
 }
 
 /// When one-token launches take the staged-activation kernels `gemv_<ty>_1xs`
@@ -90,10 +84,9 @@ fn x8_row_bytes(n_in: usize) -> usize {
     n_in + n_in / 8 + n_in / 4
 }
 
-/// Whether products are fused into one launch (`KAPITSA_GEMV_FUSE`).
-pub(crate) fn fuse_on() -> bool {
-    static CELL: OnceLock<bool> = OnceLock::new();
-    switch("KAPITSA_GEMV_FUSE", &CELL)
+env_switch! {
+    /// Whether products are fused into one launch (`KAPITSA_GEMV_FUSE`).
+    pub(crate) fn fuse_on = "KAPITSA_GEMV_FUSE"
 }
 
 /// kernels/matmul.cu `GemvPart`.
