@@ -14,8 +14,8 @@
 #      their decode steps run op by op instead of recorded as graphs (`KAPITSA_RECORD_HYBRID=0`);
 #      then the ops, the Gated DeltaNet and Mamba2 fixtures and the synthetic Qwen3.6 and
 #      Nemotron with the chunked scans for every sequence, decode steps too
-#      (`KAPITSA_GDN_CHUNK_MIN=1 KAPITSA_MAMBA2_CHUNK_MIN=1`; the chunked Mamba2 is opt-in
-#      otherwise); then the
+#      (`KAPITSA_GDN_CHUNK_MIN=1 KAPITSA_MAMBA2_CHUNK_MIN=1`; by default only sequences of 64
+#      tokens or more take them); then the
 #      ops, one fixture and the synthetic files with the int8-activation GEMVs
 #      (`KAPITSA_GEMV_X8=1`).
 #   2. `kapitsa serve --device cuda` answering the same HTTP checks as on the CPU (streaming,

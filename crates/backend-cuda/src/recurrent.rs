@@ -29,9 +29,9 @@ const GDN_MAX_DK: usize = 256;
 const GDN_CT: usize = 64;
 /// Largest dk and dv of the chunked form (`GDN_CD`).
 const GDN_CD: usize = 128;
-/// Longest sequence from which a batch takes the chunked Gated DeltaNet
-/// (`KAPITSA_GDN_CHUNK_MIN` overrides it; 0 turns it off; the chunked Mamba2 scan is opt-in
-/// through `KAPITSA_MAMBA2_CHUNK_MIN`).
+/// Longest sequence from which a batch takes the chunked Gated DeltaNet and the chunked
+/// Mamba2 scan (`KAPITSA_GDN_CHUNK_MIN` and `KAPITSA_MAMBA2_CHUNK_MIN` override it; 0 turns
+/// the chunked form off).
 pub(crate) const CHUNK_MIN: usize = 64;
 /// Warps (head dims) per block of the Mamba2 kernel (kernels/recurrent.cu `M2_WARPS`).
 const M2_WARPS: usize = 4;
@@ -59,12 +59,10 @@ pub(crate) fn gdn_chunked(m: &BatchMeta) -> bool {
 }
 
 /// Whether a batch takes the chunked Mamba2 scan (where d_state allows it): as
-/// [`gdn_chunked`] with `KAPITSA_MAMBA2_CHUNK_MIN`, **off by default**: its first GPU run
-/// counted dt twice in the chunk matrix (fixed since by analysis, not yet run on a GPU), so
-/// it stays opt-in until `scripts/test-gpu.sh` has checked it.
+/// [`gdn_chunked`] with `KAPITSA_MAMBA2_CHUNK_MIN` ([`CHUNK_MIN`] by default, 0: never).
 pub(crate) fn mamba2_chunked(m: &BatchMeta) -> bool {
     static CELL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let min = chunk_min("KAPITSA_MAMBA2_CHUNK_MIN", 0, &CELL);
+    let min = chunk_min("KAPITSA_MAMBA2_CHUNK_MIN", CHUNK_MIN, &CELL);
     min > 0 && m.max_len >= min
 }
 
