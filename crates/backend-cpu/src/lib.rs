@@ -449,6 +449,43 @@ impl Backend for CpuBackend {
         let out = buffers::f32s_mut(OP, "out", out)?;
         kapitsa_backend::reference::dynamic_conv(x, width, base, dynamic, group, block_len, out)
     }
+
+    // The vision tower's ops too.
+    fn layer_norm(
+        &self,
+        x: &mut Tensor,
+        width: usize,
+        w: &Tensor,
+        b: &Tensor,
+        eps: f32,
+    ) -> Result<()> {
+        const OP: &str = "layer_norm";
+        let (w, b) = (buffers::f32s(OP, "w", w)?, buffers::f32s(OP, "b", b)?);
+        let x = buffers::f32s_mut(OP, "x", x)?;
+        kapitsa_backend::reference::layer_norm(x, width, w, b, eps)
+    }
+
+    fn gelu(&self, x: &mut Tensor, tanh_approx: bool) -> Result<()> {
+        kapitsa_backend::reference::gelu(buffers::f32s_mut("gelu", "x", x)?, tanh_approx);
+        Ok(())
+    }
+
+    fn rope_table(
+        &self,
+        x: &mut Tensor,
+        n_heads: usize,
+        head_dim: usize,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<()> {
+        const OP: &str = "rope_table";
+        let (c, s) = (
+            buffers::f32s(OP, "cos", cos)?,
+            buffers::f32s(OP, "sin", sin)?,
+        );
+        let x = buffers::f32s_mut(OP, "x", x)?;
+        kapitsa_backend::reference::rope_table(x, n_heads, head_dim, c, s)
+    }
 }
 
 #[cfg(test)]

@@ -301,3 +301,57 @@ extern "C" __global__ void argmax_rows_f32(const float* __restrict__ x, uint32_t
     if (lane == 0) out[blockIdx.x] = bi == 0xffffffffu ? 0u : bi;
   }
 }
+
+// ---- the vision tower (kapitsa_backend::reference: layer_norm, gelu, rope_table) ----------------
+
+// LayerNorm of row blockIdx.x in place: (x - mean) / sqrt(var + eps) * w + b, biased variance,
+// mean and variance summed in double (as reference::layer_norm).
+extern "C" __global__ void layer_norm_f32(float* __restrict__ x, const float* __restrict__ w,
+                                          const float* __restrict__ b, uint32_t width, float eps) {
+  pdl_enter();
+  __shared__ double scratch[32];
+  float* row = x + (uint64_t)blockIdx.x * width;
+  double s = 0.0;
+  for (uint32_t i = threadIdx.x; i < width; i += blockDim.x) s += (double)row[i];
+  const double mean = block_sum_d(s, scratch) / (double)width;
+  double v = 0.0;
+  for (uint32_t i = threadIdx.x; i < width; i += blockDim.x) {
+    const double d = (double)row[i] - mean;
+    v += d * d;
+  }
+  const double inv = 1.0 / sqrt(block_sum_d(v, scratch) / (double)width + (double)eps);
+  for (uint32_t i = threadIdx.x; i < width; i += blockDim.x)
+    row[i] = (float)(((double)row[i] - mean) * inv) * w[i] + b[i];
+}
+
+// GELU in place, in double (as reference::gelu): the tanh form when tanh_approx != 0
+// (gelu_pytorch_tanh), else 0.5 x (1 + erf(x / sqrt 2)).
+extern "C" __global__ void gelu_f32(float* __restrict__ x, uint64_t n, uint32_t tanh_approx) {
+  pdl_enter();
+  GRID_STRIDE(i, n) {
+    const double a = (double)x[i];
+    const double g = tanh_approx ? 0.5 * a * (1.0 + tanh(0.7978845608028654 * (a + 0.044715 * a * a * a)))
+                                 : 0.5 * a * (1.0 + erf(a / 1.4142135623730951));
+    x[i] = (float)g;
+  }
+}
+
+// Rotary embedding from tables (as reference::rope_table): token blockIdx.x of x
+// [n, n_heads * head_dim]; in each head dim i < half pairs with i + half and turns by the angle
+// of cos[t, i], sin[t, i] (tables [n, half]).
+extern "C" __global__ void rope_table_f32(float* __restrict__ x, const float* __restrict__ cos_t,
+                                          const float* __restrict__ sin_t, uint32_t n_heads,
+                                          uint32_t head_dim, uint32_t half) {
+  pdl_enter();
+  const uint64_t t = blockIdx.x;
+  float* row = x + t * n_heads * head_dim;
+  const float* c = cos_t + t * half;
+  const float* s = sin_t + t * half;
+  for (uint32_t j = threadIdx.x; j < n_heads * half; j += blockDim.x) {
+    const uint32_t h = j / half, i = j % half;
+    float* hp = row + h * head_dim;
+    const float a = hp[i], b = hp[i + half];
+    hp[i] = a * c[i] - b * s[i];
+    hp[i + half] = b * c[i] + a * s[i];
+  }
+}

@@ -426,6 +426,32 @@ mod imp {
             self.l2_norm_impl(x, width, eps, scale)
         }
 
+        fn layer_norm(
+            &self,
+            x: &mut Tensor,
+            width: usize,
+            w: &Tensor,
+            b: &Tensor,
+            eps: f32,
+        ) -> Result<()> {
+            self.layer_norm_impl(x, width, w, b, eps)
+        }
+
+        fn gelu(&self, x: &mut Tensor, tanh_approx: bool) -> Result<()> {
+            self.gelu_impl(x, tanh_approx)
+        }
+
+        fn rope_table(
+            &self,
+            x: &mut Tensor,
+            n_heads: usize,
+            head_dim: usize,
+            cos: &Tensor,
+            sin: &Tensor,
+        ) -> Result<()> {
+            self.rope_table_impl(x, n_heads, head_dim, cos, sin)
+        }
+
         fn gdn_gates(
             &self,
             beta: &mut Tensor,

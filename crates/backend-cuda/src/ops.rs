@@ -574,4 +574,96 @@ impl CudaBackend {
         self.stream.synchronize().map_err(dev_err)?;
         Ok(host)
     }
+
+    /// LayerNorm of each row in place (the vision tower).
+    pub(crate) fn layer_norm_impl(
+        &self,
+        x: &mut Tensor,
+        width: usize,
+        w: &Tensor,
+        b: &Tensor,
+        eps: f32,
+    ) -> Result<()> {
+        const OP: &str = "layer_norm";
+        let rows = rows_of(OP, x.len(), width)?;
+        let wb = self.f32_len(w, width, OP, "w")?;
+        let bb = self.f32_len(b, width, OP, "b")?;
+        let xb = self.buf_mut::<f32>(x, OP, "x")?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (r, wd) = (u32_arg(OP, "rows", rows)?, u32_arg(OP, "width", width)?);
+        let mut k = self.stream.kernel(&self.k.layer_norm_f32);
+        k.arg(xb).arg(wb).arg(bb).arg(&wd).arg(&eps);
+        // SAFETY: layer_norm_f32(float* x, const float* w, const float* b, uint32_t width,
+        // float eps), one block per row of x (rows * width floats); w and b hold width floats.
+        unsafe { k.launch(rows_cfg(r, 1, row_threads(width), 0)) }.map_err(dev_err)?;
+        Ok(())
+    }
+
+    /// GELU in place (`tanh_approx`: the tanh form).
+    pub(crate) fn gelu_impl(&self, x: &mut Tensor, tanh_approx: bool) -> Result<()> {
+        let n = x.len();
+        let xb = self.buf_mut::<f32>(x, "gelu", "x")?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (n64, t) = (n as u64, u32::from(tanh_approx));
+        let mut k = self.stream.kernel(&self.k.gelu_f32);
+        k.arg(xb).arg(&n64).arg(&t);
+        // SAFETY: gelu_f32(float* x, uint64_t n, uint32_t tanh_approx); x holds n floats.
+        unsafe { k.launch(elem_cfg(n64)) }.map_err(dev_err)?;
+        Ok(())
+    }
+
+    /// Rotary embedding from per-token cos/sin tables, in place.
+    pub(crate) fn rope_table_impl(
+        &self,
+        x: &mut Tensor,
+        n_heads: usize,
+        head_dim: usize,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<()> {
+        const OP: &str = "rope_table";
+        let row = n_heads * head_dim;
+        let n = if row == 0 { 0 } else { x.len() / row };
+        let bad = row == 0
+            || n == 0
+            || x.len() != n * row
+            || cos.len() != sin.len()
+            || !cos.len().is_multiple_of(n)
+            || 2 * (cos.len() / n) > head_dim;
+        if bad {
+            return shape_err(
+                OP,
+                format!(
+                    "x of {} in rows of {n_heads} x {head_dim}, tables of {} and {}",
+                    x.len(),
+                    cos.len(),
+                    sin.len()
+                ),
+            );
+        }
+        let half = cos.len() / n;
+        let cb = self.f32_len(cos, n * half, OP, "cos")?;
+        let sb = self.f32_len(sin, n * half, OP, "sin")?;
+        let xb = self.buf_mut::<f32>(x, OP, "x")?;
+        if half == 0 {
+            return Ok(());
+        }
+        let rows = u32_arg(OP, "tokens", n)?;
+        let (h, hd, hf) = (
+            u32_arg(OP, "heads", n_heads)?,
+            u32_arg(OP, "head_dim", head_dim)?,
+            u32_arg(OP, "half", half)?,
+        );
+        let mut k = self.stream.kernel(&self.k.rope_table_f32);
+        k.arg(xb).arg(cb).arg(sb).arg(&h).arg(&hd).arg(&hf);
+        // SAFETY: rope_table_f32(float* x, const float* cos, const float* sin, uint32_t
+        // n_heads, uint32_t head_dim, uint32_t half), one block per token: x holds n rows of
+        // n_heads * head_dim floats, the tables n rows of half (2 * half <= head_dim, checked).
+        unsafe { k.launch(rows_cfg(rows, 1, row_threads(n_heads * half), 0)) }.map_err(dev_err)?;
+        Ok(())
+    }
 }

@@ -662,6 +662,53 @@ pub trait Backend: Send + Sync {
         self.write_f32(out, 0, &out_h)
     }
 
+    // ---- the vision tower and multimodal positions ---------------------------------------
+
+    /// LayerNorm of each `width`-wide row of `x` in place with weight `w` and bias `b`
+    /// (`[width]`). Definition: [`reference::layer_norm`]; the default runs it through a host
+    /// round trip.
+    fn layer_norm(
+        &self,
+        x: &mut Tensor,
+        width: usize,
+        w: &Tensor,
+        b: &Tensor,
+        eps: f32,
+    ) -> Result<()> {
+        let (mut x_h, w_h, b_h) = (read_all(self, x)?, read_all(self, w)?, read_all(self, b)?);
+        reference::layer_norm(&mut x_h, width, &w_h, &b_h, eps)?;
+        self.write_f32(x, 0, &x_h)
+    }
+
+    /// GELU in place (`tanh_approx`: the tanh form). Definition: [`reference::gelu`]; the
+    /// default runs it through a host round trip.
+    fn gelu(&self, x: &mut Tensor, tanh_approx: bool) -> Result<()> {
+        let mut x_h = read_all(self, x)?;
+        reference::gelu(&mut x_h, tanh_approx);
+        self.write_f32(x, 0, &x_h)
+    }
+
+    /// Rotary embedding from per-token tables `cos`, `sin` (`[n_tokens, half]`, f32) on `x`
+    /// `[n_tokens, n_heads * head_dim]` in place (NeoX pairs `i`, `i + half`): multimodal
+    /// positions (M-RoPE) and the vision tower's 2-D positions. Definition:
+    /// [`reference::rope_table`]; the default runs it through a host round trip.
+    fn rope_table(
+        &self,
+        x: &mut Tensor,
+        n_heads: usize,
+        head_dim: usize,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<()> {
+        let (mut x_h, c_h, s_h) = (
+            read_all(self, x)?,
+            read_all(self, cos)?,
+            read_all(self, sin)?,
+        );
+        reference::rope_table(&mut x_h, n_heads, head_dim, &c_h, &s_h)?;
+        self.write_f32(x, 0, &x_h)
+    }
+
     // ---- sampling helpers ----------------------------------------------------------------
 
     /// Index of the largest value of each `width`-wide row of `x` (lowest index on ties),

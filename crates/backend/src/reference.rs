@@ -1,6 +1,9 @@
-//! Plain-loop definitions of the ops that block drafters (DFlash, DFlash2) add to the backend:
-//! [`attention_spans`] (attention over dense K/V rows with one contiguous key span per query)
-//! and [`dynamic_conv`] (DFlash2's grouped dynamic causal convolution inside a block).
+//! Plain-loop definitions of the ops that block drafters (DFlash, DFlash2) and the vision
+//! tower add to the backend: [`attention_spans`] (attention over dense K/V rows with one
+//! contiguous key span per query; the vision tower's per-image attention too),
+//! [`dynamic_conv`] (DFlash2's grouped dynamic causal convolution inside a block),
+//! [`layer_norm`], [`gelu`] and [`rope_table`] (rotary embedding from explicit cos/sin
+//! tables: multimodal positions and the vision tower's 2-D positions).
 //!
 //! Each is a function on host slices. The [`crate::Backend`] trait's default methods run them
 //! through a host round trip ([`crate::Backend::read_f32`] / [`crate::Backend::write_f32`]), so
@@ -158,9 +161,140 @@ pub fn dynamic_conv(
     Ok(())
 }
 
+/// LayerNorm of each `width`-wide row of `x` in place: `(x - mean) / sqrt(var + eps) * w + b`
+/// (biased variance, as `torch.nn.LayerNorm`), `w`, `b` `[width]`. Mean and variance are
+/// accumulated in f64.
+pub fn layer_norm(x: &mut [f32], width: usize, w: &[f32], b: &[f32], eps: f32) -> Result<()> {
+    if width == 0 || !x.len().is_multiple_of(width) || w.len() != width || b.len() != width {
+        return shape_err(
+            "layer_norm",
+            format!(
+                "x of {} in rows of {width}, weight {}, bias {}",
+                x.len(),
+                w.len(),
+                b.len()
+            ),
+        );
+    }
+    for row in x.chunks_exact_mut(width) {
+        let mean = row.iter().map(|&v| v as f64).sum::<f64>() / width as f64;
+        let var = row
+            .iter()
+            .map(|&v| (v as f64 - mean) * (v as f64 - mean))
+            .sum::<f64>()
+            / width as f64;
+        let inv = 1.0 / (var + eps as f64).sqrt();
+        for ((v, &wi), &bi) in row.iter_mut().zip(w).zip(b) {
+            *v = ((*v as f64 - mean) * inv) as f32 * wi + bi;
+        }
+    }
+    Ok(())
+}
+
+/// GELU in place: with `tanh_approx`, `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`
+/// (transformers' `gelu_pytorch_tanh`); otherwise the exact `0.5 x (1 + erf(x / sqrt 2))`
+/// (`torch.nn.GELU()`). Computed in f64, rounded once.
+pub fn gelu(x: &mut [f32], tanh_approx: bool) {
+    const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+    for v in x.iter_mut() {
+        let a = *v as f64;
+        let g = if tanh_approx {
+            0.5 * a * (1.0 + (SQRT_2_OVER_PI * (a + 0.044715 * a * a * a)).tanh())
+        } else {
+            0.5 * a * (1.0 + libm::erf(a / std::f64::consts::SQRT_2))
+        };
+        *v = g as f32;
+    }
+}
+
+/// Rotary embedding from tables, in place on `x` `[n_tokens, n_heads * head_dim]`: with
+/// `half = cos.len() / n_tokens` (`cos`, `sin` are `[n_tokens, half]`, `2 * half <=
+/// head_dim`), in every head dim `i < half` pairs with dim `i + half` (NeoX's `rotate_half`)
+/// and the pair of token `t` turns by the angle whose cosine and sine are `cos[t, i]`,
+/// `sin[t, i]`: `(a, b) -> (a cos - b sin, b cos + a sin)`. Dims from `2 * half` on pass
+/// through.
+pub fn rope_table(
+    x: &mut [f32],
+    n_heads: usize,
+    head_dim: usize,
+    cos: &[f32],
+    sin: &[f32],
+) -> Result<()> {
+    let row = n_heads * head_dim;
+    let n = if row == 0 { 0 } else { x.len() / row };
+    let bad = row == 0
+        || n == 0
+        || x.len() != n * row
+        || cos.len() != sin.len()
+        || !cos.len().is_multiple_of(n)
+        || 2 * (cos.len() / n) > head_dim;
+    if bad {
+        return shape_err(
+            "rope_table",
+            format!(
+                "x of {} in rows of {n_heads} x {head_dim}, tables of {} and {}",
+                x.len(),
+                cos.len(),
+                sin.len()
+            ),
+        );
+    }
+    let half = cos.len() / n;
+    for (t, xr) in x.chunks_exact_mut(row).enumerate() {
+        let (c, s) = (
+            &cos[t * half..(t + 1) * half],
+            &sin[t * half..(t + 1) * half],
+        );
+        for head in xr.chunks_exact_mut(head_dim) {
+            for i in 0..half {
+                let (a, b) = (head[i], head[i + half]);
+                head[i] = a * c[i] - b * s[i];
+                head[i + half] = b * c[i] + a * s[i];
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn layer_norm_centres_and_scales() {
+        let mut x = [1.0, 2.0, 3.0, 4.0];
+        layer_norm(&mut x, 4, &[1.0, 1.0, 2.0, 1.0], &[0.0, 0.5, 0.0, 0.0], 0.0).unwrap();
+        // mean 2.5, var 1.25
+        let s = 1.0 / 1.25f32.sqrt();
+        let want = [-1.5 * s, -0.5 * s + 0.5, 1.0 * s, 1.5 * s];
+        for (a, b) in x.iter().zip(want) {
+            assert!((a - b).abs() < 1e-6, "{x:?}");
+        }
+        assert!(layer_norm(&mut x, 3, &[1.0; 3], &[0.0; 3], 0.0).is_err());
+    }
+
+    #[test]
+    fn gelu_known_values() {
+        let mut x = [0.0, 1.0, -1.0, 3.0];
+        gelu(&mut x, false);
+        let want = [0.0, 0.841_344_7, -0.158_655_26, 2.995_95];
+        for (a, b) in x.iter().zip(want) {
+            assert!((a - b).abs() < 1e-5, "{x:?}");
+        }
+        let mut y = [1.0];
+        gelu(&mut y, true);
+        assert!((y[0] - 0.841_192).abs() < 1e-5, "{y:?}");
+    }
+
+    #[test]
+    fn rope_table_turns_pairs() {
+        // one token, one head of 6 dims, tables of 2: dims (0,2) and (1,3) turn, 4 and 5 pass
+        let mut x = [1.0, 2.0, 0.0, 0.0, 7.0, 8.0];
+        let (c, s) = ([0.0, 1.0], [1.0, 0.0]);
+        rope_table(&mut x, 1, 6, &c, &s).unwrap();
+        assert_eq!(x, [0.0, 2.0, 1.0, 0.0, 7.0, 8.0]);
+        assert!(rope_table(&mut x, 1, 6, &[0.0; 4], &[0.0; 4]).is_err());
+    }
 
     fn shape(n_head: usize, n_head_kv: usize, hd: usize) -> AttnShape {
         AttnShape {

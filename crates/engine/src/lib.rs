@@ -22,8 +22,9 @@ pub use reply::{ParsedReply, ReplyEvent, ReplyFormat, ReplyParser, ToolCall, Too
 pub use sampler::{Dist, Sampler, SamplingParams};
 pub use scheduler::{FinishReason, Scheduler, SchedulerConfig, SeqId, StepPlan};
 pub use service::{
-    EngineConfig, EngineHandle, EngineMetrics, Event, PrefixCacheConfig, Request, RequestStream,
-    SubmitError, Timing, TokenLogprob, Usage,
+    image_cache_id, EngineConfig, EngineHandle, EngineMetrics, Event, ImageInput,
+    PrefixCacheConfig, Request, RequestStream, SubmitError, Timing, TokenLogprob, Usage,
+    VisionInfo,
 };
 pub use spec::{SpecConfig, SpecMetrics, SpecMode, SpecRequest};
 pub use stop::StopChecker;

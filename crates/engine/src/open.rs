@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use kapitsa_backend::Backend;
 use kapitsa_backend_cpu::CpuBackend;
+use kapitsa_models::qwen35_vision::Qwen35Vision;
 use kapitsa_models::{CausalLm, LoadMode, LoadOptions, ModelSource};
 use kapitsa_text::{ChatTemplate, Tokenizer};
 
@@ -81,6 +82,12 @@ pub struct OpenedModel {
     /// One line for stderr: architecture, layer kinds, vocabulary and backend, e.g.
     /// `qwen2 (24 layers: 24 attention; vocab 151936) on cpu avx512, 8 threads`.
     pub description: String,
+    /// The vision tower, when the checkpoint has one (Qwen3.5/3.6 `model.visual.*`), on the
+    /// model's backend: give it to [`crate::EngineConfig::vision`].
+    pub vision: Option<Arc<Qwen35Vision>>,
+    /// The image processor's settings of the checkpoint as JSON text, when it has them
+    /// (`preprocessor_config.json`, or `processor_config.json`'s `image_processor`).
+    pub preprocessor_config: Option<String>,
 }
 
 impl std::fmt::Debug for OpenedModel {
@@ -177,7 +184,29 @@ pub fn open_model(path: &Path, opts: &OpenOptions<'_>) -> Result<OpenedModel> {
     )))?;
     let chat_template_source = template_file.or_else(|| chat_template_source(&loaded.source));
     let identity = model_identity(path).map_err(context(format!("reading {}", path.display())))?;
-    let description = describe(&*loaded.model, &loaded.arch, &*backend);
+    let mut description = describe(&*loaded.model, &loaded.arch, &*backend);
+    let vision = if loaded.model.spec().mrope.is_some() {
+        Qwen35Vision::load(&loaded.source, backend.clone())
+            .map_err(context(format!(
+                "loading the vision tower of {}",
+                path.display()
+            )))?
+            .map(Arc::new)
+    } else {
+        None
+    };
+    if let Some(v) = &vision {
+        let c = v.config();
+        description.push_str(&format!(
+            "; vision tower ({} blocks of {}, patches of {} px)",
+            c.depth, c.hidden, c.patch
+        ));
+    }
+    let preprocessor_config = if path.is_dir() {
+        image_processor_config(path)
+    } else {
+        None
+    };
     Ok(OpenedModel {
         path: path.to_path_buf(),
         model: loaded.model,
@@ -189,7 +218,21 @@ pub fn open_model(path: &Path, opts: &OpenOptions<'_>) -> Result<OpenedModel> {
         arch: loaded.arch,
         identity,
         description,
+        vision,
+        preprocessor_config,
     })
+}
+
+/// The image processor's settings in the model folder `dir`, as JSON text:
+/// `preprocessor_config.json`, or the `image_processor` object of `processor_config.json`
+/// (where transformers 5 writes them).
+fn image_processor_config(dir: &Path) -> Option<String> {
+    if let Ok(t) = std::fs::read_to_string(dir.join("preprocessor_config.json")) {
+        return Some(t);
+    }
+    let t = std::fs::read_to_string(dir.join("processor_config.json")).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&t).ok()?;
+    Some(v.get("image_processor")?.to_string())
 }
 
 /// Open a draft model for speculative decoding beside `target`: on the target's backend (so

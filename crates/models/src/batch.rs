@@ -1,6 +1,23 @@
 //! The flat batch a forward pass consumes and the logits it returns.
 
+use std::ops::Range;
+use std::sync::Arc;
+
 use crate::{ModelError, Result};
+
+/// Input embedding rows given directly instead of looked up from the tokens (an image's
+/// features from the vision tower): row `rows.start + i` of `data` replaces the embedding of
+/// flat token `start + i`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EmbedRows {
+    /// Flat index of the first token replaced.
+    pub start: usize,
+    /// Host rows `[n, n_embd]` row-major f32 (shared: an image's rows may feed several
+    /// prefill chunks).
+    pub data: Arc<Vec<f32>>,
+    /// The rows of `data` used, in row units.
+    pub rows: Range<usize>,
+}
 
 /// The new tokens of one sequence inside a [`BatchInputs`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -19,7 +36,8 @@ pub struct SeqChunk {
 /// Invariants (checked by [`BatchInputs::validate`]): `tokens.len() == positions.len()`; the
 /// chunks tile `0..tokens.len()` in order; within a chunk positions are consecutive
 /// (`p, p+1, ...`), and position `p` means the slot already holds positions `0..p`;
-/// every `logit_rows` entry is `< tokens.len()`.
+/// every `logit_rows` entry is `< tokens.len()`; `mrope` is empty or one triple per token;
+/// `embeds` lie inside the batch.
 #[derive(Debug, Clone, Default)]
 pub struct BatchInputs {
     /// Token ids, `[n_tokens]`.
@@ -35,6 +53,13 @@ pub struct BatchInputs {
     /// decoder layer `l`, before the final norm (transformers' `hidden_states[l + 1]`), each
     /// `< n_layer`. Empty (the default) costs nothing.
     pub tap_layers: Vec<usize>,
+    /// Embedding rows that replace the token table's (image features); empty: none. A batch
+    /// with any is not recorded.
+    pub embeds: Vec<EmbedRows>,
+    /// Multimodal rotary positions (M-RoPE), `[n_tokens]` of (temporal, height, width);
+    /// empty: every token's rotary position is its position. Only for models with
+    /// multimodal rotary sections ([`crate::ModelSpec::mrope`]).
+    pub mrope: Vec<[u32; 3]>,
 }
 
 impl BatchInputs {
@@ -107,6 +132,23 @@ impl BatchInputs {
         }
         if let Some(r) = self.logit_rows.iter().find(|&&r| r >= self.tokens.len()) {
             return bad(format!("logit row {r} out of range"));
+        }
+        if !self.mrope.is_empty() && self.mrope.len() != self.tokens.len() {
+            return bad(format!(
+                "{} multimodal positions for {} tokens",
+                self.mrope.len(),
+                self.tokens.len()
+            ));
+        }
+        for e in &self.embeds {
+            if e.rows.start > e.rows.end || e.start + e.rows.len() > self.tokens.len() {
+                return bad(format!(
+                    "embedding rows {:?} at token {} outside the batch of {}",
+                    e.rows,
+                    e.start,
+                    self.tokens.len()
+                ));
+            }
         }
         Ok(())
     }

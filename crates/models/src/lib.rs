@@ -9,18 +9,20 @@ pub mod config;
 pub mod dflash;
 pub mod error;
 pub mod layers;
+pub mod mrope;
 pub mod mtp;
 pub mod nemotron_h;
 pub mod qwen2;
 pub mod qwen3;
 pub mod qwen35;
+pub mod qwen35_vision;
 pub mod qwen3moe;
 pub mod registry;
 pub mod source;
 
 use std::sync::Arc;
 
-pub use batch::{BatchInputs, Logits, SeqChunk};
+pub use batch::{BatchInputs, EmbedRows, Logits, SeqChunk};
 pub use error::{ModelError, Result};
 pub use kapitsa_backend::{Backend, Tensor};
 pub use kapitsa_cache::{
@@ -51,6 +53,10 @@ pub struct ModelSpec {
     /// Multi-token-prediction layers loaded with the model (kept for speculative decoding;
     /// `forward` does not run them).
     pub n_mtp_layers: usize,
+    /// Multimodal rotary sections (temporal, height, width frequency slots, interleaved as
+    /// Qwen3.5 does) when the model takes [`BatchInputs::mrope`] positions; `None`: plain
+    /// positions only.
+    pub mrope: Option<[usize; 3]>,
 }
 
 impl ModelSpec {

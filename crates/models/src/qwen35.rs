@@ -253,6 +253,37 @@ fn read_hybrid(src: &ModelSource, arch: &str, c: &mut CommonHparams, moe: bool) 
     })
 }
 
+/// The interleaved multimodal rotary sections (t, h, w) of the file: HF
+/// `rope_parameters.mrope_section` (top level or in `text_config`), GGUF
+/// `<arch>.rope.dimension_sections` (four entries, the fourth 0); `None` when absent.
+fn mrope_sections(src: &ModelSource, arch: &str) -> Option<[usize; 3]> {
+    let v: Vec<usize> = if let Some(g) = src.gguf() {
+        g.get_u32_array(&format!("{arch}.rope.dimension_sections"))
+            .or_else(|_| {
+                g.get_i32_array(&format!("{arch}.rope.dimension_sections"))
+                    .map(|v| v.into_iter().map(|x| x.max(0) as u32).collect())
+            })
+            .ok()?
+            .into_iter()
+            .map(|x| x as usize)
+            .collect()
+    } else {
+        let cfg = src.hf()?.config();
+        let rp = cfg
+            .get("rope_parameters")
+            .or_else(|| cfg.get("text_config")?.get("rope_parameters"))?;
+        rp.get("mrope_section")?
+            .as_array()?
+            .iter()
+            .map(|x| x.as_u64().map(|x| x as usize))
+            .collect::<Option<_>>()?
+    };
+    match v[..] {
+        [t, h, w] | [t, h, w, 0] if t + h + w > 0 => Some([t, h, w]),
+        _ => None,
+    }
+}
+
 /// The multi-token-prediction head (kept for speculative decoding; not used by `forward`).
 #[derive(Debug)]
 pub struct Qwen35Mtp {
@@ -321,6 +352,9 @@ impl Qwen35 {
         let mut inner = Decoder::new(parts, blocks, backend)?;
         if mtp.is_some() {
             inner.set_mtp_layers(hy.n_mtp);
+        }
+        if let Some(sections) = mrope_sections(src, arch) {
+            inner.set_mrope(sections);
         }
         Ok(Qwen35 { inner, mtp })
     }

@@ -5,7 +5,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 
 use kapitsa_cache::SlotCache;
-use kapitsa_models::{BatchInputs, Logits};
+use kapitsa_models::mrope::{self, ImageSpan};
+use kapitsa_models::{BatchInputs, EmbedRows, Logits};
 use kapitsa_text::IncrementalDecoder;
 
 use super::*;
@@ -50,6 +51,15 @@ struct Active {
     dflash: Option<kapitsa_models::dflash::DraftState>,
     /// The request's MTP head context (when it may use the model's MTP head).
     mtp: Option<kapitsa_models::mtp::MtpState>,
+    /// The request's images, encoded (`None`: text only).
+    images: Option<Images>,
+}
+
+/// A request's images: where they sit in its sequence and the rows the vision tower made
+/// for them (`[span.len(), n_embd]` each, host).
+struct Images {
+    spans: Vec<ImageSpan>,
+    rows: Vec<Arc<Vec<f32>>>,
 }
 
 impl Active {
@@ -87,6 +97,8 @@ pub(super) struct Engine {
     mtp: Option<Arc<kapitsa_models::mtp::MtpDrafter>>,
     /// Recent requests' tokens for the n-gram proposer.
     suffix: SuffixIndex,
+    /// The model's vision tower, when it has one.
+    vision: Option<Arc<Qwen35Vision>>,
     /// Requests speculate unless they say otherwise (finished requests then feed `suffix`).
     spec_default_on: bool,
     /// Time of a forward pass against its size (for speculation in auto mode).
@@ -173,6 +185,7 @@ impl Engine {
             dflash: cfg.spec.dflash.clone(),
             mtp: cfg.spec.mtp.clone(),
             suffix: SuffixIndex::new(suffix_cap),
+            vision: cfg.vision.clone(),
             spec_default_on: cfg.spec.mode != crate::spec::SpecMode::Off,
             step_cost: crate::spec::cost::StepCost::new(),
             spec_priors: crate::spec::AcceptancePriors::default(),
@@ -273,11 +286,20 @@ impl Engine {
                     sampler,
                     constraint,
                     mut spec,
+                    spans,
                     tx,
                 } = *s;
                 if let Some(st) = &mut spec {
                     st.seed(&self.spec_priors);
                 }
+                let images = match self.encode_images(&req.images, spans) {
+                    Ok(i) => i,
+                    Err(e) => {
+                        self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+                        let _ = tx.send(Event::Error(e));
+                        return true;
+                    }
+                };
                 if let Err(e) = self.sched.add(id, req.prompt.clone(), req.max_tokens) {
                     self.shared.queued.fetch_sub(1, Ordering::SeqCst);
                     let _ = tx.send(Event::Error(e.to_string()));
@@ -318,6 +340,7 @@ impl Engine {
                             .filter(|_| uses(&spec, crate::spec::SpecMode::Mtp))
                             .map(|d| d.new_state()),
                         spec,
+                        images,
                     },
                 );
                 true
@@ -418,6 +441,7 @@ impl Engine {
         for s in &plan.seqs {
             push_chunk(&mut batch, s);
         }
+        self.attach_images(&mut batch, &plan.seqs);
         if let Some(d) = &self.dflash {
             let wanted = plan
                 .seqs
@@ -477,6 +501,74 @@ impl Engine {
         }
     }
 
+    /// Run the vision tower on a request's images (`spans`: where they sit in its prompt);
+    /// `None` for a text-only request. An error is the message for the request.
+    fn encode_images(
+        &self,
+        images: &[ImageInput],
+        spans: Vec<ImageSpan>,
+    ) -> Result<Option<Images>, String> {
+        if images.is_empty() {
+            return Ok(None);
+        }
+        let Some(v) = &self.vision else {
+            return Err(NO_VISION.into());
+        };
+        let mut rows = Vec::with_capacity(images.len());
+        for img in images {
+            let r = catch_unwind(AssertUnwindSafe(|| v.encode(&img.values, img.grid)));
+            match r {
+                Ok(Ok(r)) => rows.push(Arc::new(r)),
+                Ok(Err(e)) => return Err(format!("vision tower: {e}")),
+                Err(p) => return Err(format!("vision tower panicked: {}", panic_message(&*p))),
+            }
+        }
+        Ok(Some(Images { spans, rows }))
+    }
+
+    /// For the sequences of `seqs` (pushed into `batch` in this order) that have images:
+    /// their image tokens take the vision tower's rows (the token ids become the image
+    /// token), and the batch gets multimodal positions for every token. Nothing when no
+    /// sequence has images.
+    fn attach_images(&self, batch: &mut BatchInputs, seqs: &[ScheduledSeq]) {
+        let imgs: Vec<Option<&Images>> = seqs
+            .iter()
+            .map(|s| self.active.get(&s.id).and_then(|a| a.images.as_ref()))
+            .collect();
+        let Some(v) = &self.vision else {
+            return;
+        };
+        if imgs.iter().all(Option::is_none) {
+            return;
+        }
+        let image_id = v.tokens().image;
+        let chunks = batch.seqs.clone();
+        batch.mrope = Vec::with_capacity(batch.tokens.len());
+        for ((s, c), im) in seqs.iter().zip(&chunks).zip(imgs) {
+            let range = s.start_pos..s.start_pos + c.len;
+            let Some(im) = im else {
+                batch.mrope.extend(range.map(|p| [p as u32; 3]));
+                continue;
+            };
+            batch
+                .mrope
+                .extend(mrope::positions(&im.spans, range.clone()));
+            for (span, rows) in im.spans.iter().zip(&im.rows) {
+                let (lo, hi) = (span.start.max(range.start), span.range().end.min(range.end));
+                if lo >= hi {
+                    continue;
+                }
+                let at = c.start + lo - range.start;
+                batch.tokens[at..at + hi - lo].fill(image_id);
+                batch.embeds.push(EmbedRows {
+                    start: at,
+                    data: rows.clone(),
+                    rows: lo - span.start..hi - span.start,
+                });
+            }
+        }
+    }
+
     /// Run a batch, turning errors and panics into a message.
     fn forward(&mut self, batch: &BatchInputs) -> Result<Logits, String> {
         let model = &*self.model;
@@ -517,6 +609,7 @@ impl Engine {
             }
             let mut b = BatchInputs::default();
             push_chunk(&mut b, s);
+            self.attach_images(&mut b, std::slice::from_ref(s));
             match self.forward(&b) {
                 Ok(l) => {
                     let rows: Vec<&[f32]> = (0..s.n_logit_rows()).map(|r| l.row(r)).collect();
@@ -638,7 +731,7 @@ impl Engine {
         let Some(mut a) = self.active.remove(&id) else {
             return;
         };
-        if a.spec.is_some() || self.spec_default_on {
+        if (a.spec.is_some() || self.spec_default_on) && a.images.is_none() {
             // Later requests may repeat this one: the n-gram proposer searches it.
             self.suffix.insert(&a.history);
         }

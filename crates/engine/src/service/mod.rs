@@ -51,6 +51,8 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+use kapitsa_models::mrope::ImageSpan;
+use kapitsa_models::qwen35_vision::Qwen35Vision;
 use kapitsa_models::{CausalLm, KvType};
 use kapitsa_text::Tokenizer;
 use tokio::sync::mpsc as tmpsc;
@@ -58,6 +60,9 @@ use tokio::sync::mpsc as tmpsc;
 use crate::spec::{SpecConfig, SpecMetrics, SpecRequest, SpecState};
 use crate::structured::{Constraint, ConstraintMatcher, LazyStructuredEnv};
 use crate::{EngineError, FinishReason, Sampler, SamplingParams};
+
+/// The refusal of images by a model without a vision tower.
+pub const NO_VISION: &str = "this model has no vision tower: it cannot take images";
 
 /// Most alternatives [`Request::top_logprobs`] may ask for (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: usize = 20;
@@ -92,6 +97,8 @@ pub struct EngineConfig {
     pub prefix_cache: Option<PrefixCacheConfig>,
     /// Speculative decoding ([`crate::spec`]); default off.
     pub spec: SpecConfig,
+    /// The model's vision tower (requests with images need one); default none.
+    pub vision: Option<Arc<Qwen35Vision>>,
 }
 
 impl EngineConfig {
@@ -114,6 +121,7 @@ impl EngineConfig {
             kv_block_size: kapitsa_models::DEFAULT_BLOCK_SIZE,
             prefix_cache,
             spec: SpecConfig::default(),
+            vision: None,
         }
     }
 }
@@ -156,6 +164,7 @@ impl Default for EngineConfig {
             kv_block_size: kapitsa_models::DEFAULT_BLOCK_SIZE,
             prefix_cache: Some(PrefixCacheConfig::default()),
             spec: SpecConfig::default(),
+            vision: None,
         }
     }
 }
@@ -182,6 +191,37 @@ pub struct Request {
     /// Speculative decoding for this request (default: the engine's [`SpecConfig`]). A mode
     /// the engine cannot run is refused by [`EngineHandle::submit`].
     pub spec: SpecRequest,
+    /// Images, in prompt order: the prompt holds one image token ([`VisionInfo::tokens`]
+    /// `.image`, where the chat template put `<|image_pad|>`) per image, which the engine
+    /// widens to the image's token count. Only for models with a vision tower
+    /// ([`EngineHandle::vision`]); a request with images speculates with nothing.
+    pub images: Vec<ImageInput>,
+}
+
+/// An image of a [`Request`], preprocessed for the model's vision tower.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImageInput {
+    /// Patches `[grid[0] * grid[1] * grid[2], patch_dim]` row-major f32, in the image
+    /// processor's order.
+    pub values: Vec<f32>,
+    /// Patch grid (temporal, height, width).
+    pub grid: [usize; 3],
+    /// Hash of the image's content: the prefix cache keys the image's tokens by it, so a
+    /// later request with the same image at the same place reuses them.
+    pub hash: u64,
+}
+
+/// What a client needs to prepare images for the engine's vision tower.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VisionInfo {
+    /// The tokens that frame an image in a prompt.
+    pub tokens: kapitsa_models::qwen35_vision::VisionTokens,
+    /// Patch side in pixels.
+    pub patch: usize,
+    /// Frames per patch.
+    pub temporal_patch: usize,
+    /// Patches merged per side into one token.
+    pub merge: usize,
 }
 
 impl Request {
@@ -196,6 +236,7 @@ impl Request {
             top_logprobs: None,
             constraint: None,
             spec: SpecRequest::default(),
+            images: Vec::new(),
         }
     }
 }
@@ -270,6 +311,19 @@ pub enum Event {
     },
     /// The request failed (model error, engine panic, shutdown); nothing follows.
     Error(String),
+}
+
+/// The prefix-cache id of token `j` of an image with content hash `hash`: an id past the
+/// vocabulary (`>= n_vocab`), so no text token equals it, that depends on the image and the
+/// token's place in it. The model never sees it (the engine feeds the image's rows there).
+pub fn image_cache_id(hash: u64, j: usize, n_vocab: usize) -> u32 {
+    // splitmix64 of the hash and the index
+    let mut z = hash ^ (j as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    let room = (u32::MAX as u64) - n_vocab as u64;
+    (n_vocab as u64 + z % room.max(1)) as u32
 }
 
 /// Why [`EngineHandle::submit`] refused a request.
@@ -377,6 +431,8 @@ struct Submitted {
     constraint: Option<ConstraintMatcher>,
     /// `req.spec` resolved against the engine's settings (`None`: no speculation).
     spec: Option<SpecState>,
+    /// Where `req.images` sit in the widened prompt (same order).
+    spans: Vec<ImageSpan>,
     tx: tmpsc::UnboundedSender<Event>,
 }
 
@@ -399,6 +455,8 @@ struct Inner {
     max_queue: usize,
     /// The engine's speculative-decoding settings (requests are checked against them).
     spec: SpecConfig,
+    /// What the vision tower takes (`None`: no tower).
+    vision: Option<VisionInfo>,
     /// Token trie and grammar compiler, built at the first constrained request.
     structured: LazyStructuredEnv,
 }
@@ -485,6 +543,15 @@ impl EngineHandle {
                 n_vocab,
                 max_queue: cfg.max_queue,
                 spec: cfg.spec.clone(),
+                vision: cfg.vision.as_ref().map(|v| {
+                    let c = v.config();
+                    VisionInfo {
+                        tokens: v.tokens(),
+                        patch: c.patch,
+                        temporal_patch: c.temporal_patch,
+                        merge: c.merge,
+                    }
+                }),
                 structured: LazyStructuredEnv::new(tok_for_constraints, n_vocab),
             }),
         })
@@ -505,7 +572,66 @@ impl EngineHandle {
         self.submit_with(req, true)
     }
 
-    fn submit_with(&self, req: Request, announce: bool) -> Result<RequestStream, SubmitError> {
+    /// What the model's vision tower takes (`None`: the model has none and requests with
+    /// images are refused).
+    pub fn vision(&self) -> Option<VisionInfo> {
+        self.inner.vision
+    }
+
+    /// Widen each image token of `req.prompt` to its image's token count (ids past the
+    /// vocabulary derived from the image's hash, the prefix-cache key of its tokens): the
+    /// images' spans in the widened prompt.
+    fn place_images(&self, req: &mut Request) -> Result<Vec<ImageSpan>, SubmitError> {
+        if req.images.is_empty() {
+            return Ok(Vec::new());
+        }
+        let bad = |m: String| Err(SubmitError::BadRequest(m));
+        let Some(v) = self.inner.vision else {
+            return bad(NO_VISION.into());
+        };
+        let n_marks = req.prompt.iter().filter(|&&t| t == v.tokens.image).count();
+        if n_marks != req.images.len() {
+            return bad(format!(
+                "the prompt has {n_marks} image placeholders for {} images",
+                req.images.len()
+            ));
+        }
+        let patch_dim = 3 * v.temporal_patch * v.patch * v.patch;
+        let mut images = req.images.iter();
+        let mut prompt = Vec::with_capacity(req.prompt.len());
+        let mut spans = Vec::with_capacity(req.images.len());
+        for &t in &req.prompt {
+            if t != v.tokens.image {
+                prompt.push(t);
+                continue;
+            }
+            let Some(img) = images.next() else {
+                return bad("more image placeholders than images".into());
+            };
+            let [gt, gh, gw] = img.grid;
+            let n = gt * gh * gw;
+            if n == 0 || gh % v.merge != 0 || gw % v.merge != 0 || img.values.len() != n * patch_dim
+            {
+                return bad(format!(
+                    "an image's patches ({} values, grid {:?}) do not fit the vision tower \
+                     (patches of {patch_dim}, grid sides multiples of {})",
+                    img.values.len(),
+                    img.grid,
+                    v.merge
+                ));
+            }
+            let span = ImageSpan {
+                start: prompt.len(),
+                grid: [gt, gh / v.merge, gw / v.merge],
+            };
+            prompt.extend((0..span.len()).map(|j| image_cache_id(img.hash, j, self.inner.n_vocab)));
+            spans.push(span);
+        }
+        req.prompt = prompt;
+        Ok(spans)
+    }
+
+    fn submit_with(&self, mut req: Request, announce: bool) -> Result<RequestStream, SubmitError> {
         let inner = &self.inner;
         if inner.shared.shutting_down.load(Ordering::SeqCst) {
             return Err(SubmitError::ShutDown);
@@ -513,12 +639,16 @@ impl EngineHandle {
         if req.prompt.is_empty() {
             return Err(SubmitError::BadRequest("empty prompt".into()));
         }
+        if !req.images.is_empty() && inner.vision.is_none() {
+            return Err(SubmitError::BadRequest(NO_VISION.into()));
+        }
         if let Some(t) = req.prompt.iter().find(|&&t| t as usize >= inner.n_vocab) {
             return Err(SubmitError::BadRequest(format!(
                 "prompt token {t} is outside the vocabulary ({})",
                 inner.n_vocab
             )));
         }
+        let spans = self.place_images(&mut req)?;
         if req.prompt.len() >= inner.n_ctx {
             return Err(SubmitError::PromptTooLong {
                 n_prompt: req.prompt.len(),
@@ -539,7 +669,12 @@ impl EngineHandle {
             EngineError::BadRequest(m) => SubmitError::BadRequest(m),
             e => SubmitError::BadRequest(e.to_string()),
         })?;
-        let spec = self.spec_state(&req.spec)?;
+        // Images: no proposer sees their tokens (they are not text).
+        let spec = if spans.is_empty() {
+            self.spec_state(&req.spec)?
+        } else {
+            None
+        };
         let constraint = match &req.constraint {
             Some(c) => Some(
                 inner
@@ -570,6 +705,7 @@ impl EngineHandle {
             sampler,
             constraint,
             spec,
+            spans,
             tx: etx,
         }));
         let sent = match &*inner.tx.lock().unwrap_or_else(|e| e.into_inner()) {

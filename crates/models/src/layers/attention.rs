@@ -135,7 +135,7 @@ pub struct DeviceAttention {
     n_head: usize,
     n_head_kv: usize,
     head_dim: usize,
-    rope: Option<RopeDesc>,
+    pub(crate) rope: Option<RopeDesc>,
     gated: bool,
     eps: f32,
 }
@@ -203,7 +203,10 @@ impl DeviceAttention {
         if let Some(w) = &self.k_norm {
             be.rms_norm(&mut k, hd, w, self.eps)?;
         }
-        if let Some(rope) = self.rope {
+        if let (Some(_), Some((cos, sin))) = (self.rope, cx.rope_tables) {
+            be.rope_table(&mut q, self.n_head, hd, cos, sin)?;
+            be.rope_table(&mut k, self.n_head_kv, hd, cos, sin)?;
+        } else if let Some(rope) = self.rope {
             be.rope_qk(
                 &mut q,
                 &mut k,

@@ -208,6 +208,7 @@ impl Decoder {
             n_head_kv,
             head_dim,
             n_mtp_layers: 0,
+            mrope: None,
         };
         Ok(Decoder {
             spec,
@@ -230,6 +231,11 @@ impl Decoder {
     /// Record that the model carries `n` MTP layers (see [`ModelSpec::n_mtp_layers`]).
     pub fn set_mtp_layers(&mut self, n: usize) {
         self.spec.n_mtp_layers = n;
+    }
+
+    /// Take multimodal positions with these rotary sections (see [`ModelSpec::mrope`]).
+    pub fn set_mrope(&mut self, sections: [usize; 3]) {
+        self.spec.mrope = Some(sections);
     }
 
     /// The backend the weights live on.
@@ -286,6 +292,24 @@ impl Decoder {
         if let Some(&bad) = batch.tokens.iter().find(|&&t| t as usize >= n_vocab) {
             return Err(ModelError::Batch(format!(
                 "token id {bad} out of range (vocab {n_vocab})"
+            )));
+        }
+        if !batch.mrope.is_empty() && self.spec.mrope.is_none() {
+            return Err(ModelError::Batch(format!(
+                "the {} model takes no multimodal positions",
+                self.spec.arch
+            )));
+        }
+        if let Some(e) = batch
+            .embeds
+            .iter()
+            .find(|e| e.rows.end * self.n_embd > e.data.len())
+        {
+            return Err(ModelError::Batch(format!(
+                "embedding rows {:?} beyond {} values of rows of {}",
+                e.rows,
+                e.data.len(),
+                self.n_embd
             )));
         }
         for c in &batch.seqs {
@@ -352,6 +376,8 @@ impl Decoder {
         };
         let record = !hidden
             && taps.is_empty()
+            && batch.embeds.is_empty()
+            && batch.mrope.is_empty()
             && recorded::recordable(be, batch)
             && (recorded::hybrids_on() || (!cache.has_recurrent() && !has_moe()))
             && !self.blocks.iter().any(|b| match &b.op {
@@ -462,6 +488,25 @@ impl Decoder {
         Ok(self.backend.matmul(out_w, x, n, out)?)
     }
 
+    /// The rotary tables of multimodal positions `pos` (`None` when there are none), on the
+    /// backend: the attention layers' rotary dims and base with [`ModelSpec::mrope`]'s
+    /// sections ([`crate::mrope::text_tables`]).
+    fn rope_tables(&self, pos: &[[u32; 3]]) -> Result<Option<(Tensor, Tensor)>> {
+        let Some(sections) = self.spec.mrope.filter(|_| !pos.is_empty()) else {
+            return Ok(None);
+        };
+        let rope = self.blocks.iter().find_map(|b| match &b.op {
+            DeviceOp::Attention(a) => a.rope,
+            _ => None,
+        });
+        let Some(rope) = rope else {
+            return Ok(None);
+        };
+        let (cos, sin) = crate::mrope::text_tables(pos, rope.n_rot, rope.theta, sections);
+        let be = &*self.backend;
+        Ok(Some((be.upload_f32(&cos)?, be.upload_f32(&sin)?)))
+    }
+
     /// A step's device work: embedding, every block, and for the batch's logit rows the
     /// logits into `out` (`[rows, n_vocab]`), or with `hidden` the final-norm hidden states
     /// (`[rows, n_embd]`); `out` is untouched when no row is asked for. Queues ops only
@@ -480,12 +525,21 @@ impl Decoder {
         let d = self.n_embd;
         let mut x = tensor(be, n * d)?;
         be.embed(&self.tok_embd, dev_batch, &mut x)?;
+        for e in &batch.embeds {
+            be.write_f32(
+                &mut x,
+                e.start * d,
+                &e.data[e.rows.start * d..e.rows.end * d],
+            )?;
+        }
+        let rope_tables = self.rope_tables(&batch.mrope)?;
         let mut h = tensor(be, n * d)?;
         let mut cx = ForwardCtx {
             be,
             batch,
             dev_batch,
             cache,
+            rope_tables: rope_tables.as_ref(),
         };
         for (i, b) in self.blocks.iter().enumerate() {
             // x += op(rmsnorm(x)): each op adds into x itself (in its last product's epilogue)

@@ -28,6 +28,9 @@ pub struct ForwardCtx<'a> {
     pub dev_batch: &'a Batch,
     /// The caller's cache.
     pub cache: &'a mut KvCache,
+    /// The rotary tables (cos, sin; `[n_tokens, n_rot / 2]`) of the batch's multimodal
+    /// positions ([`BatchInputs::mrope`]); `None`: rotary embedding at the positions.
+    pub rope_tables: Option<&'a (Tensor, Tensor)>,
 }
 
 /// An f32 activation tensor of `n` values on `be`'s device, for an op's output (contents

@@ -1,0 +1,515 @@
+//! The Qwen3.5/3.6 vision tower (transformers' `Qwen3_5VisionModel`): image patches in,
+//! the rows the language model takes in place of an image's `<|image_pad|>` tokens out.
+//!
+//! ```text
+//! x   = patches @ patch_embed^T + b            # Conv3d with kernel = stride: a matmul
+//!                                              # [n, C*T*P*P] -> [n, hidden]
+//! x  += bilinear(pos_embed, grid)              # learned side x side table resampled to the
+//!                                              # image's grid (align_corners), on the host
+//! per block:                                   # depth blocks, pre-LayerNorm (eps 1e-6)
+//!   q, k, v = split(LN1(x) @ qkv^T + b)        # heads of hidden / n_heads
+//!   q, k    = rope2d(q, k)                     # dims [0, hd/4) turn with the patch row,
+//!                                              # [hd/4, hd/2) with its column (NeoX pairs)
+//!   x      += proj(attention(q, k, v)) + b     # full attention within each frame
+//!   x      += fc2(gelu_tanh(fc1(LN2(x))))
+//! out = fc2(gelu(fc1(LN(x).view(n / m^2, m^2 hidden))))   # the merger: m x m patches -> 1
+//! ```
+//! Patches come in the image processor's order (each `m x m` merge block's patches
+//! consecutive, blocks row-major), so the merger's rows are the merged grid, row-major: the
+//! order of the image's tokens in the prompt. Qwen3.5 has no deepstack features: the merger's
+//! output is all the language model takes.
+//!
+//! Weights: HF `model.visual.*` (Qwen3_5ForConditionalGeneration / Qwen3_5Moe...) in the
+//! checkpoint's dtype on the backend; the position table stays on the host (it is resampled
+//! per image). Activations are `[n_patches, hidden]` f32 on the backend; the LayerNorm, GELU,
+//! rotary-table and span-attention ops are the backend's (their CUDA forms are host round
+//! trips until kernels exist). llama.cpp's mmproj GGUF is not read yet.
+
+use std::sync::Arc;
+
+use kapitsa_backend::{AttnShape, Backend, Epilogue, Tensor};
+use serde_json::Value;
+
+use crate::layers::tensor;
+use crate::mrope::inv_freq;
+use crate::{ModelError, ModelSource, Result, Weight};
+
+/// The tower's dimensions (HF `vision_config`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct VisionConfig {
+    /// Blocks.
+    pub depth: usize,
+    /// Width of the residual stream.
+    pub hidden: usize,
+    /// Attention heads (`hidden / n_heads` per head).
+    pub n_heads: usize,
+    /// MLP width.
+    pub intermediate: usize,
+    /// Patch side in pixels.
+    pub patch: usize,
+    /// Frames per patch.
+    pub temporal_patch: usize,
+    /// Patches merged per side into one language-model token.
+    pub merge: usize,
+    /// Image channels.
+    pub in_channels: usize,
+    /// Width of the rows the language model takes.
+    pub out_hidden: usize,
+    /// Side of the learned position table (`sqrt(num_position_embeddings)`).
+    pub pos_side: usize,
+    /// Blocks' MLP activation: the tanh GELU (`gelu_pytorch_tanh`) or the exact one.
+    pub gelu_tanh: bool,
+    /// Rotary base.
+    pub theta: f32,
+}
+
+impl VisionConfig {
+    /// Values of a patch row, `in_channels * temporal_patch * patch^2`.
+    pub fn patch_dim(&self) -> usize {
+        self.in_channels * self.temporal_patch * self.patch * self.patch
+    }
+
+    /// Dims per head.
+    pub fn head_dim(&self) -> usize {
+        self.hidden / self.n_heads
+    }
+
+    /// Read `vision_config` of an HF config.json.
+    pub fn from_hf(cfg: &Value) -> Result<VisionConfig> {
+        let v = cfg
+            .get("vision_config")
+            .ok_or_else(|| ModelError::Config("config.json has no vision_config".into()))?;
+        let u = |k: &str, default: Option<usize>| -> Result<usize> {
+            match v.get(k).and_then(Value::as_u64) {
+                Some(x) => Ok(x as usize),
+                None => default
+                    .ok_or_else(|| ModelError::Config(format!("vision_config has no integer {k}"))),
+            }
+        };
+        let n_pos = u("num_position_embeddings", Some(2304))?;
+        let pos_side = (n_pos as f64).sqrt().round() as usize;
+        let act = v
+            .get("hidden_act")
+            .and_then(Value::as_str)
+            .unwrap_or("gelu_pytorch_tanh");
+        let theta = v
+            .get("rope_parameters")
+            .and_then(|r| r.get("rope_theta"))
+            .and_then(Value::as_f64)
+            .unwrap_or(10000.0) as f32;
+        let c = VisionConfig {
+            depth: u("depth", None)?,
+            hidden: u("hidden_size", None)?,
+            n_heads: u("num_heads", None)?,
+            intermediate: u("intermediate_size", None)?,
+            patch: u("patch_size", Some(16))?,
+            temporal_patch: u("temporal_patch_size", Some(2))?,
+            merge: u("spatial_merge_size", Some(2))?,
+            in_channels: u("in_channels", Some(3))?,
+            out_hidden: u("out_hidden_size", None)?,
+            pos_side,
+            gelu_tanh: match act {
+                "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" => true,
+                "gelu" => false,
+                other => {
+                    return Err(ModelError::Config(format!(
+                        "vision_config.hidden_act {other} is not supported"
+                    )))
+                }
+            },
+            theta,
+        };
+        let bad = c.depth == 0
+            || c.n_heads == 0
+            || c.hidden == 0
+            || !c.hidden.is_multiple_of(c.n_heads)
+            || !c.head_dim().is_multiple_of(4)
+            || c.merge == 0
+            || c.patch == 0
+            || c.temporal_patch == 0
+            || pos_side * pos_side != n_pos;
+        if bad {
+            return Err(ModelError::Config(format!(
+                "vision_config is not a shape this tower runs: {c:?} ({n_pos} positions)"
+            )));
+        }
+        Ok(c)
+    }
+}
+
+/// The special tokens that frame an image in a prompt (HF top-level config).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VisionTokens {
+    /// `<|image_pad|>`: one per image token.
+    pub image: u32,
+    /// `<|vision_start|>`.
+    pub start: u32,
+    /// `<|vision_end|>`.
+    pub end: u32,
+}
+
+/// One block's weights on the backend.
+struct VisionBlock {
+    norm1: (Tensor, Tensor),
+    qkv: (kapitsa_backend::Weight, Tensor),
+    proj: (kapitsa_backend::Weight, Tensor),
+    norm2: (Tensor, Tensor),
+    fc1: (kapitsa_backend::Weight, Tensor),
+    fc2: (kapitsa_backend::Weight, Tensor),
+}
+
+/// A loaded vision tower.
+pub struct Qwen35Vision {
+    be: Arc<dyn Backend>,
+    cfg: VisionConfig,
+    tokens: VisionTokens,
+    patch: (kapitsa_backend::Weight, Tensor),
+    /// `[pos_side^2, hidden]` f32 on the host.
+    pos_embed: Vec<f32>,
+    blocks: Vec<VisionBlock>,
+    merger_norm: (Tensor, Tensor),
+    merger_fc1: (kapitsa_backend::Weight, Tensor),
+    merger_fc2: (kapitsa_backend::Weight, Tensor),
+}
+
+impl std::fmt::Debug for Qwen35Vision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Qwen35Vision")
+            .field("cfg", &self.cfg)
+            .field("tokens", &self.tokens)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A 1-D f32 weight `[n]` uploaded as a tensor.
+fn vec_tensor(be: &dyn Backend, src: &ModelSource, name: &str, n: usize) -> Result<Tensor> {
+    let w = src.weight(name)?;
+    if w.n_elements() != n {
+        return Err(ModelError::BadShape {
+            name: name.into(),
+            got: w.shape.clone(),
+            want: vec![n],
+        });
+    }
+    Ok(be.upload_f32(&w.to_f32()?)?)
+}
+
+/// A linear layer `[n_out, n_in]` and its bias `[n_out]` (`prefix.weight`, `prefix.bias`).
+fn linear(
+    be: &dyn Backend,
+    src: &ModelSource,
+    prefix: &str,
+    n_out: usize,
+    n_in: usize,
+) -> Result<(kapitsa_backend::Weight, Tensor)> {
+    let w = src
+        .weight(&format!("{prefix}.weight"))?
+        .expect_shape(&[n_out, n_in])?;
+    Ok((
+        w.upload(be)?,
+        vec_tensor(be, src, &format!("{prefix}.bias"), n_out)?,
+    ))
+}
+
+/// A LayerNorm's weight and bias `[n]`.
+fn norm(be: &dyn Backend, src: &ModelSource, prefix: &str, n: usize) -> Result<(Tensor, Tensor)> {
+    Ok((
+        vec_tensor(be, src, &format!("{prefix}.weight"), n)?,
+        vec_tensor(be, src, &format!("{prefix}.bias"), n)?,
+    ))
+}
+
+/// The prefix of the tower's tensors in `src`, if it has one.
+fn visual_prefix(src: &ModelSource) -> Option<&'static str> {
+    ["model.visual.", "visual.", "vision_tower."]
+        .into_iter()
+        .find(|p| src.has(&format!("{p}patch_embed.proj.weight")))
+}
+
+impl Qwen35Vision {
+    /// Load the tower of an HF checkpoint onto `be`; `Ok(None)` when the checkpoint has none
+    /// (a text-only file).
+    pub fn load(src: &ModelSource, be: Arc<dyn Backend>) -> Result<Option<Qwen35Vision>> {
+        let (Some(hf), Some(p)) = (src.hf(), visual_prefix(src)) else {
+            return Ok(None);
+        };
+        let root = hf.config();
+        let cfg = VisionConfig::from_hf(root)?;
+        let id = |k: &str| -> Result<u32> {
+            root.get(k)
+                .or_else(|| root.get("text_config").and_then(|t| t.get(k)))
+                .and_then(Value::as_u64)
+                .map(|x| x as u32)
+                .ok_or_else(|| ModelError::Config(format!("config.json has no {k}")))
+        };
+        let tokens = VisionTokens {
+            image: id("image_token_id")?,
+            start: id("vision_start_token_id")?,
+            end: id("vision_end_token_id")?,
+        };
+        let b = &*be;
+        let (d, pd) = (cfg.hidden, cfg.patch_dim());
+        let conv = src.weight(&format!("{p}patch_embed.proj.weight"))?;
+        let want = [d, cfg.in_channels, cfg.temporal_patch, cfg.patch, cfg.patch];
+        if conv.shape != want {
+            return Err(ModelError::BadShape {
+                name: conv.name.clone(),
+                got: conv.shape.clone(),
+                want: want.to_vec(),
+            });
+        }
+        // Conv3d with kernel = stride over one patch: a [hidden, C*T*P*P] matmul.
+        let conv = Weight::from_bytes(&conv.name, conv.dtype, vec![d, pd], conv.bytes()?.to_vec())?;
+        let patch = (
+            conv.upload(b)?,
+            vec_tensor(b, src, &format!("{p}patch_embed.proj.bias"), d)?,
+        );
+        let pos = src
+            .weight(&format!("{p}pos_embed.weight"))?
+            .expect_shape(&[cfg.pos_side * cfg.pos_side, d])?;
+        let pos_embed = pos.to_f32()?;
+        let mut blocks = Vec::with_capacity(cfg.depth);
+        for i in 0..cfg.depth {
+            let bp = format!("{p}blocks.{i}");
+            blocks.push(VisionBlock {
+                norm1: norm(b, src, &format!("{bp}.norm1"), d)?,
+                qkv: linear(b, src, &format!("{bp}.attn.qkv"), 3 * d, d)?,
+                proj: linear(b, src, &format!("{bp}.attn.proj"), d, d)?,
+                norm2: norm(b, src, &format!("{bp}.norm2"), d)?,
+                fc1: linear(b, src, &format!("{bp}.mlp.linear_fc1"), cfg.intermediate, d)?,
+                fc2: linear(b, src, &format!("{bp}.mlp.linear_fc2"), d, cfg.intermediate)?,
+            });
+        }
+        let md = d * cfg.merge * cfg.merge;
+        let merger_norm = norm(b, src, &format!("{p}merger.norm"), d)?;
+        let merger_fc1 = linear(b, src, &format!("{p}merger.linear_fc1"), md, md)?;
+        let merger_fc2 = linear(b, src, &format!("{p}merger.linear_fc2"), cfg.out_hidden, md)?;
+        Ok(Some(Qwen35Vision {
+            be,
+            cfg,
+            tokens,
+            patch,
+            pos_embed,
+            blocks,
+            merger_norm,
+            merger_fc1,
+            merger_fc2,
+        }))
+    }
+
+    /// The tower's dimensions.
+    pub fn config(&self) -> &VisionConfig {
+        &self.cfg
+    }
+
+    /// The tokens that frame an image.
+    pub fn tokens(&self) -> VisionTokens {
+        self.tokens
+    }
+
+    /// Language-model tokens of an image with patch grid `grid` (t, h, w).
+    pub fn n_tokens(&self, grid: [usize; 3]) -> usize {
+        grid[0] * grid[1] * grid[2] / (self.cfg.merge * self.cfg.merge)
+    }
+
+    /// Check a patch grid and its values: `pixels` `[t * h * w, patch_dim]`, `h` and `w`
+    /// multiples of the merge size.
+    fn check(&self, pixels: &[f32], grid: [usize; 3]) -> Result<usize> {
+        let m = self.cfg.merge;
+        let n = grid[0] * grid[1] * grid[2];
+        if n == 0 || !grid[1].is_multiple_of(m) || !grid[2].is_multiple_of(m) {
+            return Err(ModelError::Batch(format!(
+                "image grid {grid:?} is empty or not a multiple of the merge size {m}"
+            )));
+        }
+        if pixels.len() != n * self.cfg.patch_dim() {
+            return Err(ModelError::Batch(format!(
+                "{} pixel values for a grid of {n} patches of {}",
+                pixels.len(),
+                self.cfg.patch_dim()
+            )));
+        }
+        Ok(n)
+    }
+
+    /// Run the tower on one image (or video) of patch grid `grid` (t, h, w): `pixels`
+    /// `[t * h * w, patch_dim]` f32 in the processor's order; returns the language-model rows
+    /// `[t * h * w / merge^2, out_hidden]` (host).
+    pub fn encode(&self, pixels: &[f32], grid: [usize; 3]) -> Result<Vec<f32>> {
+        let n = self.check(pixels, grid)?;
+        let be = &*self.be;
+        let c = &self.cfg;
+        let (d, hd) = (c.hidden, c.head_dim());
+        let mut x = tensor(be, n * d)?;
+        let px = be.upload_f32(pixels)?;
+        be.matmul_with(&self.patch.0, &px, n, &mut x, ep(&self.patch.1, false))?;
+        let pos = be.upload_f32(&self.position_rows(grid))?;
+        be.add(&mut x, &pos)?;
+        let (cos, sin) = rotary_tables(grid, c.merge, hd, c.theta);
+        let (cos, sin) = (be.upload_f32(&cos)?, be.upload_f32(&sin)?);
+        // each frame attends to itself
+        let frame = grid[1] * grid[2];
+        let spans: Vec<(u32, u32)> = (0..n)
+            .map(|i| {
+                let f = i / frame;
+                ((f * frame) as u32, ((f + 1) * frame) as u32)
+            })
+            .collect();
+        let shape = AttnShape {
+            n_head: c.n_heads,
+            n_head_kv: c.n_heads,
+            head_dim: hd,
+            scale: (hd as f32).powf(-0.5),
+        };
+        let mut h = tensor(be, n * d)?;
+        let mut qkv = tensor(be, n * 3 * d)?;
+        let (mut q, mut k, mut v) = (tensor(be, n * d)?, tensor(be, n * d)?, tensor(be, n * d)?);
+        let mut att = tensor(be, n * d)?;
+        let mut mid = tensor(be, n * c.intermediate)?;
+        for blk in &self.blocks {
+            be.copy(&x, 0, &mut h, 0, n * d)?;
+            be.layer_norm(&mut h, d, &blk.norm1.0, &blk.norm1.1, 1e-6)?;
+            be.matmul_with(&blk.qkv.0, &h, n, &mut qkv, ep(&blk.qkv.1, false))?;
+            be.split_cols(&qkv, n, &[d, d, d], &mut [&mut q, &mut k, &mut v])?;
+            be.rope_table(&mut q, c.n_heads, hd, &cos, &sin)?;
+            be.rope_table(&mut k, c.n_heads, hd, &cos, &sin)?;
+            be.attention_spans(shape, &q, &k, &v, &spans, &mut att)?;
+            be.matmul_with(&blk.proj.0, &att, n, &mut x, ep(&blk.proj.1, true))?;
+            be.copy(&x, 0, &mut h, 0, n * d)?;
+            be.layer_norm(&mut h, d, &blk.norm2.0, &blk.norm2.1, 1e-6)?;
+            be.matmul_with(&blk.fc1.0, &h, n, &mut mid, ep(&blk.fc1.1, false))?;
+            be.gelu(&mut mid, c.gelu_tanh)?;
+            be.matmul_with(&blk.fc2.0, &mid, n, &mut x, ep(&blk.fc2.1, true))?;
+        }
+        // the merger: LayerNorm per patch, then m*m consecutive patches as one row
+        be.layer_norm(&mut x, d, &self.merger_norm.0, &self.merger_norm.1, 1e-6)?;
+        let (rows, md) = (n / (c.merge * c.merge), d * c.merge * c.merge);
+        let mut m1 = tensor(be, rows * md)?;
+        be.matmul_with(
+            &self.merger_fc1.0,
+            &x,
+            rows,
+            &mut m1,
+            ep(&self.merger_fc1.1, false),
+        )?;
+        be.gelu(&mut m1, false)?;
+        let mut out = tensor(be, rows * c.out_hidden)?;
+        be.matmul_with(
+            &self.merger_fc2.0,
+            &m1,
+            rows,
+            &mut out,
+            ep(&self.merger_fc2.1, false),
+        )?;
+        let mut host = vec![0f32; rows * c.out_hidden];
+        be.read_f32(&out, 0, &mut host)?;
+        Ok(host)
+    }
+
+    /// The learned position rows of every patch of `grid` (processor order), `[n, hidden]`:
+    /// the `side x side` table resampled bilinearly to the grid with aligned corners, as
+    /// transformers' `get_vision_interpolation_indices_and_weights` (f32 weights).
+    fn position_rows(&self, grid: [usize; 3]) -> Vec<f32> {
+        let (d, side, m) = (self.cfg.hidden, self.cfg.pos_side, self.cfg.merge);
+        let [t, gh, gw] = grid;
+        let taps = |i: usize, size: usize| -> [(usize, f32); 2] {
+            let src = i as f32 * (side - 1) as f32 / (size.max(2) - 1) as f32;
+            let f = src.floor();
+            let lo = f as usize;
+            let w_hi = src - f;
+            [
+                (lo.min(side - 1), 1.0 - w_hi),
+                ((lo + 1).min(side - 1), w_hi),
+            ]
+        };
+        let mut out = vec![0f32; t * gh * gw * d];
+        for (j, row_out) in out.chunks_exact_mut(d).enumerate() {
+            let (r, col) = patch_row_col(j % (gh * gw), gw, m);
+            let (th, tw) = (taps(r, gh), taps(col, gw));
+            for &(hi, wh) in &th {
+                for &(wi, ww) in &tw {
+                    let wgt = wh * ww;
+                    let src = &self.pos_embed[(hi * side + wi) * d..(hi * side + wi + 1) * d];
+                    for (o, &s) in row_out.iter_mut().zip(src) {
+                        *o += s * wgt;
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A bias epilogue, adding into the output with `accumulate`.
+fn ep(bias: &Tensor, accumulate: bool) -> Epilogue<'_> {
+    Epilogue {
+        bias: Some(bias),
+        accumulate,
+    }
+}
+
+/// Row and column of patch `j` of a frame `w` patches wide in the processor's order (merge
+/// blocks of `m x m` row-major, patches inside a block row-major).
+fn patch_row_col(j: usize, w: usize, m: usize) -> (usize, usize) {
+    let blocks_w = w / m;
+    let (in_col, in_row) = (j % m, (j / m) % m);
+    let (block_col, block_row) = ((j / (m * m)) % blocks_w, j / (m * m * blocks_w));
+    (block_row * m + in_row, block_col * m + in_col)
+}
+
+/// The 2-D rotary tables of every patch of `grid`, `[n, head_dim / 2]` each: slot `i <
+/// head_dim / 4` turns with the patch's row, the rest with its column, at the inverse
+/// frequencies of a `head_dim / 2`-dim rotary embedding (transformers'
+/// `Qwen3_5VisionRotaryEmbedding`).
+fn rotary_tables(grid: [usize; 3], m: usize, head_dim: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
+    let inv = inv_freq(head_dim / 2, theta);
+    let [t, gh, gw] = grid;
+    let n = t * gh * gw;
+    let (mut cos, mut sin) = (Vec::with_capacity(n * head_dim / 2), Vec::new());
+    sin.reserve(n * head_dim / 2);
+    for j in 0..n {
+        let (r, col) = patch_row_col(j % (gh * gw), gw, m);
+        for p in [r, col] {
+            for &f in &inv {
+                let a = (p as f32 * f) as f64;
+                cos.push(a.cos() as f32);
+                sin.push(a.sin() as f32);
+            }
+        }
+    }
+    (cos, sin)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn patch_order_is_merge_block_major() {
+        // a 4-wide frame, merge 2: patches 0..4 are the first block (rows 0-1, cols 0-1)
+        let got: Vec<_> = (0..8).map(|j| patch_row_col(j, 4, 2)).collect();
+        assert_eq!(
+            got,
+            [
+                (0, 0),
+                (0, 1),
+                (1, 0),
+                (1, 1),
+                (0, 2),
+                (0, 3),
+                (1, 2),
+                (1, 3)
+            ]
+        );
+    }
+
+    #[test]
+    fn rotary_rows_and_columns() {
+        let (c, _) = rotary_tables([1, 2, 2], 2, 8, 10000.0);
+        // head_dim 8: 2 slots for the row, 2 for the column; patch 1 is (0, 1)
+        assert_eq!(
+            c[4..8],
+            [1.0, 1.0, 1f64.cos() as f32, (0.01f32 as f64).cos() as f32]
+        );
+    }
+}
