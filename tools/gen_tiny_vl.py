@@ -651,12 +651,14 @@ def llama_part(m, folder, a, ref):
                          s["tokens"] == p["hf_greedy_image_embeds_zeroed"]})
     info["server_args"] = server["args"]
     info["runs"] = runs
-    # Keep only the mmproj GGUFs (0.37 MB); the text GGUFs (0.78 / 1.55 MB) are not committed
-    # (fixture budget ~4 MB; the text path is covered by qwen35-a / qwen35moe-a).
+    # Keep the mmproj GGUFs (0.37 MB) and the dense model's text GGUF (0.78 MB: the GGUF +
+    # mmproj path, with the text model's rope.dimension_sections); the MoE's text GGUF (1.55 MB)
+    # is not committed (fixture budget; its text path is covered by qwen35moe-a).
     for what in ("text", "mmproj"):
         f = folder / conv[what]["file"]
         conv[what]["size"] = f.stat().st_size
-        conv[what]["kept"] = what == "mmproj" and f.stat().st_size < GGUF_KEEP_MAX
+        keep = what == "mmproj" or m["name"] == "qwen35-vl-a"
+        conv[what]["kept"] = keep and f.stat().st_size < GGUF_KEEP_MAX
         if not conv[what]["kept"]:
             f.unlink()
     return info

@@ -41,6 +41,9 @@ pub struct OpenOptions<'a> {
     pub progress: Option<&'a dyn Fn(u64, u64)>,
     /// A Jinja chat template file used instead of the model's own template.
     pub chat_template_file: Option<&'a Path>,
+    /// A llama.cpp mmproj GGUF with the vision tower of a GGUF language model (an HF folder
+    /// carries its own tower).
+    pub mmproj: Option<&'a Path>,
 }
 
 impl std::fmt::Debug for OpenOptions<'_> {
@@ -51,6 +54,7 @@ impl std::fmt::Debug for OpenOptions<'_> {
             .field("load_mode", &self.load_mode)
             .field("progress", &self.progress.is_some())
             .field("chat_template_file", &self.chat_template_file)
+            .field("mmproj", &self.mmproj)
             .finish()
     }
 }
@@ -185,16 +189,7 @@ pub fn open_model(path: &Path, opts: &OpenOptions<'_>) -> Result<OpenedModel> {
     let chat_template_source = template_file.or_else(|| chat_template_source(&loaded.source));
     let identity = model_identity(path).map_err(context(format!("reading {}", path.display())))?;
     let mut description = describe(&*loaded.model, &loaded.arch, &*backend);
-    let vision = if loaded.model.spec().mrope.is_some() {
-        Qwen35Vision::load(&loaded.source, backend.clone())
-            .map_err(context(format!(
-                "loading the vision tower of {}",
-                path.display()
-            )))?
-            .map(Arc::new)
-    } else {
-        None
-    };
+    let vision = load_vision(&loaded, &tokenizer, opts.mmproj, path, &backend)?;
     if let Some(v) = &vision {
         let c = v.config();
         description.push_str(&format!(
@@ -221,6 +216,49 @@ pub fn open_model(path: &Path, opts: &OpenOptions<'_>) -> Result<OpenedModel> {
         vision,
         preprocessor_config,
     })
+}
+
+/// The vision tower: the mmproj's when one is given, else the checkpoint's own (HF
+/// `model.visual.*`), `None` when there is none. Only Qwen3.5/3.6 language models (multimodal
+/// rotary positions) take one.
+fn load_vision(
+    loaded: &kapitsa_models::LoadedModel,
+    tok: &Tokenizer,
+    mmproj: Option<&Path>,
+    path: &Path,
+    backend: &Arc<dyn Backend>,
+) -> Result<Option<Arc<Qwen35Vision>>> {
+    let takes_images = loaded.model.spec().mrope.is_some();
+    let Some(mp) = mmproj else {
+        if !takes_images {
+            return Ok(None);
+        }
+        let v = Qwen35Vision::load(&loaded.source, backend.clone()).map_err(context(format!(
+            "loading the vision tower of {}",
+            path.display()
+        )))?;
+        return Ok(v.map(Arc::new));
+    };
+    let what = format!("loading the vision tower {}", mp.display());
+    let fail = |m: String| context(what.clone())(kapitsa_models::ModelError::Config(m));
+    if !takes_images {
+        return Err(fail(format!(
+            "the {} model takes no images (a vision tower needs Qwen3.5/3.6)",
+            loaded.arch
+        )));
+    }
+    let id = |t: &str| {
+        tok.token_to_id(t)
+            .ok_or_else(|| fail(format!("the vocabulary has no {t} token")))
+    };
+    let tokens = kapitsa_models::qwen35_vision::VisionTokens {
+        image: id("<|image_pad|>")?,
+        start: id("<|vision_start|>")?,
+        end: id("<|vision_end|>")?,
+    };
+    let src = ModelSource::open(mp).map_err(context(what.clone()))?;
+    let v = Qwen35Vision::load_mmproj(&src, tokens, backend.clone()).map_err(context(what))?;
+    Ok(Some(Arc::new(v)))
 }
 
 /// The image processor's settings in the model folder `dir`, as JSON text:

@@ -237,3 +237,35 @@ fn bad_image_requests_are_refused() {
     h.shutdown();
     text_only.shutdown();
 }
+
+#[test]
+fn gguf_with_mmproj_gives_the_reference_tokens() {
+    let name = "qwen35-vl-a";
+    let d = dir(name);
+    let mmproj = d.join("mmproj-f32.gguf");
+    let opts = OpenOptions {
+        device: DeviceChoice::Exact(kapitsa_engine::Device::Cpu),
+        threads: 2,
+        mmproj: Some(&mmproj),
+        ..Default::default()
+    };
+    let m = open_model(&d.join("model-f32.gguf"), &opts).unwrap();
+    assert!(m.vision.is_some());
+    let (_, r) = open(name);
+    let h = engine(
+        &m,
+        EngineConfig::single_sequence(256, Default::default(), None),
+    );
+    for p in r["prompts"].as_array().unwrap() {
+        let f = run_to_end(&h, request(&d, &r, p, 32));
+        assert_eq!(f.tokens, ids(&p["hf_greedy"]), "{}", p["name"]);
+    }
+    h.shutdown();
+    // an mmproj beside a model that takes no images is refused at load
+    let opts = OpenOptions {
+        mmproj: Some(&mmproj),
+        ..opts
+    };
+    let e = open_model(&dir("qwen2-a").join("model-f32.gguf"), &opts).unwrap_err();
+    assert!(e.to_string().contains("takes no images"), "{e}");
+}

@@ -219,6 +219,27 @@ fn norm(be: &dyn Backend, src: &ModelSource, prefix: &str, n: usize) -> Result<(
     ))
 }
 
+/// How a file names the tower's tensors.
+enum Names {
+    /// HF: `<prefix>blocks.{i}.<name>` and `<prefix><name>`.
+    Hf(&'static str),
+    /// llama.cpp's mmproj: `v.blk.{i}.<name>` and the global names as given.
+    Mmproj,
+}
+
+impl Names {
+    /// The name of a tensor (or a weight/bias pair's stem): `hf` as HF spells it (under
+    /// `blocks.{block}` when `block` is given), `gg` as the mmproj does.
+    fn get(&self, block: Option<usize>, hf: &str, gg: &str) -> String {
+        match (self, block) {
+            (Names::Hf(p), Some(i)) => format!("{p}blocks.{i}.{hf}"),
+            (Names::Hf(p), None) => format!("{p}{hf}"),
+            (Names::Mmproj, Some(i)) => format!("v.blk.{i}.{gg}"),
+            (Names::Mmproj, None) => gg.to_string(),
+        }
+    }
+}
+
 /// The prefix of the tower's tensors in `src`, if it has one.
 fn visual_prefix(src: &ModelSource) -> Option<&'static str> {
     ["model.visual.", "visual.", "vision_tower."]
@@ -247,7 +268,6 @@ impl Qwen35Vision {
             start: id("vision_start_token_id")?,
             end: id("vision_end_token_id")?,
         };
-        let b = &*be;
         let (d, pd) = (cfg.hidden, cfg.patch_dim());
         let conv = src.weight(&format!("{p}patch_embed.proj.weight"))?;
         let want = [d, cfg.in_channels, cfg.temporal_patch, cfg.patch, cfg.patch];
@@ -260,31 +280,134 @@ impl Qwen35Vision {
         }
         // Conv3d with kernel = stride over one patch: a [hidden, C*T*P*P] matmul.
         let conv = Weight::from_bytes(&conv.name, conv.dtype, vec![d, pd], conv.bytes()?.to_vec())?;
+        let names = Names::Hf(p);
+        Self::assemble(src, &names, cfg, tokens, conv, be).map(Some)
+    }
+
+    /// Load the tower of a llama.cpp mmproj GGUF (`convert_hf_to_gguf.py --mmproj`, projector
+    /// `qwen3vl_merger`) onto `be`; `tokens` come from the language model's vocabulary. The
+    /// converter splits the Conv3d over its two frames (`v.patch_embd.weight`, `.weight.1`):
+    /// they are joined back into the `[hidden, C*T*P*P]` matrix.
+    pub fn load_mmproj(
+        src: &ModelSource,
+        tokens: VisionTokens,
+        be: Arc<dyn Backend>,
+    ) -> Result<Qwen35Vision> {
+        let g = src
+            .gguf()
+            .ok_or_else(|| ModelError::Config("an mmproj must be a GGUF file".into()))?;
+        let proj = g.get_str("clip.projector_type").unwrap_or("");
+        if proj != "qwen3vl_merger" || !g.get_bool("clip.has_vision_encoder").unwrap_or(false) {
+            return Err(ModelError::Config(format!(
+                "the mmproj's projector is {proj:?}: only Qwen3.5/3.6's (qwen3vl_merger) runs"
+            )));
+        }
+        let u = |k: &str| -> Result<usize> {
+            Ok(g.get_u32(&format!("clip.vision.{k}"))
+                .map_err(|e| ModelError::Config(format!("mmproj: {e}")))? as usize)
+        };
+        let frames = [
+            src.weight("v.patch_embd.weight")?,
+            src.weight("v.patch_embd.weight.1")?,
+        ];
+        let pos = src.weight("v.position_embd.weight")?;
+        let (d, patch) = (u("embedding_length")?, u("patch_size")?);
+        let n_pos = pos.shape.first().copied().unwrap_or(0);
+        let pos_side = (n_pos as f64).sqrt().round() as usize;
+        let n_heads = u("attention.head_count")?;
+        let cfg = VisionConfig {
+            depth: u("block_count")?,
+            hidden: d,
+            n_heads,
+            intermediate: u("feed_forward_length")?,
+            patch,
+            temporal_patch: 2,
+            merge: u("spatial_merge_size")?,
+            in_channels: 3,
+            out_hidden: u("projection_dim")?,
+            pos_side,
+            gelu_tanh: true,
+            theta: 10000.0,
+        };
+        let bad = cfg.depth == 0
+            || n_heads == 0
+            || !d.is_multiple_of(n_heads)
+            || !cfg.head_dim().is_multiple_of(4)
+            || cfg.merge == 0
+            || pos_side * pos_side != n_pos;
+        if bad {
+            return Err(ModelError::Config(format!(
+                "the mmproj is not a shape this tower runs: {cfg:?} ({n_pos} positions)"
+            )));
+        }
+        // frame t of the Conv3d: [hidden, C, P, P]; joined as [hidden, C, T, P, P]
+        let frame_len = patch * patch;
+        let mut f = Vec::with_capacity(2);
+        for w in frames {
+            f.push(w.expect_shape(&[d, 3, patch, patch])?.to_f32()?);
+        }
+        let mut conv = Vec::with_capacity(d * cfg.patch_dim());
+        for o in 0..d {
+            for c in 0..3 {
+                for fr in &f {
+                    let at = (o * 3 + c) * frame_len;
+                    conv.extend_from_slice(&fr[at..at + frame_len]);
+                }
+            }
+        }
+        let conv = Weight::from_f32("v.patch_embd.weight", vec![d, cfg.patch_dim()], &conv);
+        Self::assemble(src, &Names::Mmproj, cfg, tokens, conv, be)
+    }
+
+    /// The rest of a load: every weight but the patch embedding's matrix `conv`
+    /// (`[hidden, patch_dim]`), named as `names` says.
+    fn assemble(
+        src: &ModelSource,
+        names: &Names,
+        cfg: VisionConfig,
+        tokens: VisionTokens,
+        conv: Weight,
+        be: Arc<dyn Backend>,
+    ) -> Result<Qwen35Vision> {
+        let b = &*be;
+        let d = cfg.hidden;
         let patch = (
             conv.upload(b)?,
-            vec_tensor(b, src, &format!("{p}patch_embed.proj.bias"), d)?,
+            vec_tensor(
+                b,
+                src,
+                &names.get(None, "patch_embed.proj.bias", "v.patch_embd.bias"),
+                d,
+            )?,
         );
         let pos = src
-            .weight(&format!("{p}pos_embed.weight"))?
+            .weight(&names.get(None, "pos_embed.weight", "v.position_embd.weight"))?
             .expect_shape(&[cfg.pos_side * cfg.pos_side, d])?;
         let pos_embed = pos.to_f32()?;
         let mut blocks = Vec::with_capacity(cfg.depth);
         for i in 0..cfg.depth {
-            let bp = format!("{p}blocks.{i}");
+            let n = |hf: &str, gg: &str| names.get(Some(i), hf, gg);
             blocks.push(VisionBlock {
-                norm1: norm(b, src, &format!("{bp}.norm1"), d)?,
-                qkv: linear(b, src, &format!("{bp}.attn.qkv"), 3 * d, d)?,
-                proj: linear(b, src, &format!("{bp}.attn.proj"), d, d)?,
-                norm2: norm(b, src, &format!("{bp}.norm2"), d)?,
-                fc1: linear(b, src, &format!("{bp}.mlp.linear_fc1"), cfg.intermediate, d)?,
-                fc2: linear(b, src, &format!("{bp}.mlp.linear_fc2"), d, cfg.intermediate)?,
+                norm1: norm(b, src, &n("norm1", "ln1"), d)?,
+                qkv: linear(b, src, &n("attn.qkv", "attn_qkv"), 3 * d, d)?,
+                proj: linear(b, src, &n("attn.proj", "attn_out"), d, d)?,
+                norm2: norm(b, src, &n("norm2", "ln2"), d)?,
+                fc1: linear(b, src, &n("mlp.linear_fc1", "ffn_up"), cfg.intermediate, d)?,
+                fc2: linear(
+                    b,
+                    src,
+                    &n("mlp.linear_fc2", "ffn_down"),
+                    d,
+                    cfg.intermediate,
+                )?,
             });
         }
         let md = d * cfg.merge * cfg.merge;
-        let merger_norm = norm(b, src, &format!("{p}merger.norm"), d)?;
-        let merger_fc1 = linear(b, src, &format!("{p}merger.linear_fc1"), md, md)?;
-        let merger_fc2 = linear(b, src, &format!("{p}merger.linear_fc2"), cfg.out_hidden, md)?;
-        Ok(Some(Qwen35Vision {
+        let n = |hf: &str, gg: &str| names.get(None, hf, gg);
+        let merger_norm = norm(b, src, &n("merger.norm", "v.post_ln"), d)?;
+        let merger_fc1 = linear(b, src, &n("merger.linear_fc1", "mm.0"), md, md)?;
+        let merger_fc2 = linear(b, src, &n("merger.linear_fc2", "mm.2"), cfg.out_hidden, md)?;
+        Ok(Qwen35Vision {
             be,
             cfg,
             tokens,
@@ -294,7 +417,7 @@ impl Qwen35Vision {
             merger_norm,
             merger_fc1,
             merger_fc2,
-        }))
+        })
     }
 
     /// The tower's dimensions.

@@ -204,3 +204,52 @@ fn images_change_the_logits() {
     let got = f.model.forward(&b, &mut cache).unwrap().data;
     assert!(rel_err(&got, &want) > 1e-2);
 }
+
+#[test]
+fn mmproj_tower_matches_transformers() {
+    // llama.cpp's converter output (`--mmproj`): the same rows as the HF tower
+    let f = fixture("qwen35-vl-a");
+    let src = ModelSource::open(&f.dir.join("mmproj-f32.gguf")).unwrap();
+    let mm = Qwen35Vision::load_mmproj(&src, f.vision.tokens(), backend()).unwrap();
+    assert_eq!(mm.config(), f.vision.config());
+    for img in f.r["images"].as_array().unwrap() {
+        let px = read_f32(&file(&f, &img["pixel_values"]));
+        let g = ids(&img["image_grid_thw"]);
+        let got = mm
+            .encode(&px, [g[0] as usize, g[1] as usize, g[2] as usize])
+            .unwrap();
+        let want = read_f32(&file(&f, &img["image_embeds"]));
+        let err = rel_err(&got, &want);
+        assert!(err < TOL, "{}: rel err {err:e}", img["name"]);
+    }
+    // a text GGUF is not an mmproj
+    let text = ModelSource::open(&f.dir.join("model-f32.gguf")).unwrap();
+    assert!(Qwen35Vision::load_mmproj(&text, f.vision.tokens(), backend()).is_err());
+}
+
+#[test]
+fn gguf_text_model_takes_multimodal_positions() {
+    // the text GGUF carries the rotary sections (rope.dimension_sections): same logits
+    let f = fixture("qwen35-vl-a");
+    let gguf = load_model(
+        &f.dir.join("model-f32.gguf"),
+        backend(),
+        &LoadOptions::default(),
+    )
+    .unwrap()
+    .model;
+    assert_eq!(gguf.spec().mrope, f.model.spec().mrope);
+    let g = Fixture {
+        dir: f.dir.clone(),
+        r: f.r.clone(),
+        model: gguf,
+        vision: Qwen35Vision::load(&ModelSource::open(&f.dir).unwrap(), backend())
+            .unwrap()
+            .unwrap(),
+    };
+    for p in g.r["prompts"].as_array().unwrap() {
+        let want = read_f32(&file(&g, &p["hf_logits"]));
+        let err = rel_err(&prompt_logits(&g, p, usize::MAX), &want);
+        assert!(err < TOL, "{}: rel err {err:e}", p["name"]);
+    }
+}

@@ -433,3 +433,59 @@ fn mamba2_case(
     })?;
     s.cmp_all(name, s.tol.scan, &[&y, &st])
 }
+
+/// The vision tower's ops: `layer_norm`, `gelu` (both forms), `rope_table` and the
+/// non-causal per-image `attention_spans` (full spans over each image's rows).
+pub(super) fn vision(s: &mut Suite<'_>) -> R<()> {
+    for _ in 0..s.cases {
+        let n = s.rng.range(1, 40);
+        let width = s.rng.range(1, 300);
+        let w = s.rand(width, 1.5)?;
+        let b = s.rand(width, 0.5)?;
+        let mut x = s.rand(n * width, 4.0)?;
+        s.both("layer_norm", |be, i| {
+            be.layer_norm(&mut x[i], width, &w[i], &b[i], 1e-6)
+        })?;
+        s.cmp("layer_norm", s.tol.f32, &x)?;
+        for tanh in [false, true] {
+            let mut g = s.rand(n * width, 6.0)?;
+            let name = if tanh { "gelu tanh" } else { "gelu" };
+            s.both(name, |be, i| be.gelu(&mut g[i], tanh))?;
+            s.cmp(name, s.tol.f32, &g)?;
+        }
+        // a rotary table over all or part of each head
+        let (heads, head_dim) = (s.rng.range(1, 5), 2 * s.rng.range(1, 40));
+        let half = s.rng.range(1, head_dim / 2);
+        let angles: Vec<f32> = s.rng.vals(n * half, 50.0);
+        let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
+        let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
+        let (cos, sin) = (s.up(&cos)?, s.up(&sin)?);
+        let mut q = s.rand(n * heads * head_dim, 2.0)?;
+        s.both("rope_table", |be, i| {
+            be.rope_table(&mut q[i], heads, head_dim, &cos[i], &sin[i])
+        })?;
+        s.cmp("rope_table", s.tol.f32, &q)?;
+        // attention within images: every row of an image sees all of that image's rows
+        let shape = AttnShape {
+            n_head: heads,
+            n_head_kv: heads,
+            head_dim,
+            scale: (head_dim as f32).powf(-0.5),
+        };
+        let mut spans = Vec::with_capacity(n);
+        let mut at = 0;
+        while at < n {
+            let len = s.rng.range(1, n - at);
+            spans.extend((0..len).map(|_| (at as u32, (at + len) as u32)));
+            at += len;
+        }
+        let dim = heads * head_dim;
+        let (k, v) = (s.rand(n * dim, 2.0)?, s.rand(n * dim, 1.0)?);
+        let mut out = s.alloc(DType::F32, n * dim)?;
+        s.both("attention_spans", |be, i| {
+            be.attention_spans(shape, &q[i], &k[i], &v[i], &spans, &mut out[i])
+        })?;
+        s.cmp("attention_spans", s.tol.attention, &out)?;
+    }
+    Ok(())
+}

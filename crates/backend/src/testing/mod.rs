@@ -302,6 +302,7 @@ pub fn check_ops_with(
     mixers::gdn(&mut s)?;
     mixers::mamba2_preamble(&mut s)?;
     mixers::mamba2(&mut s)?;
+    mixers::vision(&mut s)?;
     argmax(&mut s)?;
     for b in s.bes {
         b.synchronize().map_err(|e| format!("synchronize: {e}"))?;
