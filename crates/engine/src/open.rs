@@ -13,6 +13,7 @@ use std::sync::Arc;
 use kapitsa_backend::Backend;
 use kapitsa_backend_cpu::CpuBackend;
 use kapitsa_models::qwen35_vision::Qwen35Vision;
+use kapitsa_models::vision::VisionTower;
 use kapitsa_models::{CausalLm, LoadMode, LoadOptions, ModelSource};
 use kapitsa_text::{ChatTemplate, Tokenizer};
 
@@ -88,7 +89,7 @@ pub struct OpenedModel {
     pub description: String,
     /// The vision tower, when the checkpoint has one (Qwen3.5/3.6 `model.visual.*`), on the
     /// model's backend: give it to [`crate::EngineConfig::vision`].
-    pub vision: Option<Arc<Qwen35Vision>>,
+    pub vision: Option<Arc<dyn VisionTower>>,
     /// The image processor's settings of the checkpoint as JSON text, when it has them
     /// (`preprocessor_config.json`, or `processor_config.json`'s `image_processor`).
     pub preprocessor_config: Option<String>,
@@ -191,11 +192,7 @@ pub fn open_model(path: &Path, opts: &OpenOptions<'_>) -> Result<OpenedModel> {
     let mut description = describe(&*loaded.model, &loaded.arch, &*backend);
     let vision = load_vision(&loaded, &tokenizer, opts.mmproj, path, &backend)?;
     if let Some(v) = &vision {
-        let c = v.config();
-        description.push_str(&format!(
-            "; vision tower ({} blocks of {}, patches of {} px)",
-            c.depth, c.hidden, c.patch
-        ));
+        description.push_str(&format!("; {}", v.describe()));
     }
     let preprocessor_config = if path.is_dir() {
         image_processor_config(path)
@@ -227,7 +224,7 @@ fn load_vision(
     mmproj: Option<&Path>,
     path: &Path,
     backend: &Arc<dyn Backend>,
-) -> Result<Option<Arc<Qwen35Vision>>> {
+) -> Result<Option<Arc<dyn VisionTower>>> {
     let takes_images = loaded.model.spec().mrope.is_some();
     let Some(mp) = mmproj else {
         if !takes_images {
@@ -237,7 +234,7 @@ fn load_vision(
             "loading the vision tower of {}",
             path.display()
         )))?;
-        return Ok(v.map(Arc::new));
+        return Ok(v.map(|v| Arc::new(v) as Arc<dyn VisionTower>));
     };
     let what = format!("loading the vision tower {}", mp.display());
     let fail = |m: String| context(what.clone())(kapitsa_models::ModelError::Config(m));
@@ -251,7 +248,7 @@ fn load_vision(
         tok.token_to_id(t)
             .ok_or_else(|| fail(format!("the vocabulary has no {t} token")))
     };
-    let tokens = kapitsa_models::qwen35_vision::VisionTokens {
+    let tokens = kapitsa_models::vision::VisionTokens {
         image: id("<|image_pad|>")?,
         start: id("<|vision_start|>")?,
         end: id("<|vision_end|>")?,

@@ -19,6 +19,7 @@ pub mod qwen35_vision;
 pub mod qwen3moe;
 pub mod registry;
 pub mod source;
+pub mod vision;
 
 use std::sync::Arc;
 

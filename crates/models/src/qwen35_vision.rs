@@ -32,6 +32,8 @@ use serde_json::Value;
 
 use crate::layers::tensor;
 use crate::mrope::inv_freq;
+pub use crate::vision::VisionTokens;
+use crate::vision::{VisionKind, VisionTower};
 use crate::{ModelError, ModelSource, Result, Weight};
 
 /// The tower's dimensions (HF `vision_config`).
@@ -135,17 +137,6 @@ impl VisionConfig {
         }
         Ok(c)
     }
-}
-
-/// The special tokens that frame an image in a prompt (HF top-level config).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct VisionTokens {
-    /// `<|image_pad|>`: one per image token.
-    pub image: u32,
-    /// `<|vision_start|>`.
-    pub start: u32,
-    /// `<|vision_end|>`.
-    pub end: u32,
 }
 
 /// One block's weights on the backend.
@@ -560,6 +551,44 @@ impl Qwen35Vision {
             }
         }
         out
+    }
+}
+
+impl VisionTower for Qwen35Vision {
+    fn kind(&self) -> VisionKind {
+        VisionKind::Qwen35
+    }
+
+    fn tokens(&self) -> VisionTokens {
+        self.tokens
+    }
+
+    fn frames(&self) -> bool {
+        false
+    }
+
+    fn patch(&self) -> usize {
+        self.cfg.patch
+    }
+
+    fn temporal_patch(&self) -> usize {
+        self.cfg.temporal_patch
+    }
+
+    fn merge(&self) -> usize {
+        self.cfg.merge
+    }
+
+    fn describe(&self) -> String {
+        let c = &self.cfg;
+        format!(
+            "Qwen3.5 vision tower ({} blocks of {}, patches of {} px)",
+            c.depth, c.hidden, c.patch
+        )
+    }
+
+    fn encode(&self, pixels: &[f32], grid: [usize; 3]) -> Result<Vec<f32>> {
+        Qwen35Vision::encode(self, pixels, grid)
     }
 }
 

@@ -98,7 +98,7 @@ pub(super) struct Engine {
     /// Recent requests' tokens for the n-gram proposer.
     suffix: SuffixIndex,
     /// The model's vision tower, when it has one.
-    vision: Option<Arc<Qwen35Vision>>,
+    vision: Option<Arc<dyn VisionTower>>,
     /// Requests speculate unless they say otherwise (finished requests then feed `suffix`).
     spec_default_on: bool,
     /// Time of a forward pass against its size (for speculation in auto mode).
@@ -543,16 +543,24 @@ impl Engine {
         }
         let image_id = v.tokens().image;
         let chunks = batch.seqs.clone();
-        batch.mrope = Vec::with_capacity(batch.tokens.len());
+        // multimodal rotary positions only for models that take them (Nemotron has none)
+        let with_mrope = self.model.spec().mrope.is_some();
+        if with_mrope {
+            batch.mrope = Vec::with_capacity(batch.tokens.len());
+        }
         for ((s, c), im) in seqs.iter().zip(&chunks).zip(imgs) {
             let range = s.start_pos..s.start_pos + c.len;
             let Some(im) = im else {
-                batch.mrope.extend(range.map(|p| [p as u32; 3]));
+                if with_mrope {
+                    batch.mrope.extend(range.map(|p| [p as u32; 3]));
+                }
                 continue;
             };
-            batch
-                .mrope
-                .extend(mrope::positions(&im.spans, range.clone()));
+            if with_mrope {
+                batch
+                    .mrope
+                    .extend(mrope::positions(&im.spans, range.clone()));
+            }
             for (span, rows) in im.spans.iter().zip(&im.rows) {
                 let (lo, hi) = (span.start.max(range.start), span.range().end.min(range.end));
                 if lo >= hi {

@@ -52,7 +52,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use kapitsa_models::mrope::ImageSpan;
-use kapitsa_models::qwen35_vision::Qwen35Vision;
+use kapitsa_models::vision::{VisionKind, VisionTokens, VisionTower};
 use kapitsa_models::{CausalLm, KvType};
 use kapitsa_text::Tokenizer;
 use tokio::sync::mpsc as tmpsc;
@@ -98,7 +98,7 @@ pub struct EngineConfig {
     /// Speculative decoding ([`crate::spec`]); default off.
     pub spec: SpecConfig,
     /// The model's vision tower (requests with images need one); default none.
-    pub vision: Option<Arc<Qwen35Vision>>,
+    pub vision: Option<Arc<dyn VisionTower>>,
 }
 
 impl EngineConfig {
@@ -214,8 +214,13 @@ pub struct ImageInput {
 /// What a client needs to prepare images for the engine's vision tower.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct VisionInfo {
-    /// The tokens that frame an image in a prompt.
-    pub tokens: kapitsa_models::qwen35_vision::VisionTokens,
+    /// Which image processor prepares the patches.
+    pub kind: VisionKind,
+    /// The image tokens of a prompt.
+    pub tokens: VisionTokens,
+    /// Whether the engine frames each widened image with `tokens.start` / `tokens.end`
+    /// (else the chat template writes them around the placeholder).
+    pub frames: bool,
     /// Patch side in pixels.
     pub patch: usize,
     /// Frames per patch.
@@ -543,14 +548,13 @@ impl EngineHandle {
                 n_vocab,
                 max_queue: cfg.max_queue,
                 spec: cfg.spec.clone(),
-                vision: cfg.vision.as_ref().map(|v| {
-                    let c = v.config();
-                    VisionInfo {
-                        tokens: v.tokens(),
-                        patch: c.patch,
-                        temporal_patch: c.temporal_patch,
-                        merge: c.merge,
-                    }
+                vision: cfg.vision.as_ref().map(|v| VisionInfo {
+                    kind: v.kind(),
+                    tokens: v.tokens(),
+                    frames: v.frames(),
+                    patch: v.patch(),
+                    temporal_patch: v.temporal_patch(),
+                    merge: v.merge(),
                 }),
                 structured: LazyStructuredEnv::new(tok_for_constraints, n_vocab),
             }),
@@ -620,12 +624,18 @@ impl EngineHandle {
                     v.merge
                 ));
             }
+            if v.frames {
+                prompt.push(v.tokens.start);
+            }
             let span = ImageSpan {
                 start: prompt.len(),
                 grid: [gt, gh / v.merge, gw / v.merge],
             };
             prompt.extend((0..span.len()).map(|j| image_cache_id(img.hash, j, self.inner.n_vocab)));
             spans.push(span);
+            if v.frames {
+                prompt.push(v.tokens.end);
+            }
         }
         req.prompt = prompt;
         Ok(spans)
