@@ -37,6 +37,9 @@ pub struct SelftestArgs {
     /// Skip the op suite.
     #[arg(long)]
     no_ops: bool,
+    /// Skip the vision-language checkpoints (those with a `reference_vl.json`).
+    #[arg(long)]
+    no_vision: bool,
     /// Also compare this model file's logits (a 64-token prompt, every position) on the
     /// device with the CPU engine's (repeatable; synthetic files from `kapitsa synth`).
     #[arg(long = "model")]
@@ -311,6 +314,17 @@ pub fn selftest(a: SelftestArgs) -> Result<()> {
             }
         }
     }
+    let mut vl_dirs: Vec<PathBuf> = std::fs::read_dir(&a.fixtures)
+        .with_context(|| format!("reading {}", a.fixtures.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("reference_vl.json").exists())
+        .collect();
+    vl_dirs.sort();
+    if !a.no_vision {
+        for dir in &vl_dirs {
+            vision_checks(&a.device, dir, &mut rows)?;
+        }
+    }
     for path in &a.models {
         compare_with_cpu(&be, &cpu, path, &mut rows)?;
     }
@@ -324,6 +338,154 @@ pub fn selftest(a: SelftestArgs) -> Result<()> {
     println!("{} passed, {failed} failed", rows.len() - failed);
     if failed > 0 {
         bail!("{failed} selftest checks failed on {}", be.describe());
+    }
+    Ok(())
+}
+
+/// A vision-language checkpoint (`reference_vl.json`, tools/gen_tiny_vl.py) on `device`:
+/// the vision tower's rows of each image against transformers', the logits at every position
+/// of each prompt with its images (the tower's rows in place of the image tokens, multimodal
+/// rotary positions where the model takes them) against transformers', and 32 greedy tokens
+/// through the engine.
+fn vision_checks(device: &str, dir: &Path, rows: &mut Vec<Row>) -> Result<()> {
+    use kapitsa_engine::{EngineConfig, EngineHandle, Event, ImageInput, Request};
+    use kapitsa_models::mrope::{self, ImageSpan};
+    use kapitsa_models::EmbedRows;
+    let name = dir
+        .file_name()
+        .map_or(String::new(), |n| n.to_string_lossy().into_owned());
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference_vl.json"))?)?;
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| x.as_u64())
+                    .map(|x| x as u32)
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let opts = kapitsa_engine::OpenOptions {
+        device: device.parse()?,
+        threads: 2,
+        ..Default::default()
+    };
+    let m = kapitsa_engine::open_model(dir, &opts)?;
+    let v = m
+        .vision
+        .clone()
+        .context("the checkpoint has no vision tower")?;
+    // every image: its patches, grid and the tower's rows
+    let mut images = Vec::new();
+    for img in r["images"]
+        .as_array()
+        .context("reference_vl.json: images")?
+    {
+        let file = |k: &str| -> Result<PathBuf> {
+            Ok(dir.join(img[k].as_str().with_context(|| format!("image {k}"))?))
+        };
+        let g = match ids(&img["image_grid_thw"])[..] {
+            [t, h, w] => [t as usize, h as usize, w as usize],
+            _ => match ids(&img["image_grid_hw"])[..] {
+                [h, w] => [1, h as usize, w as usize],
+                _ => bail!("{name}: an image without a grid"),
+            },
+        };
+        let px = read_f32(&file("pixel_values")?)?;
+        let got = v.encode(&px, g)?;
+        let e = rel_err(&got, &read_f32(&file("image_embeds")?)?);
+        check(
+            rows,
+            format!("{name} {} tower rows vs transformers", img["name"]),
+            format!("{e:.2e} (tol 1e-4)"),
+            e < 1e-4,
+        );
+        images.push((img["name"].clone(), px, g, got));
+    }
+    let find = |n: &serde_json::Value| images.iter().find(|i| i.0 == *n);
+    let merge = v.merge();
+    for p in r["prompts"]
+        .as_array()
+        .context("reference_vl.json: prompts")?
+    {
+        let input = ids(&p["input_ids"]);
+        let mut spans = Vec::new();
+        let mut embeds = Vec::new();
+        let mut at = 0;
+        for n in p["images"].as_array().context("prompt images")? {
+            let (_, _, g, rows_) = find(n).context("a prompt's image")?;
+            while at < input.len() && input[at] != v.tokens().image {
+                at += 1;
+            }
+            let span = ImageSpan {
+                start: at,
+                grid: [g[0], g[1] / merge, g[2] / merge],
+            };
+            embeds.push(EmbedRows {
+                start: at,
+                data: Arc::new(rows_.clone()),
+                rows: 0..span.len(),
+            });
+            at += span.len();
+            spans.push(span);
+        }
+        let mut b = BatchInputs::single(0, &input, 0, (0..input.len()).collect());
+        b.embeds = embeds;
+        if m.model.spec().mrope.is_some() {
+            b.mrope = mrope::positions(&spans, 0..input.len());
+        }
+        let mut cache = kapitsa_models::new_cache(&*m.model, 1, input.len() + 40, KvType::F32)?;
+        let got = m.model.forward(&b, &mut cache)?.data;
+        let want = read_f32(&dir.join(p["hf_logits"].as_str().context("hf_logits")?))?;
+        let e = rel_err(&got, &want);
+        check(
+            rows,
+            format!("{name} {} logits with images vs transformers", p["name"]),
+            format!("{e:.2e} (tol 1e-4)"),
+            e < 1e-4,
+        );
+        // 32 greedy tokens through the engine, images from the reference's patches
+        let cfg = EngineConfig {
+            vision: Some(v.clone()),
+            ..EngineConfig::single_sequence(256, KvType::F32, None)
+        };
+        let h = EngineHandle::start(m.model.clone(), m.tokenizer.clone(), cfg)?;
+        let want = ids(&p["hf_greedy"]);
+        let mut req = Request::greedy(ids(&p["prompt_ids"]), want.len());
+        req.ignore_eos = true;
+        for (k, n) in p["images"]
+            .as_array()
+            .context("prompt images")?
+            .iter()
+            .enumerate()
+        {
+            let (_, px, g, _) = find(n).context("a prompt's image")?;
+            req.images.push(ImageInput {
+                values: px.clone(),
+                grid: *g,
+                hash: k as u64 + 1,
+            });
+        }
+        let mut s = h.submit(req)?;
+        let mut toks = Vec::new();
+        loop {
+            match s.blocking_recv() {
+                Some(Event::Text { tokens, .. }) => toks.extend(tokens),
+                Some(Event::Done { .. }) => break,
+                Some(Event::Error(e)) => bail!("{name}: {e}"),
+                Some(Event::Admitted { .. }) => {}
+                None => bail!("{name}: the engine stopped"),
+            }
+        }
+        h.shutdown();
+        let same = toks.iter().zip(&want).take_while(|(a, b)| a == b).count();
+        check(
+            rows,
+            format!("{name} {} greedy tokens with images", p["name"]),
+            format!("{same}/{} equal", want.len()),
+            same == want.len() && toks.len() == want.len(),
+        );
     }
     Ok(())
 }

@@ -318,6 +318,20 @@ pub enum Event {
     Error(String),
 }
 
+impl VisionInfo {
+    /// What `v` takes.
+    pub fn of(v: &dyn VisionTower) -> VisionInfo {
+        VisionInfo {
+            kind: v.kind(),
+            tokens: v.tokens(),
+            frames: v.frames(),
+            patch: v.patch(),
+            temporal_patch: v.temporal_patch(),
+            merge: v.merge(),
+        }
+    }
+}
+
 /// The prefix-cache id of token `j` of an image with content hash `hash`: an id past the
 /// vocabulary (`>= n_vocab`), so no text token equals it, that depends on the image and the
 /// token's place in it. The model never sees it (the engine feeds the image's rows there).
@@ -548,14 +562,7 @@ impl EngineHandle {
                 n_vocab,
                 max_queue: cfg.max_queue,
                 spec: cfg.spec.clone(),
-                vision: cfg.vision.as_ref().map(|v| VisionInfo {
-                    kind: v.kind(),
-                    tokens: v.tokens(),
-                    frames: v.frames(),
-                    patch: v.patch(),
-                    temporal_patch: v.temporal_patch(),
-                    merge: v.merge(),
-                }),
+                vision: cfg.vision.as_deref().map(VisionInfo::of),
                 structured: LazyStructuredEnv::new(tok_for_constraints, n_vocab),
             }),
         })
