@@ -8,7 +8,9 @@
 #      Mamba2 hybrids; `TEST_GPU_ARCHS` narrows it, e.g. qwen2,qwen3) within 1e-4 of
 #      transformers with 32 equal greedy tokens (decode steps recorded as CUDA graphs), one
 #      chunk == pieces == token by token, a batch of 3 == each alone, speculative == plain,
-#      and synthetic files' logits against the CPU engine's: dense Qwen2.5-Coder-1.5B, and the
+#      the vision-language fixtures (`reference_vl.json`: the vision tower's rows and the
+#      logits with images within 1e-4 of transformers, 32 greedy tokens with images through
+#      the engine), and synthetic files' logits against the CPU engine's: dense Qwen2.5-Coder-1.5B, and the
 #      Qwen3.6-35B-A3B, Qwen3-30B-A3B and Nemotron 3 Nano shapes with a few layers
 #      (`TEST_GPU_SYNTH` lists `preset:layers`); then the hybrid and MoE fixtures again with
 #      their decode steps run op by op instead of recorded as graphs (`KAPITSA_RECORD_HYBRID=0`);

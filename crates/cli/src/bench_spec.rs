@@ -150,6 +150,7 @@ pub fn generate(
             top_logprobs: None,
             constraint: None,
             spec: Default::default(),
+            images: Vec::new(),
         };
         let start = Instant::now();
         let mut s = engine.submit(req)?;

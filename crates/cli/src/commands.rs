@@ -11,9 +11,9 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use kapitsa_engine::{
-    open_model, DeviceChoice, EngineConfig, EngineHandle, Event, FinishReason, OpenOptions,
-    OpenedModel, ParsedReply, PrefixCacheConfig, ReplyEvent, ReplyFormat, ReplyParser, Request,
-    SamplingParams, Timing, Usage,
+    open_model, DeviceChoice, EngineConfig, EngineHandle, Event, FinishReason, ImageInput,
+    OpenOptions, OpenedModel, ParsedReply, PrefixCacheConfig, ReplyEvent, ReplyFormat, ReplyParser,
+    Request, SamplingParams, Timing, Usage,
 };
 use kapitsa_models::{BatchInputs, KvType, LoadMode};
 use kapitsa_text::ChatTemplate;
@@ -40,6 +40,10 @@ pub struct ModelArgs {
     /// How the weights are held (see `LoadModeArg`).
     #[arg(long, value_enum, default_value_t = LoadModeArg::Auto)]
     load_mode: LoadModeArg,
+    /// The vision tower of a GGUF model: llama.cpp's mmproj GGUF (for --image; an HF model
+    /// directory carries its own tower).
+    #[arg(long, value_name = "FILE")]
+    mmproj: Option<PathBuf>,
 }
 
 /// How the weight files are held in memory (`--load-mode`).
@@ -139,6 +143,13 @@ pub struct RunArgs {
     /// System prompt for --chat.
     #[arg(long, requires = "chat", conflicts_with = "prompt")]
     system: Option<String>,
+    /// An image for a vision-language model (Qwen3.5/3.6 with a vision tower; PNG, JPEG,
+    /// WebP or GIF; repeatable). With --chat the images go before the message text; with a
+    /// raw -p prompt, one `<|vision_start|><|image_pad|><|vision_end|>` per image is put before
+    /// the prompt, unless the prompt already holds `<|image_pad|>` placeholders (then it must
+    /// hold one per image, in order).
+    #[arg(long = "image", value_name = "FILE")]
+    images: Vec<PathBuf>,
     /// Maximum number of tokens to generate.
     #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
     n_predict: usize,
@@ -176,6 +187,11 @@ pub struct ChatArgs {
     /// generating the reply (for checking chat templates and the flags above).
     #[arg(long)]
     print_prompt: bool,
+    /// An image for a vision-language model (Qwen3.5/3.6 with a vision tower; PNG, JPEG,
+    /// WebP or GIF; repeatable): it goes with your first message, before its text (again
+    /// after /reset).
+    #[arg(long = "image", value_name = "FILE")]
+    images: Vec<PathBuf>,
 }
 
 /// `kapitsa logits`.
@@ -259,6 +275,7 @@ fn open(a: &ModelArgs) -> Result<OpenedModel> {
             device: a.device,
             threads: a.threads,
             load_mode: a.load_mode.into(),
+            mmproj: a.mmproj.as_deref(),
             ..OpenOptions::default()
         },
     )?;
@@ -277,9 +294,52 @@ fn session(a: &ModelArgs, spec: &crate::spec_args::SpecArgs) -> Result<Session> 
     };
     let mut cfg = EngineConfig::single_sequence(n_ctx, kv_type(&a.kv_type)?, Some(prefix));
     cfg.spec = spec.config(&opened, a.load_mode.into())?;
+    cfg.vision = opened.vision.clone();
     let engine = EngineHandle::start(opened.model.clone(), opened.tokenizer.clone(), cfg)
         .context("starting the engine")?;
     Ok(Session { opened, engine })
+}
+
+/// Read `--image` files (before the slow model load, so that a wrong path fails at once).
+fn read_images(files: &[PathBuf]) -> Result<Vec<(PathBuf, Vec<u8>)>> {
+    files
+        .iter()
+        .map(|f| {
+            let bytes =
+                std::fs::read(f).with_context(|| format!("reading the image {}", f.display()))?;
+            Ok((f.clone(), bytes))
+        })
+        .collect()
+}
+
+/// Preprocess `--image` files for the session's vision tower (the checkpoint's image
+/// processor settings, else Qwen3.5's defaults; the server's default limits).
+fn prepare_images(s: &Session, files: &[(PathBuf, Vec<u8>)]) -> Result<Vec<ImageInput>> {
+    if files.is_empty() {
+        return Ok(Vec::new());
+    }
+    let Some(v) = s.engine.vision() else {
+        bail!("this model has no vision tower: it cannot take images (--image)");
+    };
+    let proc =
+        kapitsa_server::images::processor_of(&s.opened, v.kind).map_err(anyhow::Error::msg)?;
+    kapitsa_server::images::check_processor(&proc, &v).map_err(anyhow::Error::msg)?;
+    let limits = kapitsa_image::Limits::default();
+    files
+        .iter()
+        .map(|(path, bytes)| {
+            kapitsa_server::images::image_input(bytes, &proc, &limits)
+                .with_context(|| format!("the image {}", path.display()))
+        })
+        .collect()
+}
+
+/// Content of a user message: `n` images, then `text` (a plain string without images).
+fn user_content(text: &str, n: usize) -> serde_json::Value {
+    use kapitsa_server::images::{content_value, Piece};
+    let mut pieces = vec![Piece::Image; n];
+    pieces.push(Piece::Text(text.to_string()));
+    content_value(pieces)
 }
 
 fn template(s: &Session) -> Result<ChatTemplate> {
@@ -327,15 +387,19 @@ fn generate(s: &Session, req: Request, on_text: &mut dyn FnMut(&str)) -> Result<
 /// `kapitsa run`.
 pub fn run(a: RunArgs) -> Result<()> {
     a.sample.params().validate()?; // reject bad sampling options before the slow load
+    let files = read_images(&a.images)?;
     let s = session(&a.model, &a.spec)?;
+    let images = prepare_images(&s, &files)?;
     let text = match (&a.prompt, &a.chat) {
-        (Some(p), None) => p.clone(),
+        (Some(p), None) => kapitsa_server::images::raw_prompt(p, images.len()),
         (None, Some(c)) => {
             let mut msgs = Vec::new();
             if let Some(sys) = &a.system {
                 msgs.push(serde_json::json!({"role": "system", "content": sys}));
             }
-            msgs.push(serde_json::json!({"role": "user", "content": c}));
+            msgs.push(
+                serde_json::json!({"role": "user", "content": user_content(c, images.len())}),
+            );
             template(&s)?.render(&serde_json::Value::Array(msgs), None, true, None)?
         }
         _ => bail!("give a prompt with -p TEXT or --chat TEXT"),
@@ -344,7 +408,11 @@ pub fn run(a: RunArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    let n_prompt = prompt.len();
+    // Each image token becomes the image's tokens.
+    let merge = s.engine.vision().map_or(1, |v| v.merge * v.merge).max(1);
+    let n_prompt = images.iter().fold(prompt.len(), |n, i| {
+        (n + i.grid.iter().product::<usize>() / merge).saturating_sub(1)
+    });
     let req = Request {
         prompt,
         sampling: a.sample.params(),
@@ -354,6 +422,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         top_logprobs: None,
         constraint: None,
         spec: Default::default(),
+        images,
     };
     let mut stdout = std::io::stdout().lock();
     let out = if a.n_predict == 0 {
@@ -574,13 +643,17 @@ struct ChatSetup<'a> {
     extra: Option<&'a serde_json::Value>,
     args: &'a ChatArgs,
     stderr_tty: bool,
+    /// The `--image`s, given with every turn while the history holds them.
+    images: Vec<ImageInput>,
 }
 
 /// Render the history, generate and print the assistant's reply.
+/// `with_images`: the history holds the `--image`s (in its first user message).
 fn chat_turn(
     s: &Session,
     c: &ChatSetup,
     msgs: &[serde_json::Value],
+    with_images: bool,
 ) -> Result<(ParsedReply, Finished)> {
     let text = c.tmpl.render(
         &serde_json::Value::Array(msgs.to_vec()),
@@ -601,6 +674,11 @@ fn chat_turn(
         top_logprobs: None,
         constraint: None,
         spec: Default::default(),
+        images: if with_images {
+            c.images.clone()
+        } else {
+            Vec::new()
+        },
     };
     let mut parser = ReplyParser::new(c.fmt, c.fmt.starts_in_reasoning(&text));
     if let Some(t) = c.tools {
@@ -637,7 +715,9 @@ pub fn chat(a: ChatArgs) -> Result<()> {
         (_, true) => Some(serde_json::json!({"enable_thinking": false})),
         _ => None,
     };
+    let files = read_images(&a.images)?;
     let s = session(&a.model, &a.spec)?;
+    let images = prepare_images(&s, &files)?;
     let tmpl = template(&s)?;
     let src = s.opened.chat_template_source.clone().unwrap_or_default();
     let fmt = ReplyFormat::from_template(&src);
@@ -656,7 +736,10 @@ pub fn chat(a: ChatArgs) -> Result<()> {
         extra: extra.as_ref(),
         args: &a,
         stderr_tty: std::io::stderr().is_terminal(),
+        images,
     };
+    // Whether the history holds the images (they go with the first user message).
+    let mut images_placed = false;
     let mut msgs = Vec::new();
     if let Some(sys) = &a.system {
         msgs.push(serde_json::json!({"role": "system", "content": sys}));
@@ -678,12 +761,13 @@ pub fn chat(a: ChatArgs) -> Result<()> {
             "/reset" => {
                 msgs.retain(|m: &serde_json::Value| m["role"] == "system");
                 pending.calls.clear();
+                images_placed = false;
                 eprintln!("(history cleared)");
                 continue;
             }
             _ => {}
         }
-        let saved = (msgs.len(), pending.clone());
+        let saved = (msgs.len(), pending.clone(), images_placed);
         if let Some(result) = tool_result(line) {
             let Some(msg) = pending.answer(result) else {
                 eprintln!(
@@ -704,14 +788,18 @@ pub fn chat(a: ChatArgs) -> Result<()> {
                 eprintln!("(the pending tool calls stay unanswered)");
                 pending.calls.clear();
             }
-            msgs.push(serde_json::json!({"role": "user", "content": line}));
+            let n = if images_placed { 0 } else { setup.images.len() };
+            images_placed = true;
+            msgs.push(serde_json::json!({"role": "user", "content": user_content(line, n)}));
         }
-        let (reply, out) = match chat_turn(&s, &setup, &msgs) {
+        let with_images = images_placed && !setup.images.is_empty();
+        let (reply, out) = match chat_turn(&s, &setup, &msgs, with_images) {
             Ok(r) => r,
             Err(e) => {
                 eprintln!("\nerror: {e}");
                 msgs.truncate(saved.0);
                 pending = saved.1;
+                images_placed = saved.2;
                 continue;
             }
         };

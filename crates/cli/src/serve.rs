@@ -9,6 +9,7 @@ use clap::Args;
 
 use kapitsa_engine::{DeviceChoice, EngineConfig, EngineHandle, OpenOptions, PrefixCacheConfig};
 use kapitsa_models::KvType;
+use kapitsa_server::images::ImageConfig;
 use kapitsa_server::{ServedModel, Server, ServerConfig};
 
 /// `kapitsa serve`.
@@ -60,9 +61,28 @@ pub struct ServeArgs {
     /// default any name is served by the one model.
     #[arg(long)]
     strict_model_name: bool,
-    /// Largest request body (bytes; KiB/MiB/GiB or K/M/G suffixes accepted).
-    #[arg(long, default_value = "4MiB", value_parser = parse_size)]
+    /// Largest request body (bytes; KiB/MiB/GiB or K/M/G suffixes accepted). Images sent
+    /// inline count here as base64 (a third larger than the file).
+    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
     max_body_bytes: usize,
+    /// Most images per request (vision-language models).
+    #[arg(long, default_value_t = kapitsa_server::images::DEFAULT_MAX_IMAGES)]
+    max_images: usize,
+    /// Largest image file accepted (encoded bytes; KiB/MiB/GiB suffixes accepted).
+    #[arg(long, default_value = "20MiB", value_parser = parse_size)]
+    max_image_bytes: usize,
+    /// Largest image accepted, in pixels (width x height as the file declares it; refused
+    /// before decoding).
+    #[arg(long, default_value_t = 40_000_000)]
+    max_image_pixels: u64,
+    /// Fetch http:// and https:// image URLs given in requests (off by default: clients must
+    /// send images inline as data: URLs or base64). Enabling it lets any client make the
+    /// server fetch any address it can reach, internal ones included.
+    #[arg(long)]
+    allow_image_urls: bool,
+    /// Seconds a fetch of an image URL may take in all (with --allow-image-urls).
+    #[arg(long, default_value_t = kapitsa_server::images::DEFAULT_URL_TIMEOUT.as_secs())]
+    image_url_timeout: u64,
     /// KV cache element type: f16, f32 or q8_0 (8-bit blocks, about half of f16's memory;
     /// needs a head size that is a multiple of 32).
     #[arg(long, default_value = "f16")]
@@ -100,6 +120,10 @@ pub struct ServeArgs {
     /// Use this Jinja chat template instead of the model's own.
     #[arg(long, value_name = "FILE")]
     chat_template_file: Option<PathBuf>,
+    /// The vision tower of a GGUF model: llama.cpp's mmproj GGUF (requests may then carry
+    /// images; an HF model directory carries its own tower).
+    #[arg(long, value_name = "FILE")]
+    mmproj: Option<PathBuf>,
     /// On SIGINT/SIGTERM, seconds the requests in flight may go on before they are cancelled.
     #[arg(long, default_value_t = 10)]
     shutdown_grace: u64,
@@ -149,6 +173,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             threads: a.threads,
             load_mode: a.load_mode.into(),
             chat_template_file: a.chat_template_file.as_deref(),
+            mmproj: a.mmproj.as_deref(),
             ..OpenOptions::default()
         },
     )?;
@@ -200,6 +225,15 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             disk: a.cache_dir.clone().map(|d| (d, a.cache_disk_size as u64)),
         })
     };
+    if opened.vision.is_some() {
+        eprintln!(
+            "kapitsa: images on (vision tower; at most {} per request, {} bytes and {} pixels each; image URLs {})",
+            a.max_images,
+            a.max_image_bytes,
+            a.max_image_pixels,
+            if a.allow_image_urls { "fetched" } else { "off (--allow-image-urls)" }
+        );
+    }
     if served.template.is_none() {
         eprintln!(
             "note: the model has no chat template; the chat endpoints answer 400 (use --chat-template-file)"
@@ -218,6 +252,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             kv_block_size: a.kv_block_size,
             prefix_cache: prefix,
             spec: a.spec.config(&opened, a.load_mode.into())?,
+            vision: opened.vision.clone(),
         },
     )
     .context("starting the engine")?;
@@ -225,6 +260,15 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         api_key: a.api_key.clone(),
         max_body_bytes: a.max_body_bytes,
         shutdown_grace: Duration::from_secs(a.shutdown_grace),
+        images: ImageConfig {
+            max_images: a.max_images,
+            limits: kapitsa_image::Limits {
+                max_bytes: a.max_image_bytes,
+                max_pixels: a.max_image_pixels,
+            },
+            allow_urls: a.allow_image_urls,
+            url_timeout: Duration::from_secs(a.image_url_timeout.max(1)),
+        },
         ..ServerConfig::default()
     };
     let name = served.name.clone();

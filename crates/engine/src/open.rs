@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use kapitsa_backend::Backend;
 use kapitsa_backend_cpu::CpuBackend;
+use kapitsa_models::nemotron_vision::NemotronVision;
 use kapitsa_models::qwen35_vision::Qwen35Vision;
 use kapitsa_models::vision::VisionTower;
 use kapitsa_models::{CausalLm, LoadMode, LoadOptions, ModelSource};
@@ -91,7 +92,8 @@ pub struct OpenedModel {
     /// model's backend: give it to [`crate::EngineConfig::vision`].
     pub vision: Option<Arc<dyn VisionTower>>,
     /// The image processor's settings of the checkpoint as JSON text, when it has them
-    /// (`preprocessor_config.json`, or `processor_config.json`'s `image_processor`).
+    /// (`preprocessor_config.json`, or `processor_config.json`'s `image_processor`; for a
+    /// GGUF with an mmproj, those files beside the mmproj).
     pub preprocessor_config: Option<String>,
 }
 
@@ -194,10 +196,13 @@ pub fn open_model(path: &Path, opts: &OpenOptions<'_>) -> Result<OpenedModel> {
     if let Some(v) = &vision {
         description.push_str(&format!("; {}", v.describe()));
     }
+    // the checkpoint folder's, else (a GGUF with an mmproj) the mmproj's folder's
     let preprocessor_config = if path.is_dir() {
         image_processor_config(path)
     } else {
-        None
+        opts.mmproj
+            .and_then(Path::parent)
+            .and_then(image_processor_config)
     };
     Ok(OpenedModel {
         path: path.to_path_buf(),
@@ -215,9 +220,9 @@ pub fn open_model(path: &Path, opts: &OpenOptions<'_>) -> Result<OpenedModel> {
     })
 }
 
-/// The vision tower: the mmproj's when one is given, else the checkpoint's own (HF
-/// `model.visual.*`), `None` when there is none. Only Qwen3.5/3.6 language models (multimodal
-/// rotary positions) take one.
+/// The vision tower: the mmproj's when one is given (Qwen3.5/3.6 language models, which take
+/// multimodal rotary positions), else the checkpoint's own (HF Qwen3.5/3.6 `model.visual.*`,
+/// Nemotron omni `vision_model.*`), `None` when there is none.
 fn load_vision(
     loaded: &kapitsa_models::LoadedModel,
     tok: &Tokenizer,
@@ -227,13 +232,15 @@ fn load_vision(
 ) -> Result<Option<Arc<dyn VisionTower>>> {
     let takes_images = loaded.model.spec().mrope.is_some();
     let Some(mp) = mmproj else {
+        let what = format!("loading the vision tower of {}", path.display());
+        if loaded.arch.starts_with("nemotron_h") {
+            let v = NemotronVision::load(&loaded.source, backend.clone()).map_err(context(what))?;
+            return Ok(v.map(|v| Arc::new(v) as Arc<dyn VisionTower>));
+        }
         if !takes_images {
             return Ok(None);
         }
-        let v = Qwen35Vision::load(&loaded.source, backend.clone()).map_err(context(format!(
-            "loading the vision tower of {}",
-            path.display()
-        )))?;
+        let v = Qwen35Vision::load(&loaded.source, backend.clone()).map_err(context(what))?;
         return Ok(v.map(|v| Arc::new(v) as Arc<dyn VisionTower>));
     };
     let what = format!("loading the vision tower {}", mp.display());

@@ -1,5 +1,6 @@
 //! Requests with images through the engine, on the tiny vision-language fixtures
-//! (tests/fixtures/tiny/qwen35-vl-a, qwen35moe-vl-a): 32 greedy tokens equal transformers'
+//! (tests/fixtures/tiny/qwen35-vl-a, qwen35moe-vl-a, and Nemotron's nemotronh-vl-a, whose
+//! images the engine frames with `<img>` ... `</img>`): 32 greedy tokens equal transformers'
 //! for a prompt with one image and one with two; the image tokens take part in prefix
 //! caching keyed by the image's content; a request with images batched beside a text-only
 //! one gives each the tokens it gives alone; bad image requests are refused.
@@ -67,11 +68,18 @@ fn image(m_dir: &Path, r: &Value, name: &Value) -> ImageInput {
         .iter()
         .find(|i| i["name"] == *name)
         .unwrap();
-    let g = ids(&img["image_grid_thw"]);
+    // Qwen: (t, h, w); Nemotron: (h, w)
+    let grid = if img["image_grid_thw"].is_array() {
+        let g = ids(&img["image_grid_thw"]);
+        [g[0] as usize, g[1] as usize, g[2] as usize]
+    } else {
+        let g = ids(&img["image_grid_hw"]);
+        [1, g[0] as usize, g[1] as usize]
+    };
     let bytes = std::fs::read(m_dir.join(img["file"].as_str().unwrap())).unwrap();
     ImageInput {
         values: read_f32(&m_dir.join(img["pixel_values"].as_str().unwrap())),
-        grid: [g[0] as usize, g[1] as usize, g[2] as usize],
+        grid,
         hash: kapitsa_image::content_hash(&bytes),
     }
 }
@@ -91,7 +99,7 @@ fn request(m_dir: &Path, r: &Value, p: &Value, n: usize) -> Request {
 
 #[test]
 fn greedy_tokens_match_transformers() {
-    for name in ["qwen35-vl-a", "qwen35moe-vl-a"] {
+    for name in ["qwen35-vl-a", "qwen35moe-vl-a", "nemotronh-vl-a"] {
         let (m, r) = open(name);
         assert!(m.vision.is_some(), "{name}: no vision tower");
         let h = engine(

@@ -31,12 +31,14 @@
 
 mod config;
 mod decode;
+pub mod nemotron;
 mod resize;
 
 use base64::Engine as _;
 use sha2::Digest as _;
 
 pub use config::ProcessorConfig;
+pub use nemotron::{preprocess_nemotron, preprocess_nemotron_rgb8, NemotronConfig};
 
 /// Decoding limits: an image over these is refused before its pixels are decoded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -254,6 +256,33 @@ fn patchify(img: &[u8], width: usize, height: usize, cfg: &ProcessorConfig) -> P
         values,
         grid: [1, gh, gw],
         patch_dim,
+    }
+}
+
+/// An image processor of either model family: what a vision tower's patches are cut by.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Processor {
+    /// Qwen3.5/3.6 (transformers' `Qwen2VLImageProcessor`).
+    Qwen35(ProcessorConfig),
+    /// Nemotron omni (transformers' `NemotronH_Omni_Reasoning_V3ImageProcessor`).
+    Nemotron(NemotronConfig),
+}
+
+impl Processor {
+    /// Decode and preprocess one image (see [`preprocess`], [`preprocess_nemotron`]).
+    pub fn preprocess(&self, bytes: &[u8], limits: &Limits) -> Result<Pixels, ImageError> {
+        match self {
+            Processor::Qwen35(c) => preprocess(bytes, c, limits),
+            Processor::Nemotron(c) => preprocess_nemotron(bytes, c, limits),
+        }
+    }
+
+    /// How it cuts images: (patch side, frames per patch, patches merged per side).
+    pub fn cut(&self) -> (usize, usize, usize) {
+        match self {
+            Processor::Qwen35(c) => (c.patch_size, c.temporal_patch_size, c.merge_size),
+            Processor::Nemotron(c) => (c.patch_size, 1, c.merge_size),
+        }
     }
 }
 

@@ -12,6 +12,7 @@ pub mod layers;
 pub mod mrope;
 pub mod mtp;
 pub mod nemotron_h;
+pub mod nemotron_vision;
 pub mod qwen2;
 pub mod qwen3;
 pub mod qwen35;

@@ -30,11 +30,11 @@ use crate::{
     BatchInputs, CausalLm, KvCache, Logits, ModelError, ModelSource, ModelSpec, Result, Tensor,
 };
 
-/// Tensor names: HF `{prefix}{i}.mixer.*` (prefix `backbone.layers.`, or `mtp.layers.` for
-/// the MTP head) or GGUF `blk.{i}.*`.
+/// Tensor names: HF `{prefix}{i}.mixer.*` (prefix `backbone.layers.`, `language_model.backbone.layers.`
+/// in a vision-language checkpoint, or `mtp.layers.` for the MTP head) or GGUF `blk.{i}.*`.
 struct Names {
     gguf: bool,
-    prefix: &'static str,
+    prefix: String,
 }
 
 impl Names {
@@ -149,7 +149,9 @@ fn read_hp(src: &ModelSource, arch: &str) -> Result<Hp> {
 /// Layer count of an HF config from its layer pattern (`layers_block_type` list or
 /// `hybrid_override_pattern` string).
 fn hf_pattern_len(src: &ModelSource) -> Option<usize> {
-    let cfg = src.hf()?.config();
+    let root = src.hf()?.config();
+    // a vision-language checkpoint nests the language model's settings in text_config
+    let cfg = root.get("text_config").unwrap_or(root);
     if let Some(a) = cfg.get("layers_block_type").and_then(|v| v.as_array()) {
         return Some(a.len());
     }
@@ -163,9 +165,15 @@ impl NemotronH {
     pub fn load(src: &ModelSource, backend: Arc<dyn Backend>) -> Result<NemotronH> {
         let arch = src.arch()?;
         let hp = read_hp(src, &arch)?;
+        // NVIDIA's vision-language checkpoints put the language model under `language_model.`
+        let root = if src.gguf().is_none() && src.has("language_model.backbone.embeddings.weight") {
+            "language_model."
+        } else {
+            ""
+        };
         let names = Names {
             gguf: src.gguf().is_some(),
-            prefix: "backbone.layers.",
+            prefix: format!("{root}backbone.layers."),
         };
         let mut hp = hp;
         let n_mtp = if names.gguf {
@@ -193,7 +201,7 @@ impl NemotronH {
             if names.gguf {
                 gguf.to_string()
             } else {
-                hf.to_string()
+                format!("{root}{hf}")
             }
         };
         let tok_embd = src.weight(&g("backbone.embeddings.weight", "token_embd.weight"))?;
@@ -281,7 +289,7 @@ fn load_mtp(src: &ModelSource, names: &Names, hp: &Hp) -> Result<NemotronMtp> {
     } else {
         let mtp = Names {
             gguf: false,
-            prefix: "mtp.layers.",
+            prefix: "mtp.layers.".into(),
         };
         let attn = load_block(src, &mtp, 0, hp, Some(Kind::Attention))?;
         let moe = load_block(src, &mtp, 1, hp, Some(Kind::Moe))?;

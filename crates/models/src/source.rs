@@ -105,6 +105,8 @@ impl ModelSource {
                     "qwen3_moe" => "qwen3moe",
                     "qwen3_5_moe" | "qwen3_5_moe_text" => "qwen35moe",
                     "qwen3_5" | "qwen3_5_text" => "qwen35",
+                    // NVIDIA's vision-language model: a nemotron_h language model
+                    "nemotron_h_omni" => "nemotron_h",
                     other => other,
                 }
                 .to_string())

@@ -19,6 +19,7 @@ use crate::gen::{
     new_id, random_u64, send, sse_response, submit_all_announced, which_stop, Choice, Interrupted,
     Merged, SseTx,
 };
+use crate::images::{self, content_value, Images, Piece};
 use crate::params::{parse_body, type_name, Fields};
 use crate::tool_choice::{self, ToolPolicy};
 use crate::{body_bytes, response_format, AppState};
@@ -32,6 +33,8 @@ struct Conversation {
     policy: ToolPolicy,
     /// Template variables (`enable_thinking`).
     extra: Option<Value>,
+    /// The images of user messages, in order.
+    images: Images,
 }
 
 impl Conversation {
@@ -137,8 +140,9 @@ fn conversation(f: &Fields) -> ApiResult<Conversation> {
             "'messages' must not be empty",
         ));
     }
+    let mut images = Images::default();
     for (i, m) in list.iter().enumerate() {
-        convert_message(i, m, &mut messages)?;
+        convert_message(i, m, &mut messages, &mut images)?;
     }
     let tools = convert_tools(f)?;
     let policy = tool_choice::anthropic(f.object("tool_choice")?, tools.as_ref())?;
@@ -151,6 +155,7 @@ fn conversation(f: &Fields) -> ApiResult<Conversation> {
         tools,
         policy,
         extra,
+        images,
     })
 }
 
@@ -178,8 +183,14 @@ fn thinking(f: &Fields) -> ApiResult<Option<Value>> {
 
 /// Convert `messages[i]` into chat-template messages appended to `out`: a `system` message
 /// (Claude Code sends some inside `messages`) stays where it is (see [`prompt`] for templates
-/// that refuse that), tool results become `tool` messages.
-fn convert_message(i: usize, m: &Value, out: &mut Vec<Value>) -> ApiResult<()> {
+/// that refuse that), tool results become `tool` messages, images of user messages go to
+/// `images` (the message's content becomes a list with an `{"type": "image"}` item there).
+fn convert_message(
+    i: usize,
+    m: &Value,
+    out: &mut Vec<Value>,
+    images: &mut Images,
+) -> ApiResult<()> {
     let p = format!("messages[{i}]");
     let Value::Object(obj) = m else {
         return Err(ApiError::bad_param(&p, format!("'{p}' must be an object")));
@@ -216,7 +227,7 @@ fn convert_message(i: usize, m: &Value, out: &mut Vec<Value>) -> ApiResult<()> {
             ))
         }
     };
-    let mut texts = Vec::new();
+    let mut pieces = Vec::new();
     let mut reasoning = Vec::new();
     let mut calls = Vec::new();
     let mut results = Vec::new();
@@ -234,20 +245,20 @@ fn convert_message(i: usize, m: &Value, out: &mut Vec<Value>) -> ApiResult<()> {
             .str("type")?
             .ok_or_else(|| bf.error("type", format!("'{bp}.type' is a required property")))?;
         match (ty, role) {
-            ("text", _) => texts.push(
+            ("text", _) => pieces.push(Piece::Text(
                 bf.str("text")?
                     .ok_or_else(|| bf.error("text", format!("'{bp}.text' is a required property")))?
                     .to_string(),
-            ),
-            ("document", _) => texts.push(document_text(&bf, &bp)?),
+            )),
+            ("document", _) => pieces.push(Piece::Text(document_text(&bf, &bp)?)),
             ("thinking", "assistant") => {
                 reasoning.push(bf.str("thinking")?.unwrap_or("").to_string())
             }
             ("redacted_thinking", "assistant") => {}
             ("tool_use", "assistant") => {
-                let name = bf
-                    .str("name")?
-                    .ok_or_else(|| bf.error("name", format!("'{bp}.name' is a required property")))?;
+                let name = bf.str("name")?.ok_or_else(|| {
+                    bf.error("name", format!("'{bp}.name' is a required property"))
+                })?;
                 let input = bf.object("input")?.cloned().unwrap_or_default();
                 let mut c = json!({
                     "type": "function",
@@ -260,7 +271,10 @@ fn convert_message(i: usize, m: &Value, out: &mut Vec<Value>) -> ApiResult<()> {
             }
             ("tool_result", "user") => {
                 let id = bf.str("tool_use_id")?.ok_or_else(|| {
-                    bf.error("tool_use_id", format!("'{bp}.tool_use_id' is a required property"))
+                    bf.error(
+                        "tool_use_id",
+                        format!("'{bp}.tool_use_id' is a required property"),
+                    )
                 })?;
                 let mut text = block_text(bf.get("content"), &format!("{bp}.content"))?;
                 if bf.bool("is_error")?.unwrap_or(false) {
@@ -268,10 +282,14 @@ fn convert_message(i: usize, m: &Value, out: &mut Vec<Value>) -> ApiResult<()> {
                 }
                 results.push(json!({"role": "tool", "tool_call_id": id, "content": text}));
             }
+            ("image", "user") => {
+                images.push(images::anthropic_image(b, &bp)?, bp.clone());
+                pieces.push(Piece::Image);
+            }
             ("image", _) => {
                 return Err(ApiError::bad_param(
                     &bp,
-                    format!("content blocks of type '{ty}' are not supported: this server serves a text-only model"),
+                    format!("'{bp}': image blocks are only accepted in user messages"),
                 ))
             }
             _ => {
@@ -284,13 +302,13 @@ fn convert_message(i: usize, m: &Value, out: &mut Vec<Value>) -> ApiResult<()> {
     }
     if role == "user" {
         out.extend(results);
-        if !texts.is_empty() {
-            out.push(json!({"role": "user", "content": texts.join("\n")}));
+        if !pieces.is_empty() {
+            out.push(json!({"role": "user", "content": content_value(pieces)}));
         }
     } else {
         let mut msg = Map::new();
         msg.insert("role".into(), "assistant".into());
-        msg.insert("content".into(), texts.join("\n").into());
+        msg.insert("content".into(), content_value(pieces));
         if !reasoning.is_empty() {
             msg.insert("reasoning_content".into(), reasoning.join("\n").into());
         }
@@ -390,16 +408,25 @@ pub async fn count_tokens(
     State(st): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let r = (|| -> ApiResult<Response> {
-        let body = body_bytes(&st, body)?;
-        let map = parse_body(&body)?;
-        let f = Fields::new(&map);
-        st.check_model(f.str("model")?)?;
-        let c = conversation(&f)?;
-        let (_, ids) = prompt(&st, &c)?;
-        Ok(Json(json!({"input_tokens": ids.len()})).into_response())
-    })();
-    r.unwrap_or_else(|e| e.into_response_for(Api::Anthropic))
+    count_tokens_inner(st, body)
+        .await
+        .unwrap_or_else(|e| e.into_response_for(Api::Anthropic))
+}
+
+async fn count_tokens_inner(
+    st: Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> ApiResult<Response> {
+    let body = body_bytes(&st, body)?;
+    let map = parse_body(&body)?;
+    let f = Fields::new(&map);
+    st.check_model(f.str("model")?)?;
+    let mut c = conversation(&f)?;
+    c.images.check(&st)?;
+    let (_, ids) = prompt(&st, &c)?;
+    // Images count as the tokens the engine widens them to.
+    let prepared = images::prepare(&st, std::mem::take(&mut c.images), &ids).await?;
+    Ok(Json(json!({"input_tokens": prepared.n_prompt})).into_response())
 }
 
 /// `POST /v1/messages`.
@@ -443,7 +470,8 @@ async fn messages_inner(
         .int_in("max_tokens", 1, i64::from(u32::MAX))?
         .ok_or_else(|| ApiError::bad_param("max_tokens", "max_tokens: Field required"))?
         as usize;
-    let conv = conversation(&f)?;
+    let mut conv = conversation(&f)?;
+    conv.images.check(&st)?;
     let mut s = SamplingParams::default();
     if let Some(t) = f.f32_in("temperature", 0.0, 1.0)? {
         s.temperature = t;
@@ -460,7 +488,9 @@ async fn messages_inner(
     let stream = f.bool("stream")?.unwrap_or(false);
     st.check_open()?;
     let (text, ids) = prompt(&st, &conv)?;
-    let room = st.room(ids.len(), "messages")?;
+    let prepared = images::prepare(&st, std::mem::take(&mut conv.images), &ids).await?;
+    let n_prompt = prepared.n_prompt;
+    let room = st.room(n_prompt, "messages")?;
     let fmt = st.model.reply_format;
     let constraint = tool_choice::constraint(&conv.policy, conv.tools.as_ref(), fmt, &text)?;
     let req = Request {
@@ -472,6 +502,7 @@ async fn messages_inner(
         top_logprobs: None,
         constraint,
         spec: crate::params::spec_field(&f)?,
+        images: prepared.inputs,
     };
     let merged = if req.constraint.is_some() {
         // Compiling the constraint (and, the first time, building the token trie) blocks.
@@ -487,7 +518,7 @@ async fn messages_inner(
     let choice = Choice::new(fmt, fmt.starts_in_reasoning(&text), conv.prompt_tools());
     let id = new_id("msg_");
     if stream {
-        let (st2, n_prompt) = (st.clone(), ids.len());
+        let st2 = st.clone();
         return Ok(sse_response(move |tx| {
             stream_messages(st2, merged, choice, id, n_prompt, stops, tx)
         }));
@@ -520,7 +551,7 @@ async fn messages_inner(
         "content": content,
         "stop_reason": stop_reason(&finish, !r.tool_calls.is_empty()),
         "stop_sequence": stop_seq,
-        "usage": usage_json(ids.len(), c.usage.completion_tokens, c.usage.cached_tokens),
+        "usage": usage_json(n_prompt, c.usage.completion_tokens, c.usage.cached_tokens),
     }))
     .into_response())
 }

@@ -5,8 +5,8 @@ use std::future::Future;
 use std::pin::Pin;
 
 pub use kapitsa_engine::service::{
-    EngineConfig, EngineHandle, EngineMetrics, Event, Request, RequestStream, SubmitError, Timing,
-    TokenLogprob, Usage, MAX_TOP_LOGPROBS,
+    EngineConfig, EngineHandle, EngineMetrics, Event, ImageInput, Request, RequestStream,
+    SubmitError, Timing, TokenLogprob, Usage, VisionInfo, MAX_TOP_LOGPROBS,
 };
 pub use kapitsa_engine::FinishReason;
 
@@ -36,6 +36,11 @@ pub trait Engine: Send + Sync + 'static {
     /// unless the engine says otherwise.
     fn max_queue(&self) -> usize {
         usize::MAX
+    }
+    /// What the model's vision tower takes (`None`: the model has none, requests with images
+    /// are refused).
+    fn vision(&self) -> Option<VisionInfo> {
+        None
     }
     /// Stop: end every request in flight and refuse new ones (may block until the engine
     /// thread has stopped).
@@ -67,6 +72,10 @@ impl Engine for EngineHandle {
 
     fn max_queue(&self) -> usize {
         EngineHandle::max_queue(self)
+    }
+
+    fn vision(&self) -> Option<VisionInfo> {
+        EngineHandle::vision(self)
     }
 
     fn shutdown(&self) {

@@ -270,6 +270,7 @@ async fn infill_inner(
         top_logprobs: None,
         constraint: None,
         spec: crate::params::spec_field(&f)?,
+        images: Vec::new(),
     };
     let merged = submit_all(&st, vec![req])?;
     let choice = Choice::new(ReplyFormat::plain(), false, None);

@@ -24,6 +24,9 @@
 //! [`kapitsa_engine::EngineHandle`]; a request of `n` choices is `n` engine requests. Chat
 //! replies go through [`kapitsa_engine::ReplyParser`] (format detected from the chat template)
 //! so reasoning and tool calls come back as their own fields, never as markup in the text.
+//!
+//! With a vision-language model (an engine with a vision tower), user messages may carry images
+//! through every chat API; [`images`] turns them into the engine's `ImageInput`s.
 
 pub mod anthropic;
 pub mod embeddings;
@@ -31,6 +34,7 @@ pub mod engine;
 pub mod error;
 pub mod fim;
 pub mod gen;
+pub mod images;
 pub mod metrics;
 pub mod ollama;
 pub mod openai;
@@ -66,8 +70,9 @@ use crate::engine::Engine;
 use crate::error::{Api, ApiError, ApiResult, ErrorKind};
 use crate::metrics::Metrics;
 
-/// Default request body limit: 4 MiB.
-pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
+/// Default request body limit: 64 MiB (room for several images sent inline as base64, which
+/// grows them by a third).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 64 << 20;
 
 /// Settings of the HTTP layer.
 #[derive(Debug, Clone)]
@@ -81,6 +86,8 @@ pub struct ServerConfig {
     /// Anthropic streams send `event: ping` when nothing else was sent for this long
     /// (default [`anthropic::PING_EVERY`]).
     pub ping_every: Duration,
+    /// Images in requests (limits, URL fetching).
+    pub images: images::ImageConfig,
 }
 
 impl Default for ServerConfig {
@@ -90,6 +97,7 @@ impl Default for ServerConfig {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             shutdown_grace: Duration::from_secs(10),
             ping_every: anthropic::PING_EVERY,
+            images: images::ImageConfig::default(),
         }
     }
 }
@@ -119,6 +127,9 @@ pub struct ServedModel {
     pub template_source: Option<String>,
     /// Embeddings with the model's weights (`None`: `/v1/embeddings` answers 400).
     pub embed: Option<Arc<kapitsa_engine::embed::LazyEmbedder>>,
+    /// How images are cut into patches for the vision tower (`None`: the tower family's
+    /// defaults); only read when the engine has a tower.
+    pub image_processor: Option<kapitsa_image::Processor>,
 }
 
 impl ServedModel {
@@ -148,6 +159,7 @@ impl ServedModel {
             arch: "unknown".into(),
             template_source: template_src.map(str::to_string),
             embed: None,
+            image_processor: None,
         })
     }
 
@@ -164,7 +176,9 @@ impl ServedModel {
 
     /// The model `opened` serves (opened by [`kapitsa_engine::open_model`], whose
     /// `chat_template_file` replaces the model's own template), named `name` or, by default,
-    /// after its path ([`default_model_name`]).
+    /// after its path ([`default_model_name`]). With a vision tower, the image processor is
+    /// read from the checkpoint ([`images::processor_of`]) and must cut images the way the
+    /// tower takes them.
     pub fn from_opened(opened: &OpenedModel, name: Option<String>) -> anyhow::Result<ServedModel> {
         let name = name.unwrap_or_else(|| default_model_name(&opened.path));
         let mut m = ServedModel::new(
@@ -178,6 +192,12 @@ impl ServedModel {
             opened.model.clone(),
             pooling,
         )));
+        if let Some(v) = &opened.vision {
+            let info = kapitsa_engine::VisionInfo::of(&**v);
+            let p = images::processor_of(opened, info.kind).map_err(anyhow::Error::msg)?;
+            images::check_processor(&p, &info).map_err(anyhow::Error::msg)?;
+            m.image_processor = Some(p);
+        }
         Ok(m)
     }
 }

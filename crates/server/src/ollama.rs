@@ -37,6 +37,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::engine::{FinishReason, Request};
 use crate::error::{Api, ApiError, ApiResult};
 use crate::gen::{random_u64, submit_all_for, Choice, Interrupted, Merged};
+use crate::images::{self, content_value, Images, Piece};
 use crate::params::{parse_body, type_name, Fields};
 use crate::{body_bytes, embeddings, fim, response_format, AppState};
 
@@ -227,8 +228,9 @@ fn opts(f: &Fields) -> ApiResult<Opts> {
     })
 }
 
-/// Ollama chat messages -> chat-template messages.
-fn messages(list: &[Value]) -> ApiResult<Vec<Value>> {
+/// Ollama chat messages -> chat-template messages; the `images` of user messages go to
+/// `images` (the message's content becomes a list: its images, then its text).
+fn messages(list: &[Value], images: &mut Images) -> ApiResult<Vec<Value>> {
     let mut out = Vec::with_capacity(list.len());
     for (i, m) in list.iter().enumerate() {
         let p = format!("messages[{i}]");
@@ -246,13 +248,21 @@ fn messages(list: &[Value]) -> ApiResult<Vec<Value>> {
                 format!("unknown role '{role}' (expected system, user, assistant or tool)"),
             ));
         }
-        if mf.array("images")?.is_some_and(|a| !a.is_empty()) {
-            return Err(mf.error(
-                "images",
-                "images are not supported: this server serves a text-only model",
-            ));
+        let text = mf.str("content")?.unwrap_or("");
+        let mut content = Value::String(text.to_string());
+        if let Some(list) = mf.array("images")?.filter(|a| !a.is_empty()) {
+            if role != "user" {
+                return Err(mf.error(
+                    "images",
+                    format!("'{p}.images': images are only accepted in user messages"),
+                ));
+            }
+            let n = images::ollama_images(list, &format!("{p}.images"), images)?;
+            let mut pieces = vec![Piece::Image; n];
+            pieces.push(Piece::Text(text.to_string()));
+            content = content_value(pieces);
         }
-        let mut msg = json!({"role": role, "content": mf.str("content")?.unwrap_or("")});
+        let mut msg = json!({"role": role, "content": content});
         if let Some(t) = mf.str("thinking")? {
             msg["reasoning_content"] = t.into();
         }
@@ -337,17 +347,19 @@ fn call_json(t: &kapitsa_engine::ToolCall) -> Value {
     json!({"function": {"name": t.name, "arguments": t.arguments}})
 }
 
-/// Submit and answer (streamed as NDJSON or as one object).
+/// Submit and answer (streamed as NDJSON or as one object); `n_prompt` is the prompt's length
+/// with its images widened.
+#[allow(clippy::too_many_arguments)]
 async fn run(
     st: Arc<AppState>,
     shape: Shape,
     req: Request,
+    n_prompt: usize,
     choice: Choice,
     stream: bool,
     param: &str,
 ) -> ApiResult<Response> {
     let t0 = Instant::now();
-    let n_prompt = req.prompt.len();
     let merged = if req.constraint.is_some() {
         let st2 = st.clone();
         let param = param.to_string();
@@ -481,7 +493,9 @@ async fn chat_inner(st: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> A
     let list = f
         .array("messages")?
         .ok_or_else(|| ApiError::bad_param("messages", "'messages' is a required property"))?;
-    let msgs = messages(list)?;
+    let mut images = Images::default();
+    let msgs = messages(list, &mut images)?;
+    images.check(&st)?;
     let o = opts(&f)?;
     let tools = crate::openai::chat_tools(&f)?;
     let mut extra = o.extra.clone();
@@ -495,7 +509,9 @@ async fn chat_inner(st: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> A
     }
     let text = st.render(msgs, tools.as_ref(), extra.as_ref())?;
     let prompt = st.encode(&text)?;
-    let room = st.room(prompt.len(), "messages")?;
+    let prepared = images::prepare(&st, images, &prompt).await?;
+    let n_prompt = prepared.n_prompt;
+    let room = st.room(n_prompt, "messages")?;
     let model_fmt = st.model.reply_format;
     let fmt = if o.format.is_some() {
         ReplyFormat::plain()
@@ -512,9 +528,10 @@ async fn chat_inner(st: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> A
         top_logprobs: None,
         constraint: o.format,
         spec: Default::default(),
+        images: prepared.inputs,
     };
     let choice = Choice::new(fmt, sir, tools.as_ref());
-    run(st, Shape::Chat, req, choice, o.stream, "format").await
+    run(st, Shape::Chat, req, n_prompt, choice, o.stream, "format").await
 }
 
 /// `POST /api/generate`.
@@ -537,15 +554,17 @@ async fn generate_inner(
     let suffix = f.str("suffix")?.unwrap_or("");
     let system = f.str("system")?;
     let raw = f.bool("raw")?.unwrap_or(false);
-    if f.array("images")?.is_some_and(|a| !a.is_empty()) {
-        return Err(f.error(
-            "images",
-            "images are not supported: this server serves a text-only model",
-        ));
+    let mut images = Images::default();
+    if let Some(list) = f.array("images")? {
+        images::ollama_images(list, "images", &mut images)?;
+    }
+    images.check(&st)?;
+    if !images.is_empty() && !suffix.is_empty() {
+        return Err(f.error("images", "'images' cannot be combined with 'suffix'"));
     }
     let mut o = opts(&f)?;
     st.check_open()?;
-    if prompt.is_empty() && suffix.is_empty() {
+    if prompt.is_empty() && suffix.is_empty() && images.is_empty() {
         return Ok(Json(json!({"model": st.model.name, "created_at": now(), "response": "", "done": true, "done_reason": "load"})).into_response());
     }
     let (text, fmt) = if !suffix.is_empty() {
@@ -553,13 +572,18 @@ async fn generate_inner(
         o.stop.extend(ff.stops());
         (ff.prompt(prompt, suffix, &[], ""), ReplyFormat::plain())
     } else if raw || st.model.template.is_none() {
-        (prompt.to_string(), ReplyFormat::plain())
+        (
+            images::raw_prompt(prompt, images.len()),
+            ReplyFormat::plain(),
+        )
     } else {
         let mut msgs = Vec::new();
         if let Some(s) = system.filter(|s| !s.is_empty()) {
             msgs.push(json!({"role": "system", "content": s}));
         }
-        msgs.push(json!({"role": "user", "content": prompt}));
+        let mut pieces = vec![Piece::Image; images.len()];
+        pieces.push(Piece::Text(prompt.to_string()));
+        msgs.push(json!({"role": "user", "content": content_value(pieces)}));
         let mut extra = o.extra.clone();
         if o.format.is_some() {
             response_format::no_thinking(&mut extra);
@@ -572,7 +596,9 @@ async fn generate_inner(
         (st.render(msgs, None, extra.as_ref())?, fmt)
     };
     let ids = st.encode(&text)?;
-    let room = st.room(ids.len(), "prompt")?;
+    let prepared = images::prepare(&st, images, &ids).await?;
+    let n_prompt = prepared.n_prompt;
+    let room = st.room(n_prompt, "prompt")?;
     let sir = fmt.starts_in_reasoning(&text);
     let req = Request {
         prompt: ids,
@@ -583,9 +609,19 @@ async fn generate_inner(
         top_logprobs: None,
         constraint: o.format,
         spec: Default::default(),
+        images: prepared.inputs,
     };
     let choice = Choice::new(fmt, sir, None);
-    run(st, Shape::Generate, req, choice, o.stream, "format").await
+    run(
+        st,
+        Shape::Generate,
+        req,
+        n_prompt,
+        choice,
+        o.stream,
+        "format",
+    )
+    .await
 }
 
 /// `POST /api/embed`: `{"model", "input": text or [texts], "dimensions"}` ->

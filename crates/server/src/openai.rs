@@ -11,12 +11,13 @@ use axum::Json;
 use kapitsa_engine::{Constraint, ReplyEvent, ReplyFormat, SamplingParams};
 use serde_json::{json, Map, Value};
 
-use crate::engine::{Request, MAX_TOP_LOGPROBS};
+use crate::engine::{ImageInput, Request, MAX_TOP_LOGPROBS};
 use crate::error::{Api, ApiError, ApiResult};
 use crate::gen::{
     chat_logprobs, completion_logprobs, new_id, openai_finish, random_u64, send, sse_response,
     submit_all, submit_all_for, unix_now, Choice, Interrupted, Merged, SseTx,
 };
+use crate::images::{self, content_value, Images, Piece};
 use crate::params::{parse_body, token_ids, type_name, Fields};
 use crate::{body_bytes, response_format, tool_choice, AppState};
 
@@ -188,8 +189,14 @@ fn logit_bias(b: &Map<String, Value>, n_vocab: usize) -> ApiResult<Vec<(u32, f32
         .collect()
 }
 
-/// The engine requests of one prompt: `n` of them, seeds `seed + i`.
-fn requests(o: &GenOpts, prompt: &[u32], room: usize, default_max: usize) -> Vec<Request> {
+/// The engine requests of one prompt (with its images): `n` of them, seeds `seed + i`.
+fn requests(
+    o: &GenOpts,
+    prompt: &[u32],
+    images: &[ImageInput],
+    room: usize,
+    default_max: usize,
+) -> Vec<Request> {
     let max_tokens = o.max_tokens.unwrap_or(default_max).min(room).max(1);
     (0..o.n)
         .map(|i| {
@@ -204,24 +211,45 @@ fn requests(o: &GenOpts, prompt: &[u32], room: usize, default_max: usize) -> Vec
                 top_logprobs: o.top_logprobs,
                 constraint: o.constraint.clone(),
                 spec: o.spec,
+                images: images.to_vec(),
             }
         })
         .collect()
 }
 
-/// The text of a `content` field: a string, or an array of text parts joined with newlines.
+/// The text of a `content` field: a string, or an array of text parts joined with newlines
+/// (image parts refused: see [`content_pieces`]).
 pub fn text_content(v: Option<&Value>, param: &str) -> ApiResult<String> {
+    let pieces = content_pieces(v, param, None)?;
+    Ok(pieces
+        .into_iter()
+        .filter_map(|p| match p {
+            Piece::Text(t) => Some(t),
+            Piece::Image => None,
+        })
+        .collect::<Vec<_>>()
+        .join("\n"))
+}
+
+/// The pieces of a `content` field: a string, or an array of text and image parts. Image parts
+/// (`image_url`, the Responses API's `input_image`) go to `images` and leave a
+/// [`Piece::Image`]; with `images` `None` (not a user message) they are refused.
+pub fn content_pieces(
+    v: Option<&Value>,
+    param: &str,
+    mut images: Option<&mut Images>,
+) -> ApiResult<Vec<Piece>> {
     match v {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![Piece::Text(s.clone())]),
         Some(Value::Array(parts)) => {
-            let mut texts = Vec::new();
+            let mut pieces = Vec::new();
             for (i, p) in parts.iter().enumerate() {
                 let pp = format!("{param}[{i}]");
                 let ty = p.get("type").and_then(Value::as_str).unwrap_or("");
                 match ty {
                     "text" | "input_text" | "output_text" => match p.get("text") {
-                        Some(Value::String(t)) => texts.push(t.clone()),
+                        Some(Value::String(t)) => pieces.push(Piece::Text(t.clone())),
                         _ => {
                             return Err(ApiError::bad_param(
                                 &pp,
@@ -230,10 +258,25 @@ pub fn text_content(v: Option<&Value>, param: &str) -> ApiResult<String> {
                         }
                     },
                     "refusal" => {}
-                    "image_url" | "input_image" | "input_audio" | "file" | "image" => {
+                    "image_url" | "input_image" => {
+                        let Some(imgs) = images.as_deref_mut() else {
+                            return Err(ApiError::bad_param(
+                                &pp,
+                                format!("'{pp}': image parts are only accepted in user messages"),
+                            ));
+                        };
+                        let source = if ty == "image_url" {
+                            images::openai_image_url(p, &pp)?
+                        } else {
+                            images::responses_input_image(p, &pp)?
+                        };
+                        imgs.push(source, pp);
+                        pieces.push(Piece::Image);
+                    }
+                    "input_audio" | "file" | "input_file" | "image" => {
                         return Err(ApiError::bad_param(
                             &pp,
-                            format!("content parts of type '{ty}' are not supported: this server serves a text-only model"),
+                            format!("content parts of type '{ty}' are not supported (images go in parts of type 'image_url')"),
                         ))
                     }
                     _ => {
@@ -244,7 +287,7 @@ pub fn text_content(v: Option<&Value>, param: &str) -> ApiResult<String> {
                     }
                 }
             }
-            Ok(texts.join("\n"))
+            Ok(pieces)
         }
         Some(v) => Err(ApiError::bad_param(
             param,
@@ -256,9 +299,9 @@ pub fn text_content(v: Option<&Value>, param: &str) -> ApiResult<String> {
     }
 }
 
-/// OpenAI messages -> the messages the chat templates expect (string contents, tool-call
-/// arguments as objects).
-fn chat_messages(list: &[Value]) -> ApiResult<Vec<Value>> {
+/// OpenAI messages -> the messages the chat templates expect (string contents, or content
+/// lists for user messages with images, which go to `images`; tool-call arguments as objects).
+fn chat_messages(list: &[Value], images: &mut Images) -> ApiResult<Vec<Value>> {
     if list.is_empty() {
         return Err(ApiError::bad_param(
             "messages",
@@ -276,23 +319,28 @@ fn chat_messages(list: &[Value]) -> ApiResult<Vec<Value>> {
         let role = f
             .str("role")?
             .ok_or_else(|| f.error("role", format!("'{p}.role' is a required property")))?;
-        let content = text_content(f.get("content"), &format!("{p}.content"))?;
+        let cp = format!("{p}.content");
+        let content = if role == "user" {
+            content_value(content_pieces(f.get("content"), &cp, Some(&mut *images))?)
+        } else {
+            Value::String(text_content(f.get("content"), &cp)?)
+        };
         let mut msg = Map::new();
         match role {
             "system" | "developer" => {
                 msg.insert("role".into(), "system".into());
-                msg.insert("content".into(), content.into());
+                msg.insert("content".into(), content);
             }
             "user" => {
                 if f.get("content").is_none() {
                     return Err(f.error("content", format!("'{p}.content' is a required property")));
                 }
                 msg.insert("role".into(), "user".into());
-                msg.insert("content".into(), content.into());
+                msg.insert("content".into(), content);
             }
             "assistant" => {
                 msg.insert("role".into(), "assistant".into());
-                msg.insert("content".into(), content.into());
+                msg.insert("content".into(), content);
                 let reasoning = f.str("reasoning_content")?.or(f.str("reasoning")?);
                 if let Some(r) = reasoning {
                     msg.insert("reasoning_content".into(), r.into());
@@ -340,7 +388,7 @@ fn chat_messages(list: &[Value]) -> ApiResult<Vec<Value>> {
             }
             "tool" | "function" => {
                 msg.insert("role".into(), "tool".into());
-                msg.insert("content".into(), content.into());
+                msg.insert("content".into(), content);
                 if let Some(id) = f.str("tool_call_id")? {
                     msg.insert("tool_call_id".into(), id.into());
                 }
@@ -437,7 +485,9 @@ async fn chat_inner(st: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> A
     let list = f
         .array("messages")?
         .ok_or_else(|| ApiError::bad_param("messages", "'messages' is a required property"))?;
-    let messages = chat_messages(list)?;
+    let mut images = Images::default();
+    let messages = chat_messages(list, &mut images)?;
+    images.check(&st)?;
     let tools = chat_tools(&f)?;
     let policy = tool_choice::openai(&f, tools.as_ref())?;
     let prompt_tools = policy.prompt_tools(tools.as_ref());
@@ -452,7 +502,9 @@ async fn chat_inner(st: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> A
     st.check_open()?;
     let text = st.render(messages, prompt_tools, extra.as_ref())?;
     let prompt = st.encode(&text)?;
-    let room = st.room(prompt.len(), "messages")?;
+    let prepared = images::prepare(&st, images, &prompt).await?;
+    let n_prompt = prepared.n_prompt;
+    let room = st.room(n_prompt, "messages")?;
     // A forced tool call overrides `response_format` (which is about text replies); with
     // `response_format` and tool_choice `auto` / `none` the reply is the JSON, all content:
     // no reasoning, no tool-call markup to find in it.
@@ -469,7 +521,7 @@ async fn chat_inner(st: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> A
     };
     o.constraint = tool_constraint.or(json_format);
     let sir = fmt.starts_in_reasoning(&text);
-    let reqs = requests(&o, &prompt, room, room);
+    let reqs = requests(&o, &prompt, &prepared.inputs, room, room);
     let merged = if o.constraint.is_some() {
         // Compiling the constraint (and, the first time, building the token trie) blocks.
         let st2 = st.clone();
@@ -487,7 +539,7 @@ async fn chat_inner(st: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> A
     if o.stream {
         let st2 = st.clone();
         return Ok(sse_response(move |tx| {
-            stream_chat(st2, merged, choices, o, id, created, prompt.len(), tx)
+            stream_chat(st2, merged, choices, o, id, created, n_prompt, tx)
         }));
     }
     let mut choices = choices;
@@ -535,7 +587,7 @@ async fn chat_inner(st: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> A
         "model": st.model.name,
         "system_fingerprint": Value::Null,
         "choices": out,
-        "usage": usage_json(prompt.len(), completion, choices[0].usage.cached_tokens),
+        "usage": usage_json(n_prompt, completion, choices[0].usage.cached_tokens),
     }))
     .into_response())
 }
@@ -768,7 +820,7 @@ async fn completions_inner(
     let mut reqs = Vec::new();
     for (ids, _) in &prompts {
         let room = st.room(ids.len(), "prompt")?;
-        reqs.extend(requests(&o, ids, room, COMPLETIONS_DEFAULT_MAX_TOKENS));
+        reqs.extend(requests(&o, ids, &[], room, COMPLETIONS_DEFAULT_MAX_TOKENS));
     }
     let n_prompt: usize = prompts.iter().map(|p| p.0.len()).sum();
     let merged = if o.constraint.is_some() {
@@ -976,7 +1028,8 @@ mod tests {
             {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": "42"},
         ]);
-        let m = chat_messages(v.as_array().unwrap()).unwrap();
+        let mut images = Images::default();
+        let m = chat_messages(v.as_array().unwrap(), &mut images).unwrap();
         assert_eq!(m[0], json!({"role": "system", "content": "a\nb"}));
         assert_eq!(m[2]["content"], "");
         assert_eq!(
@@ -985,10 +1038,21 @@ mod tests {
         );
         assert_eq!(m[3]["tool_call_id"], "call_1");
         let bad = json!([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]);
-        let e = chat_messages(bad.as_array().unwrap()).unwrap_err();
+        let e = chat_messages(bad.as_array().unwrap(), &mut images).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[0].content[0]"));
         let bad = json!([{"role": "robot", "content": "x"}]);
-        assert!(chat_messages(bad.as_array().unwrap()).is_err());
+        assert!(chat_messages(bad.as_array().unwrap(), &mut images).is_err());
+        // An image part: a content list with an image item, the image collected.
+        let v = json!([{"role": "user", "content": [
+            {"type": "text", "text": "see"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]);
+        let m = chat_messages(v.as_array().unwrap(), &mut images).unwrap();
+        assert_eq!(
+            m[0]["content"],
+            json!([{"type": "text", "text": "see"}, {"type": "image"}])
+        );
+        assert_eq!(images.len(), 1);
+        assert_eq!(images.parts[0].param, "messages[0].content[1]");
     }
 
     #[test]

@@ -37,7 +37,8 @@ use serde_json::{json, Map, Value};
 use crate::engine::{FinishReason, Request};
 use crate::error::{Api, ApiError, ApiResult};
 use crate::gen::{new_id, random_u64, submit_all_for, unix_now, Choice};
-use crate::openai::text_content;
+use crate::images::{self, content_value, Images};
+use crate::openai::{content_pieces, text_content};
 use crate::params::{parse_body, type_name, Fields};
 use crate::tool_choice::{self, ToolPolicy};
 use crate::{body_bytes, response_format, AppState};
@@ -83,6 +84,8 @@ pub(crate) struct ResponsesRequest {
     pub stream: bool,
     /// Request fields echoed in the response object.
     pub echo: Map<String, Value>,
+    /// The images of user messages (`input_image` parts), in order.
+    pub images: Images,
 }
 
 /// The text of a `reasoning` item: its `content` texts, else its `summary` texts.
@@ -141,8 +144,9 @@ fn push_call(out: &mut Vec<Value>, call: Value, reasoning: &mut Option<String>) 
     out.push(msg);
 }
 
-/// `instructions` and `input` -> chat-template messages.
-fn input_messages(f: &Fields) -> ApiResult<Vec<Value>> {
+/// `instructions` and `input` -> chat-template messages; the images of user messages go to
+/// `images`.
+fn input_messages(f: &Fields, images: &mut Images) -> ApiResult<Vec<Value>> {
     let mut out = Vec::new();
     if let Some(i) = f.str("instructions")?.filter(|s| !s.is_empty()) {
         out.push(json!({"role": "system", "content": i}));
@@ -184,7 +188,13 @@ fn input_messages(f: &Fields) -> ApiResult<Vec<Value>> {
                 let role = it
                     .str("role")?
                     .ok_or_else(|| it.error("role", format!("'{p}.role' is a required property")))?;
-                let content = text_content(Some(it.required("content")?), &format!("{p}.content"))?;
+                let cv = Some(it.required("content")?);
+                let cp = format!("{p}.content");
+                let content = if role == "user" {
+                    content_value(content_pieces(cv, &cp, Some(&mut *images))?)
+                } else {
+                    Value::String(text_content(cv, &cp)?)
+                };
                 let role = match role {
                     "developer" | "system" => "system",
                     "user" => "user",
@@ -449,7 +459,8 @@ pub(crate) fn parse(map: &Map<String, Value>) -> ApiResult<ResponsesRequest> {
     }
     f.bool("store")?;
     f.strings("include", 64)?;
-    let messages = input_messages(&f)?;
+    let mut images = Images::default();
+    let messages = input_messages(&f, &mut images)?;
     let (tool_list, custom) = tools(&f)?;
     let tools = (!tool_list.is_empty()).then(|| Value::Array(tool_list));
     let tc = chat_tool_choice(map);
@@ -516,6 +527,7 @@ pub(crate) fn parse(map: &Map<String, Value>) -> ApiResult<ResponsesRequest> {
         spec: crate::params::spec_field(&f)?,
         stream,
         echo,
+        images,
     })
 }
 
@@ -676,12 +688,14 @@ async fn responses_inner(
     let map = parse_body(&body)?;
     let f = Fields::new(&map);
     st.check_model(f.str("model")?)?;
-    let r = parse(&map)?;
+    let mut r = parse(&map)?;
+    r.images.check(&st)?;
     st.check_open()?;
     let prompt_tools = r.policy.prompt_tools(r.tools.as_ref());
     let text = st.render(r.messages.clone(), prompt_tools, r.extra.as_ref())?;
     let prompt = st.encode(&text)?;
-    let room = st.room(prompt.len(), "input")?;
+    let prepared = images::prepare(&st, std::mem::take(&mut r.images), &prompt).await?;
+    let room = st.room(prepared.n_prompt, "input")?;
     let model_fmt = st.model.reply_format;
     let tool_constraint = if r.format.is_none() || r.policy.choice.forces_call() {
         tool_choice::constraint(&r.policy, r.tools.as_ref(), model_fmt, &text)?
@@ -703,6 +717,7 @@ async fn responses_inner(
         top_logprobs: None,
         constraint,
         spec: r.spec,
+        images: prepared.inputs,
     };
     let merged = if req.constraint.is_some() {
         let st2 = st.clone();
@@ -719,7 +734,7 @@ async fn responses_inner(
         created: unix_now(),
         model: st.model.name.clone(),
         echo: r.echo,
-        n_prompt: prompt.len(),
+        n_prompt: prepared.n_prompt,
     };
     let shape = ReplyShape {
         custom: r.custom,
