@@ -257,8 +257,9 @@ def test_errors(openai_client, model, base_url):
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
         openai_client.completions.create(model=model, prompt="x", max_tokens=0)
+    # a body over the server's limit (--max-body-bytes, 64 MiB by default to hold base64 images)
     with pytest.raises(openai.APIStatusError) as e:
-        openai_client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x" * (5 << 20)}])
+        openai_client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x" * (65 << 20)}])
     assert e.value.status_code == 413
     bad = openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

@@ -32,8 +32,8 @@ mod recurrent;
 pub mod testing;
 
 use kapitsa_backend::{
-    AttnShape, Backend, BackendError, Batch, BatchDesc, DType, Device, GdnShape, HostWeight,
-    KvLayer, Mamba2Shape, MlpWeights, MoeWeights, Result, RopeDesc, Tensor, Weight,
+    shape_err, AttnShape, Backend, BackendError, Batch, BatchDesc, DType, Device, GdnShape,
+    HostWeight, KvLayer, Mamba2Shape, MlpWeights, MoeWeights, Result, RopeDesc, Tensor, Weight,
 };
 use kapitsa_base::{CpuFeatures, ThreadPool};
 use kapitsa_kernels_cpu::KernelError;
@@ -427,7 +427,42 @@ impl Backend for CpuBackend {
             buffers::f32s(OP, "v", v)?,
         );
         let out = buffers::f32s_mut(OP, "out", out)?;
-        kapitsa_backend::reference::attention_spans(shape, q, k, v, spans, out)
+        let q_dim = shape.n_head * shape.head_dim;
+        let n = spans.len();
+        if q_dim == 0 || q.len() != n * q_dim || out.len() != n * q_dim || n < 8 {
+            // (small or malformed: the definition, which also reports the shape error)
+            return kapitsa_backend::reference::attention_spans(shape, q, k, v, spans, out);
+        }
+        // Query rows are independent: blocks of rows on the pool, each its own output rows
+        // (a vision tower's image attends over thousands of rows).
+        let rows = n.div_ceil(4 * self.pool.n_threads().max(1)).max(1);
+        let outs: Vec<std::sync::Mutex<&mut [f32]>> = out
+            .chunks_mut(rows * q_dim)
+            .map(std::sync::Mutex::new)
+            .collect();
+        let failed = std::sync::Mutex::new(None);
+        self.pool.run(outs.len(), &|t| {
+            let (lo, hi) = (t * rows, ((t + 1) * rows).min(n));
+            let r = match outs[t].lock() {
+                Ok(mut o) => kapitsa_backend::reference::attention_spans(
+                    shape,
+                    &q[lo * q_dim..hi * q_dim],
+                    k,
+                    v,
+                    &spans[lo..hi],
+                    &mut o,
+                ),
+                Err(_) => shape_err(OP, "a worker panicked"),
+            };
+            if let (Err(e), Ok(mut f)) = (r, failed.lock()) {
+                *f = Some(e);
+            }
+        });
+        match failed.into_inner() {
+            Ok(None) => Ok(()),
+            Ok(Some(e)) => Err(e),
+            Err(_) => shape_err(OP, "a worker panicked"),
+        }
     }
 
     fn dynamic_conv(

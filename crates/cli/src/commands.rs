@@ -143,11 +143,11 @@ pub struct RunArgs {
     /// System prompt for --chat.
     #[arg(long, requires = "chat", conflicts_with = "prompt")]
     system: Option<String>,
-    /// An image for a vision-language model (Qwen3.5/3.6 with a vision tower; PNG, JPEG,
-    /// WebP or GIF; repeatable). With --chat the images go before the message text; with a
-    /// raw -p prompt, one `<|vision_start|><|image_pad|><|vision_end|>` per image is put before
-    /// the prompt, unless the prompt already holds `<|image_pad|>` placeholders (then it must
-    /// hold one per image, in order).
+    /// An image for a vision-language model (Qwen3.5/3.6 or Nemotron omni with a vision
+    /// tower; PNG, JPEG, WebP or GIF; repeatable). With --chat the images go before the
+    /// message text; with a raw -p prompt, one placeholder per image is put before the prompt
+    /// (Qwen `<|vision_start|><|image_pad|><|vision_end|>`, Nemotron `<image>`), unless the
+    /// prompt already holds the image token (then it must hold one per image, in order).
     #[arg(long = "image", value_name = "FILE")]
     images: Vec<PathBuf>,
     /// Maximum number of tokens to generate.
@@ -391,7 +391,10 @@ pub fn run(a: RunArgs) -> Result<()> {
     let s = session(&a.model, &a.spec)?;
     let images = prepare_images(&s, &files)?;
     let text = match (&a.prompt, &a.chat) {
-        (Some(p), None) => kapitsa_server::images::raw_prompt(p, images.len()),
+        (Some(p), None) => match s.engine.vision() {
+            Some(v) => kapitsa_server::images::raw_prompt(p, images.len(), &v, &s.opened.tokenizer),
+            None => p.clone(),
+        },
         (None, Some(c)) => {
             let mut msgs = Vec::new();
             if let Some(sys) = &a.system {
@@ -408,10 +411,13 @@ pub fn run(a: RunArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    // Each image token becomes the image's tokens.
-    let merge = s.engine.vision().map_or(1, |v| v.merge * v.merge).max(1);
+    // Each image token becomes the image's tokens (framed where the engine frames them).
+    let (merge, framing) = s
+        .engine
+        .vision()
+        .map_or((1, 0), |v| (v.merge * v.merge, 2 * usize::from(v.frames)));
     let n_prompt = images.iter().fold(prompt.len(), |n, i| {
-        (n + i.grid.iter().product::<usize>() / merge).saturating_sub(1)
+        (n + i.grid.iter().product::<usize>() / merge.max(1) + framing).saturating_sub(1)
     });
     let req = Request {
         prompt,

@@ -1,9 +1,11 @@
-//! Images in requests, for models with a vision tower (Qwen3.5/3.6 vision-language models).
+//! Images in requests, for models with a vision tower (Qwen3.5/3.6 and Nemotron omni
+//! vision-language models).
 //!
 //! The endpoints collect a request's images while they convert its messages ([`Images`], one
 //! [`ImagePart`] per image, in prompt order) and put an `{"type": "image"}` item where each
 //! image stands in the message's content list ([`Piece`], [`content_value`]); the chat
-//! template writes `<|vision_start|><|image_pad|><|vision_end|>` there, which tokenizes to one
+//! template writes the image placeholder there (Qwen
+//! `<|vision_start|><|image_pad|><|vision_end|>`, Nemotron `<image>`), which tokenizes to one
 //! image token per image. Then:
 //!
 //! 1. [`Images::check`] (before rendering): the model has a vision tower, at most
@@ -124,14 +126,27 @@ pub fn content_value(pieces: Vec<Piece>) -> Value {
     )
 }
 
-/// A raw (untemplated) prompt with `n` images: the prompt as it is when it already holds
-/// `<|image_pad|>` placeholders (one per image, checked later), else `n`
-/// [`IMAGE_PLACEHOLDER`]s before it.
-pub fn raw_prompt(prompt: &str, n: usize) -> String {
-    if n == 0 || prompt.contains("<|image_pad|>") {
+/// A raw (untemplated) prompt with `n` images for a model whose tower is `v`, vocabulary
+/// `tok`: the prompt as it is when it already holds the image token (Qwen `<|image_pad|>`,
+/// Nemotron `<image>`; one per image, checked later), else `n` placeholders before it: the
+/// image token, framed by the start and end tokens where the engine does not frame images
+/// itself (Qwen: [`IMAGE_PLACEHOLDER`]).
+pub fn raw_prompt(prompt: &str, n: usize, v: &VisionInfo, tok: &kapitsa_text::Tokenizer) -> String {
+    let text = |id: u32| {
+        tok.token_bytes(id)
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default()
+    };
+    let image = text(v.tokens.image);
+    if n == 0 || image.is_empty() || prompt.contains(&image) {
         return prompt.to_string();
     }
-    IMAGE_PLACEHOLDER.repeat(n) + prompt
+    let one = if v.frames {
+        image
+    } else {
+        format!("{}{image}{}", text(v.tokens.start), text(v.tokens.end))
+    };
+    one.repeat(n) + prompt
 }
 
 /// The [`Source`] of an image URL: `data:` or, to be fetched, `http(s)://`.
@@ -332,7 +347,7 @@ pub async fn prepare(st: &Arc<AppState>, images: Images, prompt: &[u32]) -> ApiR
     let marks = prompt.iter().filter(|&&t| t == v.tokens.image).count();
     if marks != images.len() {
         return Err(ApiError::bad(format!(
-            "the chat template put {marks} image placeholders in the prompt for {} images (does the model's template take images, and is '<|image_pad|>' written in the text?)",
+            "the chat template put {marks} image placeholders in the prompt for {} images (does the model's template take images, and is the image token written in the text?)",
             images.len()
         )));
     }

@@ -573,7 +573,10 @@ async fn generate_inner(
         (ff.prompt(prompt, suffix, &[], ""), ReplyFormat::plain())
     } else if raw || st.model.template.is_none() {
         (
-            images::raw_prompt(prompt, images.len()),
+            match st.engine.vision() {
+                Some(v) => images::raw_prompt(prompt, images.len(), &v, &st.model.tokenizer),
+                None => prompt.to_string(),
+            },
             ReplyFormat::plain(),
         )
     } else {
