@@ -486,8 +486,7 @@ GEMV_ALL_NT(q6_k, KQ_Q6_K)
 // part p (warp w: rows 16 w .. 16 w + 15) against the tile's BN x rows; per K step of GEMM_BK
 // = 128 the weights are dequantised exactly (`exact4`, as `dequant_<ty>_f16`) into shared
 // memory beside the x rows (f16, rounded once by `cvt_f32_f16` before the launch), then
-// multiplied with `mma.sync.m16n8k16` (f16 in, f32 accumulation); the next step's weight bytes
-// are loaded into registers while a step multiplies:
+// multiplied with `mma.sync.m16n8k16` (f16 in, f32 accumulation):
 // y[(f + t) * ldy + r] = sum_k x[f + t, k] W[row0 + e * rpe + r, k] for t < count,
 // r < n_rows; rows of x past the tile's count read as zero. A K step holds whole chunks: 128 / CE of them (Q6_K's chunks 2m, 2m + 1 cover elements
 // 128 m .. 128 m + 128; the other formats' chunks are contiguous). Launch: one `GemmGrpArgs`
@@ -507,14 +506,14 @@ __device__ __forceinline__ void store4(__half* p, const float v[4]) {
   *reinterpret_cast<uint2*>(p) = u;
 }
 
-// Chunk j (its raw bytes `raw`) decoded exactly (`exact4`) with element e stored at
+// Chunk j of row `row` of m decoded exactly (`exact4`) with element e stored at
 // dst[off + e] (f32, or f16 rounded to nearest even); zeros at those places where !ok. Shared
 // by `dequant_<ty>_*` and the grouped GEMM's shared-memory tiles.
 template <int T, typename O>
-__device__ __forceinline__ void store_raw_exact(const typename KqFmt<T>::Raw& raw, int j, bool ok, O* dst,
-                                                int64_t off) {
+__device__ __forceinline__ void store_chunk_exact(const KqMat& m, uint64_t row, int j, bool ok, O* dst, int64_t off) {
   using F = KqFmt<T>;
   if (ok) {
+    const typename F::Raw raw = F::load(m, row, j);
 #pragma unroll
     for (int s = 0; s < F::NSEG; s++)
 #pragma unroll
@@ -532,18 +531,8 @@ __device__ __forceinline__ void store_raw_exact(const typename KqFmt<T>::Raw& ra
   }
 }
 
-// `store_raw_exact` of chunk j of row `row` of m, loaded here.
-template <int T, typename O>
-__device__ __forceinline__ void store_chunk_exact(const KqMat& m, uint64_t row, int j, bool ok, O* dst, int64_t off) {
-  using F = KqFmt<T>;
-  typename F::Raw raw{};
-  if (ok) raw = F::load(m, row, j);
-  store_raw_exact<T>(raw, j, ok, dst, off);
-}
-
 #define GEMM_BM 64
 #define GEMM_BK 128
-#define GEMM_THREADS 128  // threads per block of `gemm_grp_*` (its launch bounds)
 #define GEMM_LDS (GEMM_BK + 8)  // halves per shared row: rows 16 bytes apart in bank phase
 
 struct GemmGrpPart {
@@ -607,29 +596,14 @@ __device__ __forceinline__ void gemm_grp_impl(const GemmGrpArgs& a) {
 #pragma unroll
     for (int i = 0; i < 4; i++) acc[n][i] = 0.0f;
 
-  // Weights: (row, chunk) units of a K step, GEMM_UPT per thread. Their raw bytes for the
-  // next step are loaded into registers right after a step's tiles are staged, so the loads
-  // are in flight while the step multiplies; they are decoded into shared memory after it.
-  constexpr int CPS = GEMM_BK / F::CE, UNITS = GEMM_BM * CPS;
-  constexpr int GEMM_UPT = (UNITS + GEMM_THREADS - 1) / GEMM_THREADS;
-  typename F::Raw raw[GEMM_UPT];
-  auto fetch = [&](int kb) {
-#pragma unroll
-    for (int i = 0; i < GEMM_UPT; i++) {
-      const int u = threadIdx.x + GEMM_THREADS * i;
-      const int rr = u / CPS, j = kb / F::CE + (u - rr * CPS);
-      if (u < UNITS && j < n_chunks) raw[i] = F::load(m, row_base + (uint64_t)min(r_base + rr, P.n_rows - 1), j);
-    }
-  };
-  fetch(0);
   for (int kb = 0; kb < n_in; kb += GEMM_BK) {
-    // weights: exact values as f16 at their positions in the K step (element e of row rr goes
-    // to as[rr * GEMM_LDS + e - kb])
-#pragma unroll
-    for (int i = 0; i < GEMM_UPT; i++) {
-      const int u = threadIdx.x + GEMM_THREADS * i;
+    // weights: (row, chunk) units, exact values as f16 at their positions in the K step
+    constexpr int CPS = GEMM_BK / F::CE;
+    for (int u = threadIdx.x; u < GEMM_BM * CPS; u += blockDim.x) {
       const int rr = u / CPS, j = kb / F::CE + (u - rr * CPS);
-      if (u < UNITS) store_raw_exact<T>(raw[i], j, j < n_chunks, as, rr * GEMM_LDS - kb);
+      const uint64_t row = row_base + (uint64_t)min(r_base + rr, P.n_rows - 1);
+      // element e of the row goes to its place in the K step: as[rr * GEMM_LDS + e - kb]
+      store_chunk_exact<T>(m, row, j, j < n_chunks, as, rr * GEMM_LDS - kb);
     }
     // activations: BN rows of the step, zeros past the tile's count and past n_in (a
     // multiple of 8: whole 16-byte pieces)
@@ -640,7 +614,6 @@ __device__ __forceinline__ void gemm_grp_impl(const GemmGrpArgs& a) {
       *reinterpret_cast<uint4*>(bs + n * GEMM_LDS + k) = v;
     }
     __syncthreads();
-    if (kb + GEMM_BK < n_in) fetch(kb + GEMM_BK);  // the next step's weights, in flight
     const __half* aw = as + (warp * 16 + g) * GEMM_LDS + 2 * t4;
 #pragma unroll
     for (int kk = 0; kk < GEMM_BK; kk += 16) {
@@ -669,10 +642,10 @@ __device__ __forceinline__ void gemm_grp_impl(const GemmGrpArgs& a) {
 }
 
 #define GEMM_GRP_KERNELS(NAME, T)                                                                   \
-  extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_grp_##NAME##_16(const __grid_constant__ GemmGrpArgs a) { \
+  extern "C" __global__ void __launch_bounds__(128) gemm_grp_##NAME##_16(const __grid_constant__ GemmGrpArgs a) { \
     gemm_grp_impl<T, 16>(a);                                                                        \
   }                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_grp_##NAME##_64(const __grid_constant__ GemmGrpArgs a) { \
+  extern "C" __global__ void __launch_bounds__(128) gemm_grp_##NAME##_64(const __grid_constant__ GemmGrpArgs a) { \
     gemm_grp_impl<T, 64>(a);                                                                        \
   }
 
