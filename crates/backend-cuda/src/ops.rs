@@ -627,7 +627,7 @@ impl CudaBackend {
     ) -> Result<()> {
         const OP: &str = "rope_table";
         let row = n_heads * head_dim;
-        let n = if row == 0 { 0 } else { x.len() / row };
+        let n = x.len().checked_div(row).unwrap_or(0);
         let bad = row == 0
             || n == 0
             || x.len() != n * row
