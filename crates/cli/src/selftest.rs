@@ -404,7 +404,7 @@ fn vision_checks(device: &str, dir: &Path, rows: &mut Vec<Row>) -> Result<()> {
         images.push((img["name"].clone(), px, g, got));
     }
     let find = |n: &serde_json::Value| images.iter().find(|i| i.0 == *n);
-    let merge = v.merge();
+    let merge = v.info().merge;
     for p in r["prompts"]
         .as_array()
         .context("reference_vl.json: prompts")?
@@ -415,7 +415,7 @@ fn vision_checks(device: &str, dir: &Path, rows: &mut Vec<Row>) -> Result<()> {
         let mut at = 0;
         for n in p["images"].as_array().context("prompt images")? {
             let (_, _, g, rows_) = find(n).context("a prompt's image")?;
-            while at < input.len() && input[at] != v.tokens().image {
+            while at < input.len() && input[at] != v.info().tokens.image {
                 at += 1;
             }
             let span = ImageSpan {

@@ -46,7 +46,7 @@ use serde_json::Value;
 
 use crate::layers::tensor;
 pub use crate::vision::VisionTokens;
-use crate::vision::{VisionKind, VisionTower};
+use crate::vision::{ep, host_vec, linear, norm, vec_tensor, VisionInfo, VisionKind, VisionTower};
 use crate::{ModelError, ModelSource, Result, Weight};
 
 /// The projector's RMSNorm epsilon (fixed in transformers' projector).
@@ -302,32 +302,6 @@ impl std::fmt::Debug for NemotronVision {
     }
 }
 
-/// A 1-D f32 weight `[n]` on the host.
-fn host_vec(src: &ModelSource, name: &str, n: usize) -> Result<Vec<f32>> {
-    let w = src.weight(name)?;
-    if w.n_elements() != n {
-        return Err(ModelError::BadShape {
-            name: name.into(),
-            got: w.shape.clone(),
-            want: vec![n],
-        });
-    }
-    w.to_f32()
-}
-
-/// A 1-D f32 weight `[n]` uploaded as a tensor.
-fn vec_tensor(be: &dyn Backend, src: &ModelSource, name: &str, n: usize) -> Result<Tensor> {
-    Ok(be.upload_f32(&host_vec(src, name, n)?)?)
-}
-
-/// A LayerNorm's weight and bias `[n]`.
-fn norm(be: &dyn Backend, src: &ModelSource, stem: &str, n: usize) -> Result<(Tensor, Tensor)> {
-    Ok((
-        vec_tensor(be, src, &format!("{stem}.weight"), n)?,
-        vec_tensor(be, src, &format!("{stem}.bias"), n)?,
-    ))
-}
-
 /// The LayerScale `[n]` at `stem` (transformers' `layer_scaleK.lambda1` or timm's `lsK.gamma`),
 /// `None` when absent or all ones.
 fn layer_scale(src: &ModelSource, stems: [&str; 2], n: usize) -> Result<Option<Vec<f32>>> {
@@ -338,32 +312,6 @@ fn layer_scale(src: &ModelSource, stems: [&str; 2], n: usize) -> Result<Option<V
         }
     }
     Ok(None)
-}
-
-/// A linear layer `[n_out, n_in]` and its bias `[n_out]` (`stem.weight`, `stem.bias`), each
-/// output row scaled by `scale` when given (`scale * (W x + b)` as one matmul).
-fn linear(
-    be: &dyn Backend,
-    src: &ModelSource,
-    stem: &str,
-    n_out: usize,
-    n_in: usize,
-    scale: Option<&[f32]>,
-) -> Result<(kapitsa_backend::Weight, Tensor)> {
-    let w = src
-        .weight(&format!("{stem}.weight"))?
-        .expect_shape(&[n_out, n_in])?;
-    let mut b = host_vec(src, &format!("{stem}.bias"), n_out)?;
-    let Some(s) = scale else {
-        return Ok((w.upload(be)?, be.upload_f32(&b)?));
-    };
-    let mut m = w.to_f32()?;
-    for (row, &g) in m.chunks_exact_mut(n_in).zip(s) {
-        row.iter_mut().for_each(|x| *x *= g);
-    }
-    b.iter_mut().zip(s).for_each(|(x, &g)| *x *= g);
-    let w = Weight::from_f32(&w.name, vec![n_out, n_in], &m);
-    Ok((w.upload(be)?, be.upload_f32(&b)?))
 }
 
 /// The id of the special token `content`: `tokenizer_config.json`'s `added_tokens_decoder`,
@@ -699,28 +647,15 @@ impl NemotronVision {
 }
 
 impl VisionTower for NemotronVision {
-    fn kind(&self) -> VisionKind {
-        VisionKind::Nemotron
-    }
-
-    fn tokens(&self) -> VisionTokens {
-        self.tokens
-    }
-
-    fn frames(&self) -> bool {
-        true
-    }
-
-    fn patch(&self) -> usize {
-        self.cfg.patch
-    }
-
-    fn temporal_patch(&self) -> usize {
-        1
-    }
-
-    fn merge(&self) -> usize {
-        self.cfg.merge
+    fn info(&self) -> VisionInfo {
+        VisionInfo {
+            kind: VisionKind::Nemotron,
+            tokens: self.tokens,
+            frames: true,
+            patch: self.cfg.patch,
+            temporal_patch: 1,
+            merge: self.cfg.merge,
+        }
     }
 
     fn describe(&self) -> String {
@@ -733,14 +668,6 @@ impl VisionTower for NemotronVision {
 
     fn encode(&self, pixels: &[f32], grid: [usize; 3]) -> Result<Vec<f32>> {
         NemotronVision::encode(self, pixels, grid)
-    }
-}
-
-/// A bias epilogue, adding into the output with `accumulate`.
-fn ep(bias: &Tensor, accumulate: bool) -> Epilogue<'_> {
-    Epilogue {
-        bias: Some(bias),
-        accumulate,
     }
 }
 

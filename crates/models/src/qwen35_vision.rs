@@ -27,13 +27,13 @@
 
 use std::sync::Arc;
 
-use kapitsa_backend::{AttnShape, Backend, Epilogue, Tensor};
+use kapitsa_backend::{AttnShape, Backend, Tensor};
 use serde_json::Value;
 
 use crate::layers::tensor;
 use crate::mrope::inv_freq;
 pub use crate::vision::VisionTokens;
-use crate::vision::{VisionKind, VisionTower};
+use crate::vision::{ep, linear, norm, vec_tensor, VisionInfo, VisionKind, VisionTower};
 use crate::{ModelError, ModelSource, Result, Weight};
 
 /// The tower's dimensions (HF `vision_config`).
@@ -170,44 +170,6 @@ impl std::fmt::Debug for Qwen35Vision {
             .field("tokens", &self.tokens)
             .finish_non_exhaustive()
     }
-}
-
-/// A 1-D f32 weight `[n]` uploaded as a tensor.
-fn vec_tensor(be: &dyn Backend, src: &ModelSource, name: &str, n: usize) -> Result<Tensor> {
-    let w = src.weight(name)?;
-    if w.n_elements() != n {
-        return Err(ModelError::BadShape {
-            name: name.into(),
-            got: w.shape.clone(),
-            want: vec![n],
-        });
-    }
-    Ok(be.upload_f32(&w.to_f32()?)?)
-}
-
-/// A linear layer `[n_out, n_in]` and its bias `[n_out]` (`prefix.weight`, `prefix.bias`).
-fn linear(
-    be: &dyn Backend,
-    src: &ModelSource,
-    prefix: &str,
-    n_out: usize,
-    n_in: usize,
-) -> Result<(kapitsa_backend::Weight, Tensor)> {
-    let w = src
-        .weight(&format!("{prefix}.weight"))?
-        .expect_shape(&[n_out, n_in])?;
-    Ok((
-        w.upload(be)?,
-        vec_tensor(be, src, &format!("{prefix}.bias"), n_out)?,
-    ))
-}
-
-/// A LayerNorm's weight and bias `[n]`.
-fn norm(be: &dyn Backend, src: &ModelSource, prefix: &str, n: usize) -> Result<(Tensor, Tensor)> {
-    Ok((
-        vec_tensor(be, src, &format!("{prefix}.weight"), n)?,
-        vec_tensor(be, src, &format!("{prefix}.bias"), n)?,
-    ))
 }
 
 /// How a file names the tower's tensors.
@@ -380,24 +342,39 @@ impl Qwen35Vision {
             let n = |hf: &str, gg: &str| names.get(Some(i), hf, gg);
             blocks.push(VisionBlock {
                 norm1: norm(b, src, &n("norm1", "ln1"), d)?,
-                qkv: linear(b, src, &n("attn.qkv", "attn_qkv"), 3 * d, d)?,
-                proj: linear(b, src, &n("attn.proj", "attn_out"), d, d)?,
+                qkv: linear(b, src, &n("attn.qkv", "attn_qkv"), 3 * d, d, None)?,
+                proj: linear(b, src, &n("attn.proj", "attn_out"), d, d, None)?,
                 norm2: norm(b, src, &n("norm2", "ln2"), d)?,
-                fc1: linear(b, src, &n("mlp.linear_fc1", "ffn_up"), cfg.intermediate, d)?,
+                fc1: linear(
+                    b,
+                    src,
+                    &n("mlp.linear_fc1", "ffn_up"),
+                    cfg.intermediate,
+                    d,
+                    None,
+                )?,
                 fc2: linear(
                     b,
                     src,
                     &n("mlp.linear_fc2", "ffn_down"),
                     d,
                     cfg.intermediate,
+                    None,
                 )?,
             });
         }
         let md = d * cfg.merge * cfg.merge;
         let n = |hf: &str, gg: &str| names.get(None, hf, gg);
         let merger_norm = norm(b, src, &n("merger.norm", "v.post_ln"), d)?;
-        let merger_fc1 = linear(b, src, &n("merger.linear_fc1", "mm.0"), md, md)?;
-        let merger_fc2 = linear(b, src, &n("merger.linear_fc2", "mm.2"), cfg.out_hidden, md)?;
+        let merger_fc1 = linear(b, src, &n("merger.linear_fc1", "mm.0"), md, md, None)?;
+        let merger_fc2 = linear(
+            b,
+            src,
+            &n("merger.linear_fc2", "mm.2"),
+            cfg.out_hidden,
+            md,
+            None,
+        )?;
         Ok(Qwen35Vision {
             be,
             cfg,
@@ -555,28 +532,15 @@ impl Qwen35Vision {
 }
 
 impl VisionTower for Qwen35Vision {
-    fn kind(&self) -> VisionKind {
-        VisionKind::Qwen35
-    }
-
-    fn tokens(&self) -> VisionTokens {
-        self.tokens
-    }
-
-    fn frames(&self) -> bool {
-        false
-    }
-
-    fn patch(&self) -> usize {
-        self.cfg.patch
-    }
-
-    fn temporal_patch(&self) -> usize {
-        self.cfg.temporal_patch
-    }
-
-    fn merge(&self) -> usize {
-        self.cfg.merge
+    fn info(&self) -> VisionInfo {
+        VisionInfo {
+            kind: VisionKind::Qwen35,
+            tokens: self.tokens,
+            frames: false,
+            patch: self.cfg.patch,
+            temporal_patch: self.cfg.temporal_patch,
+            merge: self.cfg.merge,
+        }
     }
 
     fn describe(&self) -> String {
@@ -589,14 +553,6 @@ impl VisionTower for Qwen35Vision {
 
     fn encode(&self, pixels: &[f32], grid: [usize; 3]) -> Result<Vec<f32>> {
         Qwen35Vision::encode(self, pixels, grid)
-    }
-}
-
-/// A bias epilogue, adding into the output with `accumulate`.
-fn ep(bias: &Tensor, accumulate: bool) -> Epilogue<'_> {
-    Epilogue {
-        bias: Some(bias),
-        accumulate,
     }
 }
 

@@ -7,7 +7,9 @@
 //! `[n_tokens, n_embd]` f32 rows (host), one per image token, in the order the tokens take in
 //! the prompt (the merged grid, row-major).
 
-use crate::Result;
+use kapitsa_backend::{Backend, Epilogue, Tensor};
+
+use crate::{ModelError, ModelSource, Result, Weight};
 
 /// The special tokens of images in a prompt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,27 +32,29 @@ pub enum VisionKind {
     Nemotron,
 }
 
+/// What a client needs to prepare images for a tower, and how the engine places them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VisionInfo {
+    /// Which image processor prepares the patches.
+    pub kind: VisionKind,
+    /// The image tokens of a prompt.
+    pub tokens: VisionTokens,
+    /// Whether the engine frames each widened image with `tokens.start` / `tokens.end`
+    /// (Nemotron's processor inserts them; Qwen's chat template writes them around the
+    /// placeholder itself).
+    pub frames: bool,
+    /// Patch side in pixels.
+    pub patch: usize,
+    /// Frames per patch (1 for still-image towers).
+    pub temporal_patch: usize,
+    /// Patches merged per side into one token.
+    pub merge: usize,
+}
+
 /// A loaded vision tower.
 pub trait VisionTower: Send + Sync + std::fmt::Debug {
-    /// Which processor prepares its patches.
-    fn kind(&self) -> VisionKind;
-
-    /// Its special tokens.
-    fn tokens(&self) -> VisionTokens;
-
-    /// Whether the engine frames an image's tokens with [`VisionTokens::start`] and
-    /// [`VisionTokens::end`] when it widens the placeholder (Nemotron's processor inserts
-    /// them; Qwen's chat template writes them around the placeholder itself).
-    fn frames(&self) -> bool;
-
-    /// Patch side in pixels.
-    fn patch(&self) -> usize;
-
-    /// Frames per patch (1 for still-image towers).
-    fn temporal_patch(&self) -> usize;
-
-    /// Patches merged per side into one token.
-    fn merge(&self) -> usize;
+    /// What it takes and how its images sit in a prompt.
+    fn info(&self) -> VisionInfo;
 
     /// One line for stderr.
     fn describe(&self) -> String;
@@ -58,4 +62,77 @@ pub trait VisionTower: Send + Sync + std::fmt::Debug {
     /// Run the tower on one image of patch grid `grid` (t, h, w): `pixels` `[t * h * w,
     /// 3 * temporal_patch * patch^2]`; returns `[t * h * w / merge^2, n_embd]` (host).
     fn encode(&self, pixels: &[f32], grid: [usize; 3]) -> Result<Vec<f32>>;
+}
+
+// ---- loading helpers shared by the towers ----------------------------------------------------
+
+/// A 1-D f32 weight `[n]` on the host.
+pub(crate) fn host_vec(src: &ModelSource, name: &str, n: usize) -> Result<Vec<f32>> {
+    let w = src.weight(name)?;
+    if w.n_elements() != n {
+        return Err(ModelError::BadShape {
+            name: name.into(),
+            got: w.shape.clone(),
+            want: vec![n],
+        });
+    }
+    w.to_f32()
+}
+
+/// A 1-D f32 weight `[n]` uploaded as a tensor.
+pub(crate) fn vec_tensor(
+    be: &dyn Backend,
+    src: &ModelSource,
+    name: &str,
+    n: usize,
+) -> Result<Tensor> {
+    Ok(be.upload_f32(&host_vec(src, name, n)?)?)
+}
+
+/// A LayerNorm's weight and bias `[n]` (`stem.weight`, `stem.bias`).
+pub(crate) fn norm(
+    be: &dyn Backend,
+    src: &ModelSource,
+    stem: &str,
+    n: usize,
+) -> Result<(Tensor, Tensor)> {
+    Ok((
+        vec_tensor(be, src, &format!("{stem}.weight"), n)?,
+        vec_tensor(be, src, &format!("{stem}.bias"), n)?,
+    ))
+}
+
+/// A linear layer `[n_out, n_in]` and its bias `[n_out]` (`stem.weight`, `stem.bias`), each
+/// output row scaled by `scale` when given (`scale * (W x + b)` as one matmul; the weight is
+/// then uploaded as f32).
+pub(crate) fn linear(
+    be: &dyn Backend,
+    src: &ModelSource,
+    stem: &str,
+    n_out: usize,
+    n_in: usize,
+    scale: Option<&[f32]>,
+) -> Result<(kapitsa_backend::Weight, Tensor)> {
+    let w = src
+        .weight(&format!("{stem}.weight"))?
+        .expect_shape(&[n_out, n_in])?;
+    let mut b = host_vec(src, &format!("{stem}.bias"), n_out)?;
+    let Some(s) = scale else {
+        return Ok((w.upload(be)?, be.upload_f32(&b)?));
+    };
+    let mut m = w.to_f32()?;
+    for (row, &g) in m.chunks_exact_mut(n_in).zip(s) {
+        row.iter_mut().for_each(|x| *x *= g);
+    }
+    b.iter_mut().zip(s).for_each(|(x, &g)| *x *= g);
+    let w = Weight::from_f32(&w.name, vec![n_out, n_in], &m);
+    Ok((w.upload(be)?, be.upload_f32(&b)?))
+}
+
+/// A bias epilogue, adding into the output with `accumulate`.
+pub(crate) fn ep(bias: &Tensor, accumulate: bool) -> Epilogue<'_> {
+    Epilogue {
+        bias: Some(bias),
+        accumulate,
+    }
 }

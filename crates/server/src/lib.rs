@@ -193,7 +193,7 @@ impl ServedModel {
             pooling,
         )));
         if let Some(v) = &opened.vision {
-            let info = kapitsa_engine::VisionInfo::of(&**v);
+            let info = v.info();
             let p = images::processor_of(opened, info.kind).map_err(anyhow::Error::msg)?;
             images::check_processor(&p, &info).map_err(anyhow::Error::msg)?;
             m.image_processor = Some(p);

@@ -541,7 +541,7 @@ impl Engine {
         if imgs.iter().all(Option::is_none) {
             return;
         }
-        let image_id = v.tokens().image;
+        let image_id = v.info().tokens.image;
         let chunks = batch.seqs.clone();
         // multimodal rotary positions only for models that take them (Nemotron has none)
         let with_mrope = self.model.spec().mrope.is_some();

@@ -52,7 +52,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use kapitsa_models::mrope::ImageSpan;
-use kapitsa_models::vision::{VisionKind, VisionTokens, VisionTower};
+pub use kapitsa_models::vision::VisionInfo;
+use kapitsa_models::vision::VisionTower;
 use kapitsa_models::{CausalLm, KvType};
 use kapitsa_text::Tokenizer;
 use tokio::sync::mpsc as tmpsc;
@@ -211,24 +212,6 @@ pub struct ImageInput {
     pub hash: u64,
 }
 
-/// What a client needs to prepare images for the engine's vision tower.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct VisionInfo {
-    /// Which image processor prepares the patches.
-    pub kind: VisionKind,
-    /// The image tokens of a prompt.
-    pub tokens: VisionTokens,
-    /// Whether the engine frames each widened image with `tokens.start` / `tokens.end`
-    /// (else the chat template writes them around the placeholder).
-    pub frames: bool,
-    /// Patch side in pixels.
-    pub patch: usize,
-    /// Frames per patch.
-    pub temporal_patch: usize,
-    /// Patches merged per side into one token.
-    pub merge: usize,
-}
-
 impl Request {
     /// Greedy generation of up to `max_tokens` after `prompt`, no stop strings, no logprobs.
     pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
@@ -316,20 +299,6 @@ pub enum Event {
     },
     /// The request failed (model error, engine panic, shutdown); nothing follows.
     Error(String),
-}
-
-impl VisionInfo {
-    /// What `v` takes.
-    pub fn of(v: &dyn VisionTower) -> VisionInfo {
-        VisionInfo {
-            kind: v.kind(),
-            tokens: v.tokens(),
-            frames: v.frames(),
-            patch: v.patch(),
-            temporal_patch: v.temporal_patch(),
-            merge: v.merge(),
-        }
-    }
 }
 
 /// The prefix-cache id of token `j` of an image with content hash `hash`: an id past the
@@ -562,7 +531,7 @@ impl EngineHandle {
                 n_vocab,
                 max_queue: cfg.max_queue,
                 spec: cfg.spec.clone(),
-                vision: cfg.vision.as_deref().map(VisionInfo::of),
+                vision: cfg.vision.as_deref().map(|v| v.info()),
                 structured: LazyStructuredEnv::new(tok_for_constraints, n_vocab),
             }),
         })
