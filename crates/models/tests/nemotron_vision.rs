@@ -86,7 +86,7 @@ fn config_and_tokens_come_from_the_checkpoint() {
         [t.image, t.start, t.end],
         ["<image>", "<img>", "</img>"].map(|k| sp[k].as_u64().unwrap() as u32)
     );
-    assert!(f.vision.frames());
+    assert!(f.vision.info().frames);
     for img in f.r["images"].as_array().unwrap() {
         let g = ids(&img["image_grid_hw"]);
         let n = f.vision.n_tokens([1, g[0] as usize, g[1] as usize]);
