@@ -626,26 +626,13 @@ impl CudaBackend {
         sin: &Tensor,
     ) -> Result<()> {
         const OP: &str = "rope_table";
-        let row = n_heads * head_dim;
-        let n = x.len().checked_div(row).unwrap_or(0);
-        let bad = row == 0
-            || n == 0
-            || x.len() != n * row
-            || cos.len() != sin.len()
-            || !cos.len().is_multiple_of(n)
-            || 2 * (cos.len() / n) > head_dim;
-        if bad {
-            return shape_err(
-                OP,
-                format!(
-                    "x of {} in rows of {n_heads} x {head_dim}, tables of {} and {}",
-                    x.len(),
-                    cos.len(),
-                    sin.len()
-                ),
-            );
-        }
-        let half = cos.len() / n;
+        let (n, half) = kapitsa_backend::reference::rope_table_shape(
+            x.len(),
+            n_heads,
+            head_dim,
+            cos.len(),
+            sin.len(),
+        )?;
         let cb = self.f32_len(cos, n * half, OP, "cos")?;
         let sb = self.f32_len(sin, n * half, OP, "sin")?;
         let xb = self.buf_mut::<f32>(x, OP, "x")?;

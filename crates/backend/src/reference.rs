@@ -220,27 +220,8 @@ pub fn rope_table(
     cos: &[f32],
     sin: &[f32],
 ) -> Result<()> {
-    let row = n_heads * head_dim;
-    let n = x.len().checked_div(row).unwrap_or(0);
-    let bad = row == 0
-        || n == 0
-        || x.len() != n * row
-        || cos.len() != sin.len()
-        || !cos.len().is_multiple_of(n)
-        || 2 * (cos.len() / n) > head_dim;
-    if bad {
-        return shape_err(
-            "rope_table",
-            format!(
-                "x of {} in rows of {n_heads} x {head_dim}, tables of {} and {}",
-                x.len(),
-                cos.len(),
-                sin.len()
-            ),
-        );
-    }
-    let half = cos.len() / n;
-    for (t, xr) in x.chunks_exact_mut(row).enumerate() {
+    let (_, half) = rope_table_shape(x.len(), n_heads, head_dim, cos.len(), sin.len())?;
+    for (t, xr) in x.chunks_exact_mut(n_heads * head_dim).enumerate() {
         let (c, s) = (
             &cos[t * half..(t + 1) * half],
             &sin[t * half..(t + 1) * half],
@@ -254,6 +235,34 @@ pub fn rope_table(
         }
     }
     Ok(())
+}
+
+/// The token count and table width `(n, half)` of a [`rope_table`] call on `x_len` values in
+/// rows of `n_heads * head_dim` with tables of `cos_len` and `sin_len` values, or the shape
+/// error (tables of whole rows, `2 * half <= head_dim`).
+pub fn rope_table_shape(
+    x_len: usize,
+    n_heads: usize,
+    head_dim: usize,
+    cos_len: usize,
+    sin_len: usize,
+) -> Result<(usize, usize)> {
+    let row = n_heads * head_dim;
+    let n = x_len.checked_div(row).unwrap_or(0);
+    let bad = n == 0
+        || x_len != n * row
+        || cos_len != sin_len
+        || !cos_len.is_multiple_of(n)
+        || 2 * (cos_len / n) > head_dim;
+    if bad {
+        return shape_err(
+            "rope_table",
+            format!(
+                "x of {x_len} in rows of {n_heads} x {head_dim}, tables of {cos_len} and {sin_len}"
+            ),
+        );
+    }
+    Ok((n, cos_len / n))
 }
 
 #[cfg(test)]

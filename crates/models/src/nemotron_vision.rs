@@ -46,7 +46,9 @@ use serde_json::Value;
 
 use crate::layers::tensor;
 pub use crate::vision::VisionTokens;
-use crate::vision::{ep, host_vec, linear, norm, vec_tensor, VisionInfo, VisionKind, VisionTower};
+use crate::vision::{
+    check_patches, ep, host_vec, linear, norm, vec_tensor, VisionInfo, VisionKind, VisionTower,
+};
 use crate::{ModelError, ModelSource, Result, Weight};
 
 /// The projector's RMSNorm epsilon (fixed in transformers' projector).
@@ -518,33 +520,18 @@ impl NemotronVision {
         grid[0] * grid[1] * grid[2] / (self.cfg.merge * self.cfg.merge)
     }
 
-    /// Check a patch grid and its values: one image (`grid[0] == 1`), `h` and `w` non-zero
-    /// multiples of the merge size, `pixels` `[h * w, patch_dim]`.
-    fn check(&self, pixels: &[f32], grid: [usize; 3]) -> Result<usize> {
-        let m = self.cfg.merge;
-        let n = grid[1] * grid[2];
-        if grid[0] != 1 || n == 0 || !grid[1].is_multiple_of(m) || !grid[2].is_multiple_of(m) {
-            return Err(ModelError::Batch(format!(
-                "image grid {grid:?} is not one image with sides that are non-zero multiples of \
-                 the merge size {m}"
-            )));
-        }
-        if pixels.len() != n * self.cfg.patch_dim() {
-            return Err(ModelError::Batch(format!(
-                "{} pixel values for a grid of {n} patches of {}",
-                pixels.len(),
-                self.cfg.patch_dim()
-            )));
-        }
-        Ok(n)
-    }
-
     /// Run the vision path on one image of patch grid `grid` = (1, h, w): `pixels`
     /// `[h * w, in_channels * patch^2]` f32, the processor's normalised patches, row-major
     /// over the grid, each channel-major (`preprocess_nemotron`); returns the language-model
     /// rows `[h * w / merge^2, out_hidden]` (host), in the order of the image's tokens.
     pub fn encode(&self, pixels: &[f32], grid: [usize; 3]) -> Result<Vec<f32>> {
-        let n = self.check(pixels, grid)?;
+        let n = check_patches(
+            pixels.len(),
+            grid,
+            self.cfg.merge,
+            self.cfg.patch_dim(),
+            true,
+        )?;
         let be = &*self.be;
         let c = &self.cfg;
         let (d, hd, np) = (c.hidden, c.head_dim(), c.n_prefix);

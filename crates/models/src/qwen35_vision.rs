@@ -33,7 +33,9 @@ use serde_json::Value;
 use crate::layers::tensor;
 use crate::mrope::inv_freq;
 pub use crate::vision::VisionTokens;
-use crate::vision::{ep, linear, norm, vec_tensor, VisionInfo, VisionKind, VisionTower};
+use crate::vision::{
+    check_patches, ep, linear, norm, vec_tensor, VisionInfo, VisionKind, VisionTower,
+};
 use crate::{ModelError, ModelSource, Result, Weight};
 
 /// The tower's dimensions (HF `vision_config`).
@@ -403,31 +405,17 @@ impl Qwen35Vision {
         grid[0] * grid[1] * grid[2] / (self.cfg.merge * self.cfg.merge)
     }
 
-    /// Check a patch grid and its values: `pixels` `[t * h * w, patch_dim]`, `h` and `w`
-    /// multiples of the merge size.
-    fn check(&self, pixels: &[f32], grid: [usize; 3]) -> Result<usize> {
-        let m = self.cfg.merge;
-        let n = grid[0] * grid[1] * grid[2];
-        if n == 0 || !grid[1].is_multiple_of(m) || !grid[2].is_multiple_of(m) {
-            return Err(ModelError::Batch(format!(
-                "image grid {grid:?} is empty or not a multiple of the merge size {m}"
-            )));
-        }
-        if pixels.len() != n * self.cfg.patch_dim() {
-            return Err(ModelError::Batch(format!(
-                "{} pixel values for a grid of {n} patches of {}",
-                pixels.len(),
-                self.cfg.patch_dim()
-            )));
-        }
-        Ok(n)
-    }
-
     /// Run the tower on one image (or video) of patch grid `grid` (t, h, w): `pixels`
     /// `[t * h * w, patch_dim]` f32 in the processor's order; returns the language-model rows
     /// `[t * h * w / merge^2, out_hidden]` (host).
     pub fn encode(&self, pixels: &[f32], grid: [usize; 3]) -> Result<Vec<f32>> {
-        let n = self.check(pixels, grid)?;
+        let n = check_patches(
+            pixels.len(),
+            grid,
+            self.cfg.merge,
+            self.cfg.patch_dim(),
+            false,
+        )?;
         let be = &*self.be;
         let c = &self.cfg;
         let (d, hd) = (c.hidden, c.head_dim());

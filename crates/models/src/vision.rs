@@ -64,7 +64,34 @@ pub trait VisionTower: Send + Sync + std::fmt::Debug {
     fn encode(&self, pixels: &[f32], grid: [usize; 3]) -> Result<Vec<f32>>;
 }
 
-// ---- loading helpers shared by the towers ----------------------------------------------------
+// ---- helpers shared by the towers -------------------------------------------------------------
+
+/// Check an image's patch grid (t, h, w) and values for a tower: `h` and `w` non-zero
+/// multiples of `merge`, `t == 1` for a still-image tower (`still`), `pixels_len` whole
+/// `patch_dim`-wide rows of every patch; the number of patches.
+pub(crate) fn check_patches(
+    pixels_len: usize,
+    grid: [usize; 3],
+    merge: usize,
+    patch_dim: usize,
+    still: bool,
+) -> Result<usize> {
+    let n = grid[0] * grid[1] * grid[2];
+    let bad_t = still && grid[0] != 1;
+    if bad_t || n == 0 || !grid[1].is_multiple_of(merge) || !grid[2].is_multiple_of(merge) {
+        return Err(ModelError::Batch(format!(
+            "image grid {grid:?} is not {} with sides that are non-zero multiples of the merge \
+             size {merge}",
+            if still { "one image" } else { "frames" }
+        )));
+    }
+    if pixels_len != n * patch_dim {
+        return Err(ModelError::Batch(format!(
+            "{pixels_len} pixel values for a grid of {n} patches of {patch_dim}"
+        )));
+    }
+    Ok(n)
+}
 
 /// A 1-D f32 weight `[n]` on the host.
 pub(crate) fn host_vec(src: &ModelSource, name: &str, n: usize) -> Result<Vec<f32>> {
