@@ -117,21 +117,24 @@ fn greedy_tokens_match_transformers() {
 }
 
 #[test]
-fn png_preprocessing_gives_the_reference_pixels() {
+fn preprocessing_gives_the_reference_pixels() {
+    // the PNG and the JPEG of the fixture, through the checkpoint's processor settings
     let name = "qwen35-vl-a";
     let (m, r) = open(name);
     let cfg = kapitsa_image::ProcessorConfig::from_json(m.preprocessor_config.as_deref().unwrap())
         .unwrap();
-    let want = image(&dir(name), &r, &Value::from("img1"));
-    let bytes = std::fs::read(dir(name).join("images/img1.png")).unwrap();
-    let got = kapitsa_image::preprocess(&bytes, &cfg, &Default::default()).unwrap();
-    assert_eq!(got.grid, want.grid);
-    let err = got
-        .values
-        .iter()
-        .zip(&want.values)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-    assert!(err <= 1e-5, "max diff {err}");
+    for (img, file) in [("img1", "images/img1.png"), ("img2", "images/img2.jpg")] {
+        let want = image(&dir(name), &r, &Value::from(img));
+        let bytes = std::fs::read(dir(name).join(file)).unwrap();
+        let got = kapitsa_image::preprocess(&bytes, &cfg, &Default::default()).unwrap();
+        assert_eq!(got.grid, want.grid, "{file}");
+        let err = got
+            .values
+            .iter()
+            .zip(&want.values)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(err <= 1e-5, "{file}: max diff {err}");
+    }
 }
 
 #[test]

@@ -104,6 +104,12 @@ pub(crate) fn decode_rgb8(bytes: &[u8], limits: &Limits) -> Result<Rgb8, ImageEr
     let (mut r, _) = reader(bytes)?;
     r.limits(lim);
     let img = r.decode().map_err(|e| map_decode_error(e, &what))?;
+    if format == ImageFormat::Jpeg {
+        // The `image` crate's decode above refuses corrupt files with an error; libjpeg-turbo
+        // (which reports errors by unwinding, noisy in a server's log) then gives Pillow's
+        // exact pixels.
+        return decode_jpeg(bytes, width, height);
+    }
     if img.width() != width || img.height() != height {
         return Err(ImageError::Corrupt(format!(
             "the {what} image declares {width}x{height} pixels but decodes to {}x{}.",
@@ -112,6 +118,48 @@ pub(crate) fn decode_rgb8(bytes: &[u8], limits: &Limits) -> Result<Rgb8, ImageEr
         )));
     }
     to_rgb8(img)
+}
+
+/// Decode a JPEG (already checked to declare `width` x `height` pixels within the limits) with
+/// libjpeg-turbo's decoder (the `mozjpeg` crate builds its C sources), as Pillow does:
+/// the accurate integer IDCT and fancy upsampling, libjpeg's own colour conversion to RGB
+/// (grayscale replicated). The decoder reports errors by unwinding; they become
+/// [`ImageError::Corrupt`].
+fn decode_jpeg(bytes: &[u8], width: u32, height: u32) -> Result<Rgb8, ImageError> {
+    let run = || -> std::io::Result<(usize, usize, Vec<u8>)> {
+        let mut d = mozjpeg::Decompress::new_mem(bytes)?;
+        d.dct_method(mozjpeg::DctMethod::IntegerSlow);
+        d.do_fancy_upsampling(true);
+        let mut img = d.rgb()?;
+        let (w, h) = (img.width(), img.height());
+        let data = img.read_scanlines::<u8>()?;
+        img.finish()?;
+        Ok((w, h, data))
+    };
+    let corrupt =
+        |m: String| ImageError::Corrupt(format!("the JPG image could not be decoded: {m}."));
+    let (w, h, data) = match std::panic::catch_unwind(run) {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => return Err(corrupt(e.to_string())),
+        Err(p) => {
+            let m = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "the decoder failed".into());
+            return Err(corrupt(m));
+        }
+    };
+    if (w, h) != (width as usize, height as usize) || data.len() != w * h * 3 {
+        return Err(ImageError::Corrupt(format!(
+            "the JPG image declares {width}x{height} pixels but decodes to {w}x{h}."
+        )));
+    }
+    Ok(Rgb8 {
+        width: w,
+        height: h,
+        data,
+    })
 }
 
 /// Composite one channel value `v` with alpha `a` onto opaque white, exactly as

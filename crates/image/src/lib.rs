@@ -19,10 +19,9 @@
 //! 4. Rescale + normalize fused as `(v - 255 mean) / (255 std)` in f32.
 //! 5. Patchify: each patch repeated `temporal_patch_size` times; rows in merge-window order.
 //!
-//! Everything after decoding is bit-exact, and so is decoding PNG, GIF and WebP (lossless and
-//! lossy). **JPEG is not**: the `image` crate decodes with zune-jpeg while Pillow uses
-//! libjpeg-turbo; their integer IDCTs round differently (±1 in ~1.5% of samples) and their chroma
-//! upsampling differs near colour edges (up to ~7 levels), so JPEG pixels can differ by a few /255.
+//! Everything is bit-exact, decoding included: PNG, GIF and WebP (lossless and lossy) through
+//! the `image` crate, JPEG through libjpeg-turbo's decoder (the `mozjpeg` crate, built from its
+//! C sources; the accurate integer IDCT and fancy upsampling, as Pillow decodes).
 //!
 //! # Fixtures
 //! `tests/fixtures/images/` holds test images and `reference.json` with the reference output;

@@ -19,12 +19,6 @@ fn fnv1a64(data: &[u8]) -> u64 {
     h
 }
 
-/// JPEG decoding is not bit-exact: the `image` crate decodes with zune-jpeg, the reference with
-/// Pillow's libjpeg-turbo. Their integer IDCTs round differently (±1 in ~1.5% of gray pixels) and
-/// their chroma upsampling differs (up to ~7 levels near colour edges). Everything after decoding
-/// is exact, so for JPEG only the grid and a loose bound are checked.
-const JPEG_TOLERANCE: f32 = 12.0 / 127.5;
-
 fn config(name: &str) -> ProcessorConfig {
     match name {
         "qwen35" => ProcessorConfig::qwen35(),
@@ -111,18 +105,13 @@ fn every_fixture_matches_the_reference() {
                     .fold(0.0f32, f32::max);
                 compared_values += raw.len();
                 let mismatched = raw.iter().zip(&enc).filter(|(a, b)| a != b).count();
-                let tol = if name.ends_with(".jpg") {
-                    JPEG_TOLERANCE
-                } else {
-                    1e-5
-                };
-                if max_diff > tol {
+                if max_diff > 1e-5 {
                     failures.push(format!(
                         "{name} [{cfg_name}]: max diff {max_diff}, {mismatched} values differ"
                     ));
                 }
             }
-            if !hash_ok && !name.ends_with(".jpg") {
+            if !hash_ok {
                 failures.push(format!(
                     "{name} [{cfg_name}]: FNV hash of values differs from the reference"
                 ));
