@@ -10,7 +10,8 @@
 //! every backend has the op; the CPU backend calls them on its tensors in place. A device
 //! kernel written later is checked against these.
 //!
-//! Numerics: f32 throughout, in the order written below (scores, max, `exp(s - max)`, sum,
+//! Numerics: f32 throughout, in the order written below (scores as dot products in eight
+//! interleaved partial sums (`dot`), max, `exp(s - max)`, sum,
 //! weighted sum of V divided by the sum; conv taps summed from tap 0 up, the static kernel
 //! before the dynamic coefficient, as the PyPI `dflash` reference does).
 
@@ -76,8 +77,7 @@ pub fn attention_spans(
             scores.clear();
             for j in lo..hi {
                 let kj = &k[j * kv_dim + kvh * hd..j * kv_dim + (kvh + 1) * hd];
-                let dot: f32 = qh.iter().zip(kj).map(|(a, b)| a * b).sum();
-                scores.push(dot * scale);
+                scores.push(dot(qh, kj) * scale);
             }
             let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
             let mut sum = 0f32;
@@ -97,6 +97,31 @@ pub fn attention_spans(
         }
     }
     Ok(())
+}
+
+/// `sum a[i] * b[i]` in eight interleaved partial sums (lane `i % 8`), added pairwise at the
+/// end, then the tail: a fixed order the compiler can vectorise.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let s4 = [
+        acc[0] + acc[4],
+        acc[1] + acc[5],
+        acc[2] + acc[6],
+        acc[3] + acc[7],
+    ];
+    (s4[0] + s4[2]) + (s4[1] + s4[3]) + tail
 }
 
 /// Grouped dynamic causal convolution over blocks of `block_len` consecutive rows of `x`
