@@ -411,13 +411,11 @@ pub fn run(a: RunArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    // Each image token becomes the image's tokens (framed where the engine frames them).
-    let (merge, framing) = s
-        .engine
-        .vision()
-        .map_or((1, 0), |v| (v.merge * v.merge, 2 * usize::from(v.frames)));
+    // Each image token becomes the image's tokens.
+    let vision = s.engine.vision();
     let n_prompt = images.iter().fold(prompt.len(), |n, i| {
-        (n + i.grid.iter().product::<usize>() / merge.max(1) + framing).saturating_sub(1)
+        let widened = vision.map_or(1, |v| v.prompt_tokens(i.grid));
+        (n + widened).saturating_sub(1)
     });
     let req = Request {
         prompt,

@@ -111,19 +111,21 @@ fn read_f32(path: &Path) -> Result<Vec<f32>> {
         .collect())
 }
 
+/// A JSON array of token ids (empty when it is not one).
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|x| x.as_u64())
+                .map(|x| x as u32)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 fn reference(dir: &Path) -> Result<(String, Vec<Prompt>)> {
     let j: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|x| x.as_u64())
-                    .map(|x| x as u32)
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
     let mut ps = Vec::new();
     for p in j["prompts"].as_array().context("reference.json: prompts")? {
         ps.push(Prompt {
@@ -356,16 +358,6 @@ fn vision_checks(device: &str, dir: &Path, rows: &mut Vec<Row>) -> Result<()> {
         .map_or(String::new(), |n| n.to_string_lossy().into_owned());
     let r: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference_vl.json"))?)?;
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|x| x.as_u64())
-                    .map(|x| x as u32)
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
     let opts = kapitsa_engine::OpenOptions {
         device: device.parse()?,
         threads: 2,

@@ -132,6 +132,17 @@ pub fn preprocess(
     preprocess_rgb8(&img.data, img.width, img.height, cfg)
 }
 
+/// `Err(Corrupt)` unless `rgb` holds `[height, width, 3]` bytes.
+pub(crate) fn check_rgb(rgb: &[u8], width: usize, height: usize) -> Result<(), ImageError> {
+    if rgb.len() != width.saturating_mul(height).saturating_mul(3) {
+        return Err(ImageError::Corrupt(format!(
+            "{} bytes of RGB do not make a {width}x{height} image.",
+            rgb.len()
+        )));
+    }
+    Ok(())
+}
+
 /// Preprocess an already decoded image: `rgb` is `[height, width, 3]` row-major RGB bytes.
 pub fn preprocess_rgb8(
     rgb: &[u8],
@@ -140,12 +151,7 @@ pub fn preprocess_rgb8(
     cfg: &ProcessorConfig,
 ) -> Result<Pixels, ImageError> {
     cfg.validate()?;
-    if rgb.len() != width.saturating_mul(height).saturating_mul(3) {
-        return Err(ImageError::Corrupt(format!(
-            "{} bytes of RGB do not make a {width}x{height} image.",
-            rgb.len()
-        )));
-    }
+    check_rgb(rgb, width, height)?;
     let (out_h, out_w) = smart_resize(height, width, cfg)?;
     let resized = resize::resize_bicubic_aa(rgb, width, height, 3, out_w, out_h);
     Ok(patchify(&resized, out_w, out_h, cfg))

@@ -28,7 +28,7 @@
 
 use serde_json::Value;
 
-use crate::{decode, ImageError, Limits, Pixels};
+use crate::{check_rgb, decode, ImageError, Limits, Pixels};
 
 /// `OPENAI_CLIP_MEAN`: the reference class's default `image_mean`.
 const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
@@ -322,12 +322,7 @@ pub fn preprocess_nemotron_rgb8(
     cfg: &NemotronConfig,
 ) -> Result<Pixels, ImageError> {
     cfg.validate()?;
-    if rgb.len() != width.saturating_mul(height).saturating_mul(3) {
-        return Err(ImageError::Corrupt(format!(
-            "{} bytes of RGB do not make a {width}x{height} image.",
-            rgb.len()
-        )));
-    }
+    check_rgb(rgb, width, height)?;
     let (gh, gw) = patch_grid_size(
         height,
         width,

@@ -46,9 +46,7 @@ use serde_json::Value;
 
 use crate::layers::tensor;
 pub use crate::vision::VisionTokens;
-use crate::vision::{
-    check_patches, ep, host_vec, linear, norm, vec_tensor, VisionInfo, VisionKind, VisionTower,
-};
+use crate::vision::{ep, host_vec, linear, norm, vec_tensor, VisionInfo, VisionKind, VisionTower};
 use crate::{ModelError, ModelSource, Result, Weight};
 
 /// The projector's RMSNorm epsilon (fixed in transformers' projector).
@@ -510,28 +508,12 @@ impl NemotronVision {
         &self.cfg
     }
 
-    /// The tokens that frame an image (`<img>`, `<image>` x n, `</img>`).
-    pub fn tokens(&self) -> VisionTokens {
-        self.tokens
-    }
-
-    /// Language-model tokens of an image with patch grid `grid` (1, h, w): `h * w / merge^2`.
-    pub fn n_tokens(&self, grid: [usize; 3]) -> usize {
-        grid[0] * grid[1] * grid[2] / (self.cfg.merge * self.cfg.merge)
-    }
-
     /// Run the vision path on one image of patch grid `grid` = (1, h, w): `pixels`
     /// `[h * w, in_channels * patch^2]` f32, the processor's normalised patches, row-major
     /// over the grid, each channel-major (`preprocess_nemotron`); returns the language-model
     /// rows `[h * w / merge^2, out_hidden]` (host), in the order of the image's tokens.
     pub fn encode(&self, pixels: &[f32], grid: [usize; 3]) -> Result<Vec<f32>> {
-        let n = check_patches(
-            pixels.len(),
-            grid,
-            self.cfg.merge,
-            self.cfg.patch_dim(),
-            true,
-        )?;
+        let n = self.info().check_patches(pixels.len(), grid)?;
         let be = &*self.be;
         let c = &self.cfg;
         let (d, hd, np) = (c.hidden, c.head_dim(), c.n_prefix);

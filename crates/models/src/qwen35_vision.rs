@@ -33,9 +33,7 @@ use serde_json::Value;
 use crate::layers::tensor;
 use crate::mrope::inv_freq;
 pub use crate::vision::VisionTokens;
-use crate::vision::{
-    check_patches, ep, linear, norm, vec_tensor, VisionInfo, VisionKind, VisionTower,
-};
+use crate::vision::{ep, linear, norm, vec_tensor, VisionInfo, VisionKind, VisionTower};
 use crate::{ModelError, ModelSource, Result, Weight};
 
 /// The tower's dimensions (HF `vision_config`).
@@ -395,27 +393,11 @@ impl Qwen35Vision {
         &self.cfg
     }
 
-    /// The tokens that frame an image.
-    pub fn tokens(&self) -> VisionTokens {
-        self.tokens
-    }
-
-    /// Language-model tokens of an image with patch grid `grid` (t, h, w).
-    pub fn n_tokens(&self, grid: [usize; 3]) -> usize {
-        grid[0] * grid[1] * grid[2] / (self.cfg.merge * self.cfg.merge)
-    }
-
     /// Run the tower on one image (or video) of patch grid `grid` (t, h, w): `pixels`
     /// `[t * h * w, patch_dim]` f32 in the processor's order; returns the language-model rows
     /// `[t * h * w / merge^2, out_hidden]` (host).
     pub fn encode(&self, pixels: &[f32], grid: [usize; 3]) -> Result<Vec<f32>> {
-        let n = check_patches(
-            pixels.len(),
-            grid,
-            self.cfg.merge,
-            self.cfg.patch_dim(),
-            false,
-        )?;
+        let n = self.info().check_patches(pixels.len(), grid)?;
         let be = &*self.be;
         let c = &self.cfg;
         let (d, hd) = (c.hidden, c.head_dim());

@@ -51,6 +51,52 @@ pub struct VisionInfo {
     pub merge: usize,
 }
 
+impl VisionInfo {
+    /// The image's grid in language-model tokens (t, h, w) for a patch grid (t, h, w).
+    pub fn token_grid(&self, grid: [usize; 3]) -> [usize; 3] {
+        let m = self.merge.max(1);
+        [grid[0], grid[1] / m, grid[2] / m]
+    }
+
+    /// Values in one patch row: `3 * temporal_patch * patch^2`.
+    pub fn patch_dim(&self) -> usize {
+        3 * self.temporal_patch * self.patch * self.patch
+    }
+
+    /// Check an image's patch grid (t, h, w) and its `pixels_len` values: `h` and `w` non-zero
+    /// multiples of the merge size, one frame for a still-image tower (`temporal_patch ==
+    /// 1`), whole rows of [`VisionInfo::patch_dim`] for every patch; the number of patches.
+    pub fn check_patches(&self, pixels_len: usize, grid: [usize; 3]) -> Result<usize> {
+        let (m, still, pd) = (
+            self.merge.max(1),
+            self.temporal_patch == 1,
+            self.patch_dim(),
+        );
+        let n = grid[0] * grid[1] * grid[2];
+        if (still && grid[0] != 1) || n == 0 || grid[1] % m != 0 || grid[2] % m != 0 {
+            return Err(ModelError::Batch(format!(
+                "image grid {grid:?} is not {} with sides that are non-zero multiples of the \
+                 merge size {m}",
+                if still { "one image" } else { "frames" }
+            )));
+        }
+        if pixels_len != n * pd {
+            return Err(ModelError::Batch(format!(
+                "{pixels_len} pixel values for a grid of {n} patches of {pd}"
+            )));
+        }
+        Ok(n)
+    }
+
+    /// Tokens an image of patch grid `grid` takes in a prompt in place of its one
+    /// placeholder: its image tokens, plus the start and end tokens where the engine frames
+    /// images ([`VisionInfo::frames`]).
+    pub fn prompt_tokens(&self, grid: [usize; 3]) -> usize {
+        let [t, h, w] = self.token_grid(grid);
+        t * h * w + 2 * usize::from(self.frames)
+    }
+}
+
 /// A loaded vision tower.
 pub trait VisionTower: Send + Sync + std::fmt::Debug {
     /// What it takes and how its images sit in a prompt.
@@ -65,33 +111,6 @@ pub trait VisionTower: Send + Sync + std::fmt::Debug {
 }
 
 // ---- helpers shared by the towers -------------------------------------------------------------
-
-/// Check an image's patch grid (t, h, w) and values for a tower: `h` and `w` non-zero
-/// multiples of `merge`, `t == 1` for a still-image tower (`still`), `pixels_len` whole
-/// `patch_dim`-wide rows of every patch; the number of patches.
-pub(crate) fn check_patches(
-    pixels_len: usize,
-    grid: [usize; 3],
-    merge: usize,
-    patch_dim: usize,
-    still: bool,
-) -> Result<usize> {
-    let n = grid[0] * grid[1] * grid[2];
-    let bad_t = still && grid[0] != 1;
-    if bad_t || n == 0 || !grid[1].is_multiple_of(merge) || !grid[2].is_multiple_of(merge) {
-        return Err(ModelError::Batch(format!(
-            "image grid {grid:?} is not {} with sides that are non-zero multiples of the merge \
-             size {merge}",
-            if still { "one image" } else { "frames" }
-        )));
-    }
-    if pixels_len != n * patch_dim {
-        return Err(ModelError::Batch(format!(
-            "{pixels_len} pixel values for a grid of {n} patches of {patch_dim}"
-        )));
-    }
-    Ok(n)
-}
 
 /// A 1-D f32 weight `[n]` on the host.
 pub(crate) fn host_vec(src: &ModelSource, name: &str, n: usize) -> Result<Vec<f32>> {

@@ -81,7 +81,7 @@ fn config_and_tokens_come_from_the_checkpoint() {
         (8, 2, 32, 768)
     );
     let sp = &f.r["special_ids"];
-    let t = f.vision.tokens();
+    let t = f.vision.info().tokens;
     assert_eq!(
         [t.image, t.start, t.end],
         ["<image>", "<img>", "</img>"].map(|k| sp[k].as_u64().unwrap() as u32)
@@ -89,7 +89,13 @@ fn config_and_tokens_come_from_the_checkpoint() {
     assert!(f.vision.info().frames);
     for img in f.r["images"].as_array().unwrap() {
         let g = ids(&img["image_grid_hw"]);
-        let n = f.vision.n_tokens([1, g[0] as usize, g[1] as usize]);
+        let n = {
+            let [t, h, w] = f
+                .vision
+                .info()
+                .token_grid([1, g[0] as usize, g[1] as usize]);
+            t * h * w
+        };
         assert_eq!(n as u64, img["n_tokens"].as_u64().unwrap());
     }
 }
@@ -119,7 +125,7 @@ fn bad_grids_are_refused() {
 
 /// The image rows of prompt `p`: (first token of each image's run of `<image>`, its rows).
 fn prompt_images(f: &Fixture, p: &Value) -> Vec<(usize, Arc<Vec<f32>>, usize)> {
-    let image_id = f.vision.tokens().image;
+    let image_id = f.vision.info().tokens.image;
     let input = ids(&p["input_ids"]);
     let by_name: Vec<&Value> = f.r["images"].as_array().unwrap().iter().collect();
     let mut out = Vec::new();

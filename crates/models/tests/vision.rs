@@ -12,6 +12,7 @@ use std::sync::Arc;
 use common::{backend, fixtures, rel_err};
 use kapitsa_models::mrope::{self, ImageSpan};
 use kapitsa_models::qwen35_vision::Qwen35Vision;
+use kapitsa_models::vision::VisionTower;
 use kapitsa_models::{
     load_model, new_cache, BatchInputs, CausalLm, EmbedRows, KvType, LoadOptions, ModelSource,
 };
@@ -94,7 +95,7 @@ fn tower_rows_match_transformers() {
 
 /// The images of prompt `p` (their spans in the widened prompt, their rows).
 fn prompt_images(f: &Fixture, p: &Value) -> (Vec<ImageSpan>, Vec<Arc<Vec<f32>>>) {
-    let image_id = f.vision.tokens().image;
+    let image_id = f.vision.info().tokens.image;
     let input = ids(&p["input_ids"]);
     let by_name: Vec<&Value> = f.r["images"].as_array().unwrap().iter().collect();
     let mut spans = Vec::new();
@@ -210,7 +211,7 @@ fn mmproj_tower_matches_transformers() {
     // llama.cpp's converter output (`--mmproj`): the same rows as the HF tower
     let f = fixture("qwen35-vl-a");
     let src = ModelSource::open(&f.dir.join("mmproj-f32.gguf")).unwrap();
-    let mm = Qwen35Vision::load_mmproj(&src, f.vision.tokens(), backend()).unwrap();
+    let mm = Qwen35Vision::load_mmproj(&src, f.vision.info().tokens, backend()).unwrap();
     assert_eq!(mm.config(), f.vision.config());
     for img in f.r["images"].as_array().unwrap() {
         let px = read_f32(&file(&f, &img["pixel_values"]));
@@ -224,7 +225,7 @@ fn mmproj_tower_matches_transformers() {
     }
     // a text GGUF is not an mmproj
     let text = ModelSource::open(&f.dir.join("model-f32.gguf")).unwrap();
-    assert!(Qwen35Vision::load_mmproj(&text, f.vision.tokens(), backend()).is_err());
+    assert!(Qwen35Vision::load_mmproj(&text, f.vision.info().tokens, backend()).is_err());
 }
 
 #[test]

@@ -366,10 +366,8 @@ pub async fn prepare(st: &Arc<AppState>, images: Images, prompt: &[u32]) -> ApiR
         let img = t
             .await
             .map_err(|e| ApiError::internal(format!("preprocessing an image failed: {e}")))??;
-        // the placeholder becomes the image's tokens (framed by start/end where the engine
-        // frames them)
-        let n = img.grid[0] * img.grid[1] * img.grid[2] / (v.merge * v.merge).max(1);
-        n_prompt = (n_prompt + n + 2 * usize::from(v.frames)).saturating_sub(1);
+        // the placeholder becomes the image's tokens
+        n_prompt = (n_prompt + v.prompt_tokens(img.grid)).saturating_sub(1);
         inputs.push(img);
     }
     Ok(Prepared { inputs, n_prompt })

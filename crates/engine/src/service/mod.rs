@@ -576,7 +576,6 @@ impl EngineHandle {
                 req.images.len()
             ));
         }
-        let patch_dim = 3 * v.temporal_patch * v.patch * v.patch;
         let mut images = req.images.iter();
         let mut prompt = Vec::with_capacity(req.prompt.len());
         let mut spans = Vec::with_capacity(req.images.len());
@@ -588,16 +587,9 @@ impl EngineHandle {
             let Some(img) = images.next() else {
                 return bad("more image placeholders than images".into());
             };
-            let [gt, gh, gw] = img.grid;
-            let n = gt * gh * gw;
-            if n == 0 || gh % v.merge != 0 || gw % v.merge != 0 || img.values.len() != n * patch_dim
-            {
+            if let Err(e) = v.check_patches(img.values.len(), img.grid) {
                 return bad(format!(
-                    "an image's patches ({} values, grid {:?}) do not fit the vision tower \
-                     (patches of {patch_dim}, grid sides multiples of {})",
-                    img.values.len(),
-                    img.grid,
-                    v.merge
+                    "an image's patches do not fit the vision tower: {e}"
                 ));
             }
             if v.frames {
@@ -605,7 +597,7 @@ impl EngineHandle {
             }
             let span = ImageSpan {
                 start: prompt.len(),
-                grid: [gt, gh / v.merge, gw / v.merge],
+                grid: v.token_grid(img.grid),
             };
             prompt.extend((0..span.len()).map(|j| image_cache_id(img.hash, j, self.inner.n_vocab)));
             spans.push(span);
