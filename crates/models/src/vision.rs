@@ -73,7 +73,11 @@ impl VisionInfo {
             self.patch_dim(),
         );
         let n = grid[0] * grid[1] * grid[2];
-        if (still && grid[0] != 1) || n == 0 || grid[1] % m != 0 || grid[2] % m != 0 {
+        if (still && grid[0] != 1)
+            || n == 0
+            || !grid[1].is_multiple_of(m)
+            || !grid[2].is_multiple_of(m)
+        {
             return Err(ModelError::Batch(format!(
                 "image grid {grid:?} is not {} with sides that are non-zero multiples of the \
                  merge size {m}",
