@@ -20,8 +20,11 @@
 #      tokens or more take them); then the
 #      ops, one fixture and the synthetic files with the int8-activation GEMVs
 #      (`KAPITSA_GEMV_X8=1`).
-#   2. `kapitsa serve --device cuda` answering the same HTTP checks as on the CPU (streaming,
-#      concurrency) on the tiny qwen2 fixture.
+#   2. `--gpu-memory`: a budget below the synthetic Qwen3.6 file fails before loading with a
+#      clear error; one that fits runs it with the reported peak within the budget.
+#   3. `kapitsa serve --device cuda --gpu-memory 4GiB` answering the same HTTP checks as on
+#      the CPU (streaming, concurrency) on the tiny qwen2 fixture, its KV cache sized from
+#      the budget.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/kapitsa-gpu}"
@@ -77,9 +80,37 @@ echo "== selftest, int8 activations for the Q4_K/Q6_K one-token GEMVs (KAPITSA_G
 KAPITSA_GEMV_X8=1 "$BIN" selftest --device cuda --fixtures tests/fixtures/tiny --archs qwen3_5_moe \
   "${models[@]}" 2>&1 | tee "$OUT/selftest-x8.log" || status=1
 
+echo "== --gpu-memory: a budget too small fails before loading; one that fits holds =="
+q36=""
+for m in "${models[@]}"; do [[ "$m" == *qwen3.6* ]] && q36="$m"; done
+if [[ -n "$q36" ]]; then
+  if "$BIN" bench -m "$q36" --device cuda --gpu-memory 1GiB -p 16 -n 0 -r 1 \
+      >"$OUT/budget-small.log" 2>&1; then
+    echo "FAIL --gpu-memory 1GiB ran a $(du -h "$q36" | cut -f1) file"; status=1
+  elif grep -q panicked "$OUT/budget-small.log" || ! grep -q "needs about" "$OUT/budget-small.log"; then
+    echo "FAIL --gpu-memory 1GiB: no clear error (see budget-small.log)"; status=1
+  else
+    echo "ok: --gpu-memory 1GiB refused: $(grep -o 'needs about.*' "$OUT/budget-small.log" | head -1)"
+  fi
+  budget=$(( $(stat -c %s "$q36") / 1073741824 + 3 ))
+  if "$BIN" bench -m "$q36" --device cuda --gpu-memory "${budget}GiB" -p 512 -n 16 -r 1 -o json \
+      >"$OUT/budget-fits.json" 2>"$OUT/budget-fits.log"; then
+    python3 - "$OUT/budget-fits.json" "$budget" <<'PY' || status=1
+import json, sys
+rows = json.load(open(sys.argv[1])); budget = int(sys.argv[2]) << 30
+peak = max(r["gpu_mem_peak_bytes"] for r in rows)
+ok = peak <= budget and all(r.get("gpu_mem_budget_bytes") == budget for r in rows)
+print(("ok" if ok else "FAIL"), f": --gpu-memory {budget >> 30}GiB: peak {peak / 2**30:.2f} GiB")
+sys.exit(0 if ok else 1)
+PY
+  else
+    echo "FAIL --gpu-memory ${budget}GiB did not run (see budget-fits.log)"; status=1
+  fi
+fi
+
 echo "== serve --device cuda =="
 PORT=18931
-"$BIN" serve --device cuda --model tests/fixtures/tiny/qwen2-a --port $PORT \
+"$BIN" serve --device cuda --gpu-memory 4GiB --model tests/fixtures/tiny/qwen2-a --port $PORT \
   >"$OUT/serve.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
@@ -121,6 +152,11 @@ for i in range(8):
 print("serve checks:", "ok" if ok else "FAILED")
 sys.exit(0 if ok else 1)
 PY
+if grep -q "GPU memory for the KV cache" "$OUT/serve.log"; then
+  echo "ok: $(grep -o 'GPU memory for the KV cache.*' "$OUT/serve.log")"
+else
+  echo "FAIL serve did not size its KV cache from GPU memory (see serve.log)"; status=1
+fi
 kill $SERVER 2>/dev/null || true
 echo "test-gpu: $([[ $status == 0 ]] && echo PASSED || echo FAILED)"
 exit $status

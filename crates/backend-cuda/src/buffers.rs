@@ -6,8 +6,9 @@
 //!   `u16` (F16 bits), `u8` (Q8_0 bytes: 34-byte blocks, f16 scale then 32 `i8`, as on the
 //!   CPU) and `u32` (U32). Element counts are the tensor's; a zero-length tensor still owns a
 //!   one-element allocation (the driver rejects empty ones). Fresh tensors are zero-filled.
-//! - Allocations come from the device's stream-ordered memory pool, whose release threshold
-//!   is raised at start (`device::keep_pool_memory`), so freed activations are reused without
+//! - Allocations come from the device's stream-ordered memory pool (`device::make_pool`: the
+//!   default pool, or with a `--gpu-memory` budget one capped at what the budget leaves),
+//!   whose release threshold is raised at start, so freed activations are reused without
 //!   driver calls: the pool is the caching allocator.
 //! - A [`Batch`] holds a [`DevBatch`]: one `u32` array uploaded once per step,
 //!   `[tokens | positions | token->sequence | sequence records (6 u32 each: slot, start, len,
@@ -24,13 +25,16 @@
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
 use kapitsa_backend::{
-    shape_err, BackendError, Batch, DType, HostWeight, Result, Tensor, Weight, Q8_0_BLOCK,
-    Q8_0_BYTES,
+    shape_err, BackendError, Batch, DType, DeviceMemory, HostWeight, Result, Tensor, Weight,
+    Q8_0_BLOCK, Q8_0_BYTES,
 };
 
 use crate::batch::DevBatch;
-use crate::device::dev_err;
+use crate::device::{self, dev_err};
 use crate::matmul::CudaWeight;
+
+/// Reads of at least this many floats go through the backend's page-locked staging buffer.
+const PINNED_READ_MIN: usize = 1 << 14;
 use crate::CudaBackend;
 
 /// A device element type and the tensor dtype it stores.
@@ -164,6 +168,37 @@ impl CudaBackend {
     }
 
     // ---- allocation --------------------------------------------------------------------------
+
+    /// [`kapitsa_backend::Backend::memory`]: the driver's free and total bytes and this
+    /// backend's pool (used now, reserved high-water mark), with the budget's cap.
+    pub(crate) fn memory_impl(&self) -> Result<DeviceMemory> {
+        use cudarc::driver::sys::CUgraphMem_attribute as G;
+        use cudarc::driver::sys::CUmemPool_attribute as A;
+        let (in_use, total) = device::mem_in_use(&self.ctx)?;
+        let free = total.saturating_sub(in_use);
+        // the recorded steps' allocations live in the device's graph memory, beside the pool
+        let graph = device::Pool::graph_attr(&self.ctx, G::CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT)?;
+        let graph_peak =
+            device::Pool::graph_attr(&self.ctx, G::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH)?;
+        let used = self.pool.attr(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)? + graph;
+        let reserved = self.pool.attr(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)? + graph;
+        // (the two high-water marks may fall at different times: their sum bounds the peak)
+        let peak = self.pool.attr(A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)? + graph_peak;
+        // the pool's cached free blocks are available to this backend, not to the driver
+        let mut available = free + reserved.saturating_sub(used);
+        if let Some(b) = self.pool.budget {
+            available = available.min(b.saturating_sub(self.pool.base).saturating_sub(used));
+        }
+        Ok(DeviceMemory {
+            total,
+            free,
+            available,
+            used,
+            peak,
+            base: self.pool.base,
+            budget: self.pool.budget,
+        })
+    }
 
     /// A zero-filled device buffer of `n` elements (one element when `n == 0`).
     pub(crate) fn zeros<T: Elem>(&self, n: usize) -> Result<CudaSlice<T>> {
@@ -304,10 +339,43 @@ impl CudaBackend {
         if dst.is_empty() {
             return Ok(());
         }
-        self.stream
-            .memcpy_dtoh(&s.slice(a / 4..b / 4), dst)
+        let src = s.slice(a / 4..b / 4);
+        if dst.len() < PINNED_READ_MIN {
+            self.stream.memcpy_dtoh(&src, dst).map_err(dev_err)?;
+            return self.stream.synchronize().map_err(dev_err);
+        }
+        // through the page-locked staging buffer: a copy into pageable memory is staged by
+        // the driver in small pieces at a fraction of the link's rate (logits rows are MBs)
+        let mut staging = self
+            .staging
+            .lock()
+            .map_err(|_| BackendError::Device("read_f32: staging buffer poisoned".into()))?;
+        if staging.as_ref().is_none_or(|p| p.len() < dst.len()) {
+            *staging = None; // free the old buffer first
+                             // SAFETY: the memory is unset until the copy below fills the part that is read;
+                             // flags 0: cached (not write-combined) host memory, which the host reads back.
+            let p = unsafe {
+                self.ctx
+                    .alloc_pinned_with_flags::<f32>(dst.len().next_power_of_two(), 0)
+            }
             .map_err(dev_err)?;
-        self.stream.synchronize().map_err(dev_err)
+            *staging = Some(p);
+        }
+        let Some(pinned) = staging.as_mut() else {
+            return Err(BackendError::Device("read_f32: no staging buffer".into()));
+        };
+        // (a plain slice of the page-locked memory: the driver sees it is pinned; the copy
+        // takes exactly dst.len() elements)
+        let host = pinned.as_mut_slice().map_err(dev_err)?;
+        let Some(part) = host.get_mut(..dst.len()) else {
+            return Err(BackendError::Device(
+                "read_f32: staging buffer too short".into(),
+            ));
+        };
+        self.stream.memcpy_dtoh(&src, part).map_err(dev_err)?;
+        self.stream.synchronize().map_err(dev_err)?;
+        dst.copy_from_slice(part);
+        Ok(())
     }
 
     pub(crate) fn read_bytes_impl(&self, src: &Tensor, offset: usize, n: usize) -> Result<Vec<u8>> {

@@ -163,20 +163,102 @@ pub(crate) fn make_context(ordinal: usize) -> Result<Arc<CudaContext>, BackendEr
     guarded("CUDA context", || CudaContext::new(ordinal))
 }
 
-/// Keep freed device memory in the default memory pool instead of returning it to the driver
-/// at every synchronisation: the stream-ordered allocator then serves the per-step activation
-/// allocations from its cache (this is the backend's caching allocator).
-pub(crate) fn keep_pool_memory(ctx: &Arc<CudaContext>) -> Result<(), BackendError> {
+/// The memory pool the backend's stream-ordered allocations come from, and the budget it
+/// enforces.
+pub(crate) struct Pool {
+    /// The pool (the device's default pool, or one made for a budget); null where the device
+    /// has no stream-ordered allocator.
+    pub(crate) pool: sys::CUmemoryPool,
+    /// Whether `pool` was made here (then it is the device's current pool until drop).
+    made: bool,
+    /// Device memory in use before the backend's first allocation (context, libraries, other
+    /// processes).
+    pub(crate) base: usize,
+    /// The budget (`--gpu-memory`): the most the device may hold for this process.
+    pub(crate) budget: Option<usize>,
+}
+
+// SAFETY: a CUmemoryPool handle is a driver object usable from any thread of the process; the
+// backend only reads its attributes and (in drop) destroys it once.
+unsafe impl Send for Pool {}
+// SAFETY: as above: attribute reads are thread-safe driver calls.
+unsafe impl Sync for Pool {}
+
+/// Bytes of device memory in use (`total - free`) and the device's size, with `ctx` current.
+pub(crate) fn mem_in_use(ctx: &Arc<CudaContext>) -> Result<(usize, usize), BackendError> {
+    ctx.bind_to_thread().map_err(dev_err)?;
+    let (free, total) = result::mem_get_info().map_err(dev_err)?;
+    Ok((total.saturating_sub(free), total))
+}
+
+/// The pool the backend allocates from. Freed device memory stays in it instead of going back
+/// to the driver at every synchronisation (release threshold: never), so the stream-ordered
+/// allocator serves the per-step activations from its cache (the backend's caching
+/// allocator). With a `budget` (bytes the device may hold for this process), a pool of at
+/// most `budget` minus what is in use now is made and set as the device's current pool, so
+/// every allocation of the backend beyond it fails with `OutOfMemory`.
+pub(crate) fn make_pool(
+    ctx: &Arc<CudaContext>,
+    budget: Option<usize>,
+) -> Result<Pool, BackendError> {
+    let (base, _) = mem_in_use(ctx)?;
     if !ctx.has_async_alloc() {
-        return Ok(());
+        if budget.is_some() {
+            return Err(BackendError::Unavailable(
+                "this GPU or driver has no stream-ordered allocator, so --gpu-memory cannot be \
+                 enforced"
+                    .into(),
+            ));
+        }
+        return Ok(Pool {
+            pool: std::ptr::null_mut(),
+            made: false,
+            base,
+            budget,
+        });
     }
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: `pool` is a valid out-pointer; the device handle comes from a live context.
-    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
-        .result()
-        .map_err(dev_err)?;
+    let made = match budget {
+        None => {
+            // SAFETY: `pool` is a valid out-pointer; the device handle comes from a live context.
+            unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
+                .result()
+                .map_err(dev_err)?;
+            false
+        }
+        Some(b) => {
+            const GRAIN: usize = 2 << 20;
+            let room = b.saturating_sub(base) / GRAIN * GRAIN;
+            if room == 0 {
+                return Err(BackendError::Setting(format!(
+                    "--gpu-memory {} leaves nothing for the model: the device already holds {} \
+                     (the CUDA context and libraries, and any other process)",
+                    kapitsa_backend::gib(b),
+                    kapitsa_backend::gib(base)
+                )));
+            }
+            // SAFETY: CUmemPoolProps is a plain C struct for which all-zero bytes are valid
+            // (null pointers, zero enums and sizes); the fields that matter are set below.
+            let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+            props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+            props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+            props.location.id = ctx.cu_device();
+            props.maxSize = room;
+            // SAFETY: `pool` is a valid out-pointer and `props` a fully initialised props
+            // struct that outlives the call.
+            unsafe { sys::cuMemPoolCreate(&mut pool, &props) }
+                .result()
+                .map_err(dev_err)?;
+            // SAFETY: `pool` was just created for this device; making it the current pool
+            // routes the stream-ordered allocations of this device to it.
+            unsafe { sys::cuDeviceSetMemPool(ctx.cu_device(), pool) }
+                .result()
+                .map_err(dev_err)?;
+            true
+        }
+    };
     let mut threshold = u64::MAX;
-    // SAFETY: `pool` is the device's default pool; the release threshold attribute takes a
+    // SAFETY: `pool` is a live pool of this device; the release threshold attribute takes a
     // pointer to a u64, which `threshold` is.
     unsafe {
         sys::cuMemPoolSetAttribute(
@@ -186,7 +268,66 @@ pub(crate) fn keep_pool_memory(ctx: &Arc<CudaContext>) -> Result<(), BackendErro
         )
     }
     .result()
-    .map_err(dev_err)
+    .map_err(dev_err)?;
+    Ok(Pool {
+        pool,
+        made,
+        base,
+        budget,
+    })
+}
+
+impl Pool {
+    /// A u64 attribute of the pool (0 without a pool).
+    pub(crate) fn attr(&self, a: sys::CUmemPool_attribute) -> Result<usize, BackendError> {
+        if self.pool.is_null() {
+            return Ok(0);
+        }
+        let mut v = 0u64;
+        // SAFETY: `self.pool` is a live pool; the memory attributes take a pointer to a u64.
+        unsafe { sys::cuMemPoolGetAttribute(self.pool, a, (&mut v as *mut u64).cast()) }
+            .result()
+            .map_err(dev_err)?;
+        Ok(usize::try_from(v).unwrap_or(usize::MAX))
+    }
+
+    /// A u64 attribute of the device's graph memory (the allocations made inside recorded
+    /// steps, which the driver keeps apart from the pools). `ctx` must be current.
+    pub(crate) fn graph_attr(
+        ctx: &Arc<CudaContext>,
+        a: sys::CUgraphMem_attribute,
+    ) -> Result<usize, BackendError> {
+        let mut v = 0u64;
+        // SAFETY: the device handle comes from a live context; the reserved-memory attributes
+        // take a pointer to a u64.
+        unsafe {
+            sys::cuDeviceGetGraphMemAttribute(ctx.cu_device(), a, (&mut v as *mut u64).cast())
+        }
+        .result()
+        .map_err(dev_err)?;
+        Ok(usize::try_from(v).unwrap_or(usize::MAX))
+    }
+
+    /// Give the device its default pool back and destroy a pool made for a budget (its
+    /// memory is released once the last allocation from it is freed). `ctx` must be current.
+    pub(crate) fn release(&mut self, ctx: &Arc<CudaContext>) {
+        if !self.made {
+            return;
+        }
+        self.made = false;
+        let mut default: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: valid out-pointer, live context's device; `self.pool` was made here and is
+        // destroyed once (made is cleared first). Errors are ignored: this runs in drop.
+        unsafe {
+            if sys::cuDeviceGetDefaultMemPool(&mut default, ctx.cu_device())
+                .result()
+                .is_ok()
+            {
+                let _ = sys::cuDeviceSetMemPool(ctx.cu_device(), default).result();
+            }
+            let _ = sys::cuMemPoolDestroy(self.pool).result();
+        }
+    }
 }
 
 /// Load cubin `stem` of the embedded table.

@@ -74,14 +74,18 @@ pub const NOT_BUILT: &str = "this kapitsa was built without CUDA support (cargo 
 /// The CUDA backend on GPU `ordinal`, or a one-line [`BackendError::Unavailable`] saying why
 /// it cannot run (no driver, no such device, a build without the `cuda` feature or without
 /// kernels). The engine chooses devices at run time through this, with no `cfg` of its own.
-pub fn open(ordinal: usize) -> Result<Arc<dyn Backend>, BackendError> {
+///
+/// `budget` (`--gpu-memory`, bytes): the most device memory the process may hold on that GPU,
+/// the CUDA context included; the backend's allocations beyond it fail with `OutOfMemory`
+/// ([`kapitsa_backend::DeviceMemory`] reports the figures).
+pub fn open(ordinal: usize, budget: Option<usize>) -> Result<Arc<dyn Backend>, BackendError> {
     #[cfg(feature = "cuda")]
     {
-        Ok(Arc::new(CudaBackend::new(ordinal)?))
+        Ok(Arc::new(CudaBackend::with_budget(ordinal, budget)?))
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = ordinal;
+        let _ = (ordinal, budget);
         Err(BackendError::Unavailable(NOT_BUILT.into()))
     }
 }
@@ -120,9 +124,9 @@ mod imp {
     use cudarc::cublas::CudaBlas;
     use cudarc::driver::{CudaContext, CudaStream};
     use kapitsa_backend::{
-        AttnShape, Backend, BackendError, Batch, BatchDesc, DType, Device, Epilogue, GdnConv,
-        GdnShape, HostWeight, KvLayer, Mamba2Conv, Mamba2Shape, MlpWeights, MoeWeights, Recording,
-        Result, RopeDesc, Tensor, Weight,
+        AttnShape, Backend, BackendError, Batch, BatchDesc, DType, Device, DeviceMemory, Epilogue,
+        GdnConv, GdnShape, HostWeight, KvLayer, Mamba2Conv, Mamba2Shape, MlpWeights, MoeWeights,
+        Recording, Result, RopeDesc, Tensor, Weight,
     };
 
     use crate::device::{self, dev_err, DeviceInfo, Kernels, KERNELS};
@@ -144,6 +148,11 @@ mod imp {
         pub(crate) ctx: Arc<CudaContext>,
         /// In-graph kernel timing (`KAPITSA_CUDA_PROF=1`, src/prof.rs).
         pub(crate) prof: Option<crate::prof::Prof>,
+        /// The memory pool every allocation comes from, with the budget it enforces.
+        pub(crate) pool: device::Pool,
+        /// Page-locked host memory that large reads (logits rows) are copied through; grown on
+        /// demand (src/buffers.rs `read_f32_impl`).
+        pub(crate) staging: std::sync::Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
     }
 
     impl Drop for CudaBackend {
@@ -154,6 +163,9 @@ mod imp {
                     eprint!("{r}");
                 }
             }
+            if self.ctx.bind_to_thread().is_ok() {
+                self.pool.release(&self.ctx);
+            }
         }
     }
 
@@ -162,6 +174,13 @@ mod imp {
         /// is no usable GPU: no driver library, no such device, not sm_90 (the cubins are
         /// built for sm_90a), no cuBLAS library, or a binary built without kernels.
         pub fn new(ordinal: usize) -> Result<CudaBackend> {
+            Self::with_budget(ordinal, None)
+        }
+
+        /// [`CudaBackend::new`] with a memory budget: `budget` bytes are the most the device
+        /// may hold for this process (the context and libraries included); the backend's
+        /// allocations come from a pool of what is left of it (see [`crate::open`]).
+        pub fn with_budget(ordinal: usize, budget: Option<usize>) -> Result<CudaBackend> {
             device::check_kernels()?;
             let info = device::device_info(ordinal)?;
             device::check_arch(&info)?;
@@ -169,11 +188,12 @@ mod imp {
             // SAFETY: no device buffer exists yet, and every buffer of this backend is used
             // on its one stream only, so cudarc's cross-stream event tracking is not needed.
             unsafe { ctx.disable_event_tracking() };
-            device::keep_pool_memory(&ctx)?;
             let stream = ctx.new_stream().map_err(dev_err)?;
             let k = Kernels::load(&ctx)?;
             let mm = MatmulKernels::load(&ctx, KERNELS)?;
             let blas = make_blas(&stream)?;
+            // after the context, modules and cuBLAS, so the budget's base counts them
+            let pool = device::make_pool(&ctx, budget)?;
             let prof = match crate::prof::prof_on() {
                 true => Some(crate::prof::Prof::new(&stream)?),
                 false => None,
@@ -187,6 +207,8 @@ mod imp {
                 mm,
                 ctx,
                 prof,
+                pool,
+                staging: std::sync::Mutex::new(None),
             })
         }
     }
@@ -219,6 +241,10 @@ mod imp {
 
         fn device(&self) -> Device {
             Device::Cuda(self.info.ordinal)
+        }
+
+        fn memory(&self) -> Option<DeviceMemory> {
+            self.memory_impl().ok()
         }
 
         fn upload_weight(&self, w: &HostWeight) -> Result<Weight> {
@@ -597,7 +623,7 @@ mod tests {
     /// GPU machine (with the feature) it opens.
     #[test]
     fn open_is_unavailable_or_works() {
-        match open(0) {
+        match open(0, None) {
             Ok(b) => {
                 assert!(b.describe().starts_with("cuda:0 "), "{}", b.describe());
             }
@@ -630,7 +656,7 @@ mod tests {
 
     #[test]
     fn a_missing_ordinal_is_unavailable() {
-        let e = open(4096).err().expect("no machine has 4097 GPUs");
+        let e = open(4096, None).err().expect("no machine has 4097 GPUs");
         assert!(matches!(e, BackendError::Unavailable(_)), "{e:?}");
         assert!(!e.to_string().contains('\n'));
     }

@@ -61,6 +61,38 @@ impl std::str::FromStr for DeviceChoice {
     }
 }
 
+/// Device memory as a GPU backend sees it, in bytes ([`crate::Backend::memory`]; the CPU
+/// backend reports none). "This backend's allocations" are its weights, caches and
+/// activations: everything it allocates from its memory pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DeviceMemory {
+    /// Size of the device.
+    pub total: usize,
+    /// Free on the device now, as the driver reports it (every process counted; blocks this
+    /// backend freed but keeps cached for reuse count as used).
+    pub free: usize,
+    /// What this backend may still allocate: what its pool holds unused plus `free`, capped by
+    /// `budget` when one is set.
+    pub available: usize,
+    /// What this backend's allocations hold now.
+    pub used: usize,
+    /// The high-water mark of what this backend took from the device since it started: its
+    /// pool's reserved bytes (live allocations and cached freed blocks) plus the recorded
+    /// steps' graph memory (the sum of the two marks, an upper bound of the joint peak).
+    pub peak: usize,
+    /// In use on the device before this backend's first allocation: its CUDA context and
+    /// libraries, and any other process on the device.
+    pub base: usize,
+    /// The memory budget (`--gpu-memory`) when one is set: the most the device may hold for
+    /// this process, `base` included; this backend's allocations fail beyond `budget - base`.
+    pub budget: Option<usize>,
+}
+
+/// `bytes` as GiB with one decimal, for messages (`"19.7 GiB"`).
+pub fn gib(bytes: usize) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

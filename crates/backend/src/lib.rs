@@ -33,7 +33,7 @@ pub use desc::{
     Act, AttnShape, Batch, BatchDesc, Epilogue, Experts, Gating, GdnConv, GdnShape, HeadOrder,
     KvLayer, Latent, Mamba2Conv, Mamba2Shape, MlpWeights, MoeWeights, Recording, RopeDesc, SeqDesc,
 };
-pub use device::{Device, DeviceChoice};
+pub use device::{gib, Device, DeviceChoice, DeviceMemory};
 pub use error::{check_len, shape_err, BackendError, Result};
 pub use tensor::{DType, HostBytes, HostWeight, Tensor, Weight, Q8_0_BLOCK, Q8_0_BYTES};
 
@@ -80,6 +80,12 @@ pub trait Backend: Send + Sync {
 
     /// The device this backend computes on.
     fn device(&self) -> Device;
+
+    /// The device's memory and this backend's share of it (GPU backends); `None` for the CPU
+    /// backend, whose memory is the host's.
+    fn memory(&self) -> Option<DeviceMemory> {
+        None
+    }
 
     /// Upload a model weight for matrix products (a 2-D matrix or 3-D stacked experts).
     /// Errors ([`BackendError::Unsupported`]) when the backend has no matrix kernel for its

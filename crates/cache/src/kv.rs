@@ -350,7 +350,7 @@ impl KvCache {
         self.layers
             .iter()
             .map(|l| match l {
-                LayerCache::Rec(r) => 4 * (r.shape.conv_len() + r.shape.state_len),
+                LayerCache::Rec(r) => r.shape.bytes(),
                 _ => 0,
             })
             .sum()

@@ -31,6 +31,11 @@ impl RecurrentShape {
     pub fn conv_len(&self) -> usize {
         self.conv_kernel.saturating_sub(1) * self.conv_channels
     }
+
+    /// Bytes of one sequence's state of this layer (conv window and recurrent state, f32).
+    pub fn bytes(&self) -> usize {
+        4 * (self.conv_len() + self.state_len)
+    }
 }
 
 /// The cache layout of a model.
@@ -71,5 +76,17 @@ impl CacheLayout {
     /// Number of recurrent layers.
     pub fn n_recurrent_layers(&self) -> usize {
         LayerKind::count_recurrent(&self.layers)
+    }
+
+    /// Bytes of one sequence's recurrent states over all layers (what each cache slot holds
+    /// beside its KV blocks).
+    pub fn slot_state_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|k| match k {
+                LayerKind::Recurrent(r) => r.bytes(),
+                _ => 0,
+            })
+            .sum()
     }
 }

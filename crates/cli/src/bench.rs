@@ -56,6 +56,11 @@ pub struct BenchArgs {
     /// Device: auto (a usable GPU, else the CPU), cpu, cuda (= cuda:0) or cuda:N.
     #[arg(long, default_value = "auto")]
     device: DeviceChoice,
+    /// GPU memory budget (bytes; KiB/MiB/GiB suffixes accepted): the most the GPU may hold
+    /// for this process, its CUDA context included; the model must fit in it, and the KV
+    /// cache is sized from what it leaves. Ignored on the CPU.
+    #[arg(long, value_name = "SIZE", value_parser = crate::commands::parse_size)]
+    gpu_memory: Option<usize>,
     /// How the weights are held: auto (a copy in memory when it fits in half the available
     /// RAM, else a memory map), mmap or memory.
     #[arg(long, value_enum, default_value_t = crate::commands::LoadModeArg::Auto)]
@@ -200,6 +205,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             device: a.device,
             threads: a.threads,
             load_mode: a.load_mode.into(),
+            gpu_memory: a.gpu_memory,
             ..OpenOptions::default()
         },
     )?;
@@ -293,6 +299,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         max_ctx,
         cache.size_bytes() as f64 / (1 << 20) as f64
     );
+    if let Some(m) = opened.backend.memory() {
+        eprintln!("bench: GPU memory after load: {}", gpu_memory_line(&m));
+    }
 
     let mut rng = Rng(0x6b61_7069_7473_6131); // fixed seed
     let n_vocab = spec.n_vocab;
@@ -324,7 +333,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         if let Some(k) = kernels {
             eprintln!("bench: {name}: {k} kernel launches/step (one recorded step)");
         }
-        results.push((*t, samples_ns, kernels));
+        let mem = opened.backend.memory();
+        if let Some(m) = &mem {
+            eprintln!("bench: {name}: GPU memory: {}", gpu_memory_line(m));
+        }
+        results.push((*t, samples_ns, kernels, mem));
     }
 
     match a.output {
@@ -332,11 +345,18 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         Format::Json => {
             let arr: Vec<serde_json::Value> = results
                 .iter()
-                .map(|(t, s, k)| {
+                .map(|(t, s, k, m)| {
                     let mut e =
                         json_entry(&info, &backend, n_threads, &a.kv_type, state_bytes, t, s);
                     if let Some(k) = k {
                         e["launches_per_step"] = serde_json::json!(k);
+                    }
+                    if let Some(m) = m {
+                        // the process's peak: the context's base plus the pool's high-water mark
+                        e["gpu_mem_peak_bytes"] = serde_json::json!(m.base + m.peak);
+                        e["gpu_mem_pool_peak_bytes"] = serde_json::json!(m.peak);
+                        e["gpu_mem_base_bytes"] = serde_json::json!(m.base);
+                        e["gpu_mem_budget_bytes"] = serde_json::json!(m.budget);
                     }
                     e
                 })
@@ -345,6 +365,25 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `m` for stderr: the process's peak so far (the context's base plus the pool's high-water
+/// mark), what is in use now, and the budget.
+fn gpu_memory_line(m: &kapitsa_backend::DeviceMemory) -> String {
+    use kapitsa_backend::gib;
+    let budget = match m.budget {
+        Some(b) => format!(", budget {}", gib(b)),
+        None => String::new(),
+    };
+    format!(
+        "peak {} ({} allocated at most + {} context and libraries), {} in use now, {} of {} free{budget}",
+        gib(m.base + m.peak),
+        gib(m.peak),
+        gib(m.base),
+        gib(m.used),
+        gib(m.free),
+        gib(m.total)
+    )
 }
 
 fn file_name(p: &Path) -> String {
@@ -539,19 +578,23 @@ fn fmt_params(n: u64) -> String {
     }
 }
 
+/// A test's outcome: the test, its runs' nanoseconds, the kernel launches of a recorded
+/// decode step (GPU) and the GPU memory after it.
+type TestResult = (
+    Test,
+    Vec<u64>,
+    Option<usize>,
+    Option<kapitsa_backend::DeviceMemory>,
+);
+
 /// The llama-bench style table.
-fn markdown(
-    info: &ModelInfo,
-    backend: &str,
-    threads: usize,
-    results: &[(Test, Vec<u64>, Option<usize>)],
-) -> String {
+fn markdown(info: &ModelInfo, backend: &str, threads: usize, results: &[TestResult]) -> String {
     let head = [
         "model", "size", "params", "backend", "threads", "test", "t/s",
     ];
     let right = [false, true, true, false, true, true, true];
     let mut rows: Vec<[String; 7]> = Vec::new();
-    for (t, ns, _) in results {
+    for (t, ns, ..) in results {
         let (m, s) = mean_std(&samples_ts(t, ns));
         rows.push([
             info.model_type.clone(),

@@ -30,6 +30,11 @@ pub struct ModelArgs {
     /// Device: auto (a usable GPU, else the CPU), cpu, cuda (= cuda:0) or cuda:N.
     #[arg(long, default_value = "auto")]
     device: DeviceChoice,
+    /// GPU memory budget (bytes; KiB/MiB/GiB suffixes accepted): the most the GPU may hold
+    /// for this process, its CUDA context included; the model must fit in it, and the KV
+    /// cache is sized from what it leaves. Ignored on the CPU.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    gpu_memory: Option<usize>,
     /// Context size in tokens (0 = the model's training context, capped at 32768).
     #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
     ctx: usize,
@@ -276,6 +281,7 @@ fn open(a: &ModelArgs) -> Result<OpenedModel> {
             threads: a.threads,
             load_mode: a.load_mode.into(),
             mmproj: a.mmproj.as_deref(),
+            gpu_memory: a.gpu_memory,
             ..OpenOptions::default()
         },
     )?;
@@ -887,6 +893,26 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
     let s: Vec<String> = ids.iter().map(|t| t.to_string()).collect();
     println!("{}", s.join(","));
     Ok(())
+}
+
+/// `4096`, `4KiB`, `4K`, `4MiB`, `1GiB` ... -> bytes.
+pub(crate) fn parse_size(s: &str) -> std::result::Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size (examples: 65536, 512KiB, 4MiB)"))?;
+    let mul: usize = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => return Err(format!("unknown size unit in '{s}' (use KiB, MiB or GiB)")),
+    };
+    n.checked_mul(mul)
+        .filter(|&b| b > 0)
+        .ok_or_else(|| format!("'{s}' is not a usable size"))
 }
 
 #[cfg(test)]

@@ -49,7 +49,7 @@ pub struct SelftestArgs {
 /// The backend `--device` names (the engine's one place that makes backends).
 fn backend_for(device: &str, threads: usize) -> Result<Arc<dyn Backend>> {
     let choice: DeviceChoice = device.parse()?;
-    Ok(kapitsa_engine::make_backend(choice, threads)?.0)
+    Ok(kapitsa_engine::make_backend(choice, threads, None)?.0)
 }
 
 fn scalar_reference() -> Result<CpuBackend> {

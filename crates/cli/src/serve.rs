@@ -50,6 +50,11 @@ pub struct ServeArgs {
     /// Device: auto (a usable GPU, else the CPU), cpu, cuda (= cuda:0) or cuda:N.
     #[arg(long, default_value = "auto")]
     device: DeviceChoice,
+    /// GPU memory budget (bytes; KiB/MiB/GiB suffixes accepted): the most the GPU may hold
+    /// for this process, its CUDA context included; the model must fit in it, and the KV
+    /// cache is sized from what it leaves. Ignored on the CPU.
+    #[arg(long, value_name = "SIZE", value_parser = crate::commands::parse_size)]
+    gpu_memory: Option<usize>,
     /// Model name clients use in `model` (default: the file or directory name, without
     /// `.gguf`).
     #[arg(long)]
@@ -63,13 +68,13 @@ pub struct ServeArgs {
     strict_model_name: bool,
     /// Largest request body (bytes; KiB/MiB/GiB or K/M/G suffixes accepted). Images sent
     /// inline count here as base64 (a third larger than the file).
-    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    #[arg(long, default_value = "64MiB", value_parser = crate::commands::parse_size)]
     max_body_bytes: usize,
     /// Most images per request (vision-language models).
     #[arg(long, default_value_t = kapitsa_server::images::DEFAULT_MAX_IMAGES)]
     max_images: usize,
     /// Largest image file accepted (encoded bytes; KiB/MiB/GiB suffixes accepted).
-    #[arg(long, default_value = "20MiB", value_parser = parse_size)]
+    #[arg(long, default_value = "20MiB", value_parser = crate::commands::parse_size)]
     max_image_bytes: usize,
     /// Largest image accepted, in pixels (width x height as the file declares it; refused
     /// before decoding).
@@ -105,7 +110,7 @@ pub struct ServeArgs {
     #[arg(long)]
     no_prefix_cache: bool,
     /// Memory for recurrent-state checkpoints of hybrid models (Qwen3.5/3.6, Nemotron-H).
-    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    #[arg(long, default_value = "1GiB", value_parser = crate::commands::parse_size)]
     cache_state_mem: usize,
     /// Hybrid models: also checkpoint every this many prompt tokens.
     #[arg(long, default_value_t = 1024)]
@@ -115,7 +120,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DIR")]
     cache_dir: Option<PathBuf>,
     /// Size budget of --cache-dir.
-    #[arg(long, default_value = "8GiB", value_parser = parse_size)]
+    #[arg(long, default_value = "8GiB", value_parser = crate::commands::parse_size)]
     cache_disk_size: usize,
     /// Use this Jinja chat template instead of the model's own.
     #[arg(long, value_name = "FILE")]
@@ -131,26 +136,6 @@ pub struct ServeArgs {
 
 /// Smallest default KV pool, in token positions (see `serve`).
 const DEFAULT_POOL_TOKENS: usize = 65536;
-
-/// `4096`, `4KiB`, `4K`, `4MiB`, `1GiB` ... -> bytes.
-fn parse_size(s: &str) -> std::result::Result<usize, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: usize = num
-        .parse()
-        .map_err(|_| format!("'{s}' is not a size (examples: 65536, 512KiB, 4MiB)"))?;
-    let mul: usize = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        _ => return Err(format!("unknown size unit in '{s}' (use KiB, MiB or GiB)")),
-    };
-    n.checked_mul(mul)
-        .filter(|&b| b > 0)
-        .ok_or_else(|| format!("'{s}' is not a usable size"))
-}
 
 /// `kapitsa serve`.
 pub fn serve(a: ServeArgs) -> Result<()> {
@@ -172,6 +157,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             device: a.device,
             threads: a.threads,
             load_mode: a.load_mode.into(),
+            gpu_memory: a.gpu_memory,
             chat_template_file: a.chat_template_file.as_deref(),
             mmproj: a.mmproj.as_deref(),
             ..OpenOptions::default()
@@ -183,11 +169,15 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let spec = opened.model.spec();
     let token_bytes =
         2 * spec.n_attention_layers() * kv_type.row_bytes(spec.n_head_kv * spec.head_dim);
+    let kv_mem = kv_memory(&opened, a.max_running, a.max_batch_tokens);
+    if let (Some((_, why)), true) = (&kv_mem, opened.backend.memory().is_some()) {
+        eprintln!("kapitsa: GPU memory for the KV cache: {why}");
+    }
     let n_ctx = if a.ctx == 0 {
         let (n, why) = default_context(
             spec.n_ctx_train,
             token_bytes,
-            available_memory(),
+            kv_mem.as_ref(),
             a.kv_block_size,
         );
         eprintln!("kapitsa: context {n} tokens ({why}; --ctx-size sets it)");
@@ -197,8 +187,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     };
     let full = a.max_running.saturating_mul(n_ctx);
     let pool = if a.cache_tokens == 0 {
-        let fits = available_memory()
-            .map(|m| (m / 4) / token_bytes.max(1))
+        let fits = kv_mem
+            .as_ref()
+            .map(|(m, _)| m / token_bytes.max(1))
             .unwrap_or(full);
         // Blocks are shared and handed out on demand, so the pool need not hold every slot
         // full: two contexts, at least DEFAULT_POOL_TOKENS (what 16 slots of 4096 held).
@@ -300,14 +291,57 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     })
 }
 
+/// Bytes the KV cache may take, and how that was worked out (for stderr). On a GPU: what
+/// the backend may still allocate once the weights are in (under `--gpu-memory` when set),
+/// less every slot's recurrent states and a reserve for a step's activations (1 GiB plus 128
+/// bytes per batch token and model dimension), 90% of the rest. On the CPU: a quarter of the
+/// host's available memory. `None` when neither is known.
+fn kv_memory(
+    opened: &kapitsa_engine::OpenedModel,
+    max_running: usize,
+    max_batch_tokens: usize,
+) -> Option<(usize, String)> {
+    use kapitsa_backend::gib;
+    let spec = opened.model.spec();
+    let Some(m) = opened.backend.memory() else {
+        let mem = available_memory()?;
+        return Some((
+            mem / 4,
+            format!("a quarter of the {} of available memory", gib(mem)),
+        ));
+    };
+    let states = max_running.saturating_mul(spec.cache_layout().slot_state_bytes());
+    let reserve = (1usize << 30).saturating_add(
+        max_batch_tokens
+            .saturating_mul(spec.n_embd)
+            .saturating_mul(128),
+    );
+    let left = m.available.saturating_sub(states).saturating_sub(reserve);
+    let kv = left / 10 * 9;
+    let budget = match m.budget {
+        Some(b) => format!(" of --gpu-memory {}", gib(b)),
+        None => String::new(),
+    };
+    Some((
+        kv,
+        format!(
+            "{} of the {} the GPU has left{budget} after the weights, less {} of recurrent states for {max_running} slots and {} for activations",
+            gib(kv),
+            gib(m.available),
+            gib(states),
+            gib(reserve)
+        ),
+    ))
+}
+
 /// Context used when none is given: the model's training context (4096 when the model does
-/// not say), capped by what a quarter of `available` bytes of memory holds at `token_bytes`
-/// of KV cache per token (rounded down to whole blocks of `block` tokens, at least 2048);
-/// and the reason, for stderr.
+/// not say), capped by what `kv_mem` ([`kv_memory`]: bytes for the KV cache and where they
+/// come from) holds at `token_bytes` of KV cache per token (rounded down to whole blocks of
+/// `block` tokens, at least 2048); and the reason, for stderr.
 fn default_context(
     n_ctx_train: usize,
     token_bytes: usize,
-    available: Option<usize>,
+    kv_mem: Option<&(usize, String)>,
     block: usize,
 ) -> (usize, String) {
     const UNKNOWN: usize = 4096;
@@ -320,16 +354,15 @@ fn default_context(
     } else {
         (n_ctx_train, "the model's training context".to_string())
     };
-    let Some(mem) = available else {
+    let Some((mem, whence)) = kv_mem else {
         return (train, why);
     };
-    let fits = (mem / 4) / token_bytes.max(1);
+    let fits = mem / token_bytes.max(1);
     let fits = (fits / block.max(1)) * block.max(1);
     if fits < train {
         let n = fits.max(FLOOR.min(train));
         why = format!(
-            "the training context of {train} capped by memory: a quarter of the {:.1} GiB available holds {n} tokens of KV cache at {token_bytes} bytes each",
-            mem as f64 / (1u64 << 30) as f64
+            "the training context of {train} capped by memory: {whence} holds {n} tokens of KV cache at {token_bytes} bytes each"
         );
         return (n, why);
     }
@@ -351,24 +384,28 @@ mod tests {
     #[test]
     fn default_context_is_the_training_context_within_memory() {
         // Qwen2.5-Coder-0.5B: 32K context, 12 KiB of f16 KV per token.
-        let (n, why) = default_context(32768, 12288, Some(16 << 30), 16);
+        let mem = |b: usize| (b, "test memory".to_string());
+        let (n, why) = default_context(32768, 12288, Some(&mem(4 << 30)), 16);
         assert_eq!(n, 32768, "{why}");
         assert!(why.contains("training context"));
-        // 1 GiB: a quarter holds 21845 tokens, rounded down to blocks.
-        let (n, why) = default_context(32768, 12288, Some(1 << 30), 16);
+        // 256 MiB holds 21845 tokens, rounded down to blocks.
+        let (n, why) = default_context(32768, 12288, Some(&mem(1 << 28)), 16);
         assert_eq!(n, 21840, "{why}");
-        assert!(why.contains("capped by memory"));
+        assert!(why.contains("capped by memory") && why.contains("test memory"));
         assert_eq!(default_context(0, 12288, None, 16).0, 4096);
-        assert_eq!(default_context(32768, 12288, Some(1 << 20), 16).0, 2048);
+        assert_eq!(
+            default_context(32768, 12288, Some(&mem(1 << 18)), 16).0,
+            2048
+        );
     }
 
     #[test]
     fn sizes() {
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert_eq!(parse_size("4MiB"), Ok(4 << 20));
-        assert_eq!(parse_size("512k"), Ok(512 << 10));
-        assert!(parse_size("x").is_err());
-        assert!(parse_size("0").is_err());
-        assert!(parse_size("3 parsecs").is_err());
+        assert_eq!(crate::commands::parse_size("4096"), Ok(4096));
+        assert_eq!(crate::commands::parse_size("4MiB"), Ok(4 << 20));
+        assert_eq!(crate::commands::parse_size("512k"), Ok(512 << 10));
+        assert!(crate::commands::parse_size("x").is_err());
+        assert!(crate::commands::parse_size("0").is_err());
+        assert!(crate::commands::parse_size("3 parsecs").is_err());
     }
 }

@@ -46,6 +46,9 @@ pub struct OpenOptions<'a> {
     /// A llama.cpp mmproj GGUF with the vision tower of a GGUF language model (an HF folder
     /// carries its own tower).
     pub mmproj: Option<&'a Path>,
+    /// GPU memory budget in bytes (`--gpu-memory`): the most the GPU may hold for this
+    /// process, its CUDA context included; ignored on the CPU.
+    pub gpu_memory: Option<usize>,
 }
 
 impl std::fmt::Debug for OpenOptions<'_> {
@@ -57,6 +60,7 @@ impl std::fmt::Debug for OpenOptions<'_> {
             .field("progress", &self.progress.is_some())
             .field("chat_template_file", &self.chat_template_file)
             .field("mmproj", &self.mmproj)
+            .field("gpu_memory", &self.gpu_memory)
             .finish()
     }
 }
@@ -145,15 +149,20 @@ where
 /// which device it is, for stderr: `cuda[:N]` is that GPU or [`EngineError::Device`] with
 /// the one-line reason (no driver, no GPU, a build without the `cuda` feature); `auto` is GPU
 /// 0 when it works, else the CPU (`"cpu (no usable GPU: <reason>)"`); `cpu` is the CPU.
-pub fn make_backend(device: DeviceChoice, threads: usize) -> Result<(Arc<dyn Backend>, String)> {
+/// `gpu_memory` is a GPU's memory budget ([`OpenOptions::gpu_memory`]).
+pub fn make_backend(
+    device: DeviceChoice,
+    threads: usize,
+    gpu_memory: Option<usize>,
+) -> Result<(Arc<dyn Backend>, String)> {
     let which = match device {
         DeviceChoice::Exact(Device::Cuda(n)) => {
-            let be =
-                kapitsa_backend_cuda::open(n).map_err(|e| EngineError::Device(e.to_string()))?;
+            let be = kapitsa_backend_cuda::open(n, gpu_memory)
+                .map_err(|e| EngineError::Device(e.to_string()))?;
             return Ok((be, format!("cuda:{n}")));
         }
         DeviceChoice::Exact(Device::Cpu) => "cpu".to_string(),
-        DeviceChoice::Auto => match kapitsa_backend_cuda::open(0) {
+        DeviceChoice::Auto => match kapitsa_backend_cuda::open(0, gpu_memory) {
             Ok(be) => return Ok((be, "cuda:0".to_string())),
             Err(_) if !cfg!(feature = "cuda") => format!("cpu (no usable GPU: {NO_GPU_REASON})"),
             Err(e) => format!("cpu (no usable GPU: {e})"),
@@ -165,10 +174,45 @@ pub fn make_backend(device: DeviceChoice, threads: usize) -> Result<(Arc<dyn Bac
     Ok((Arc::new(be), which))
 }
 
+/// On a GPU backend, [`EngineError::Device`] before loading when the weight file at `path` (a
+/// GGUF: its size is about what its tensors take on the device) is larger than the memory
+/// the backend may still allocate, naming the budget when one is set. Folders (whose weights
+/// may be converted at load) are left to the allocator's own out-of-memory error.
+fn check_weights_fit(path: &Path, backend: &dyn Backend) -> Result<()> {
+    let Some(mem) = backend.memory() else {
+        return Ok(());
+    };
+    let Ok(meta) = std::fs::metadata(path) else {
+        return Ok(());
+    };
+    let need = usize::try_from(meta.len()).unwrap_or(usize::MAX);
+    if !meta.is_file() || need <= mem.available {
+        return Ok(());
+    }
+    let limit = match mem.budget {
+        Some(b) => format!(
+            "--gpu-memory {} leaves {} after the {} the device already holds",
+            kapitsa_backend::gib(b),
+            kapitsa_backend::gib(mem.available),
+            kapitsa_backend::gib(mem.base)
+        ),
+        None => format!(
+            "{} is free on the device",
+            kapitsa_backend::gib(mem.available)
+        ),
+    };
+    Err(EngineError::Device(format!(
+        "{} needs about {} of GPU memory for its weights, but {limit}",
+        path.display(),
+        kapitsa_backend::gib(need)
+    )))
+}
+
 /// Open the model at `path` (a GGUF file, or a Hugging Face / MLX model folder) on the
 /// device `opts` chooses: its backend, weights, tokenizer, chat template source and identity.
 pub fn open_model(path: &Path, opts: &OpenOptions<'_>) -> Result<OpenedModel> {
-    let (backend, device) = make_backend(opts.device, opts.threads)?;
+    let (backend, device) = make_backend(opts.device, opts.threads, opts.gpu_memory)?;
+    check_weights_fit(path, &*backend)?;
     let template_file = match opts.chat_template_file {
         Some(p) => Some(std::fs::read_to_string(p).map_err(context(format!(
             "reading the chat template {}",
@@ -342,13 +386,13 @@ mod tests {
 
     #[test]
     fn backends_by_device() {
-        let (be, which) = make_backend(DeviceChoice::Auto, 1).unwrap();
+        let (be, which) = make_backend(DeviceChoice::Auto, 1, None).unwrap();
         assert_eq!(which, "cpu (no usable GPU: this build has no CUDA support)");
         assert!(be.describe().contains("cpu"), "{}", be.describe());
-        let (_, which) = make_backend(DeviceChoice::Exact(Device::Cpu), 1).unwrap();
+        let (_, which) = make_backend(DeviceChoice::Exact(Device::Cpu), 1, None).unwrap();
         assert_eq!(which, "cpu");
         for n in [0, 3] {
-            let e = make_backend(DeviceChoice::Exact(Device::Cuda(n)), 1)
+            let e = make_backend(DeviceChoice::Exact(Device::Cuda(n)), 1, None)
                 .err()
                 .unwrap()
                 .to_string();

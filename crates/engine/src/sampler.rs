@@ -59,6 +59,17 @@ impl SamplingParams {
         }
     }
 
+    /// Whether the token is the plain argmax of the logits: greedy, with no logit bias and
+    /// no penalty that changes them ([`Sampler::dist`] then is `Greedy(argmax(logits))`).
+    pub fn is_argmax(&self) -> bool {
+        self.temperature <= 0.0
+            && self.logit_bias.is_empty()
+            && (self.penalty_last_n == 0
+                || (self.repetition_penalty == 1.0
+                    && self.presence_penalty == 0.0
+                    && self.frequency_penalty == 0.0))
+    }
+
     /// Reject values that make no sense (negative temperature, top_p outside (0, 1], ...).
     pub fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(EngineError::BadRequest(m.to_string()));
@@ -289,6 +300,68 @@ pub fn argmax(x: &[f32]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn argmax_settings_are_plain_greedy_only() {
+        let g = SamplingParams::greedy();
+        assert!(g.is_argmax());
+        let l = [0.5f32, 2.0, 1.0];
+        assert_eq!(Sampler::new(g.clone()).unwrap().sample(&l, &[1, 1]), 1);
+        let mut p = g.clone();
+        p.penalty_last_n = 0;
+        p.repetition_penalty = 2.0;
+        assert!(p.is_argmax(), "penalties over no tokens change nothing");
+        for (what, q) in [
+            (
+                "temperature",
+                SamplingParams {
+                    temperature: 0.5,
+                    ..g.clone()
+                },
+            ),
+            (
+                "repetition",
+                SamplingParams {
+                    repetition_penalty: 1.5,
+                    ..g.clone()
+                },
+            ),
+            (
+                "presence",
+                SamplingParams {
+                    presence_penalty: 0.5,
+                    ..g.clone()
+                },
+            ),
+            (
+                "frequency",
+                SamplingParams {
+                    frequency_penalty: 0.5,
+                    ..g.clone()
+                },
+            ),
+            (
+                "bias",
+                SamplingParams {
+                    logit_bias: vec![(0, 5.0)],
+                    ..g.clone()
+                },
+            ),
+        ] {
+            assert!(!q.is_argmax(), "{what}");
+        }
+        // each of those can move the token away from the argmax
+        let biased = SamplingParams {
+            logit_bias: vec![(0, 5.0)],
+            ..g.clone()
+        };
+        assert_eq!(Sampler::new(biased).unwrap().sample(&l, &[]), 0);
+        let pen = SamplingParams {
+            repetition_penalty: 4.0,
+            ..g
+        };
+        assert_eq!(Sampler::new(pen).unwrap().sample(&l, &[1]), 2);
+    }
 
     fn logits() -> Vec<f32> {
         vec![1.0, 3.0, 2.0, 0.5, 2.9, -1.0]

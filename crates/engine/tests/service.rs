@@ -775,3 +775,85 @@ fn recurrent_state_lost_in_a_failed_batch_is_recomputed() {
 fn panic_in_forward_fails_only_the_culprit() {
     check_faults("qwen2-a", Fault::Panic);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Argmax-only logit rows
+
+/// A model that counts the logit rows it was asked for, in full and argmax only.
+struct Spy {
+    inner: Arc<dyn CausalLm>,
+    full: AtomicUsize,
+    argmax: AtomicUsize,
+}
+
+impl CausalLm for Spy {
+    fn spec(&self) -> &ModelSpec {
+        self.inner.spec()
+    }
+
+    fn backend(&self) -> &Arc<dyn kapitsa_backend::Backend> {
+        self.inner.backend()
+    }
+
+    fn forward(&self, batch: &BatchInputs, cache: &mut KvCache) -> kapitsa_models::Result<Logits> {
+        let n_argmax = batch.argmax_rows.iter().filter(|&&a| a).count();
+        self.argmax.fetch_add(n_argmax, Ordering::SeqCst);
+        self.full
+            .fetch_add(batch.logit_rows.len() - n_argmax, Ordering::SeqCst);
+        self.inner.forward(batch, cache)
+    }
+}
+
+/// Plain greedy requests take their tokens from argmax-only rows (the logits stay on the
+/// backend) and give the same tokens as with every row in full (a request with logprobs);
+/// sampling, penalties, a logit bias and logprobs need the rows in full.
+#[test]
+fn plain_greedy_requests_ask_for_argmax_rows_only() {
+    let (inner, tok) = load("qwen35moe-a");
+    let spy = Arc::new(Spy {
+        inner,
+        full: AtomicUsize::new(0),
+        argmax: AtomicUsize::new(0),
+    });
+    let h = start(spy.clone(), tok, 2);
+    let counts = |r: Request| {
+        spy.full.store(0, Ordering::SeqCst);
+        spy.argmax.store(0, Ordering::SeqCst);
+        let c = collect(h.submit(r).unwrap());
+        (
+            c,
+            spy.full.load(Ordering::SeqCst),
+            spy.argmax.load(Ordering::SeqCst),
+        )
+    };
+    let mut greedy = Request::greedy(prompt(20, 5), 8);
+    greedy.ignore_eos = true;
+    let (plain, full, argmax) = counts(greedy.clone());
+    assert_eq!(
+        (full, argmax),
+        (0, 8),
+        "plain greedy: rows in full, argmax only"
+    );
+    let mut lp = greedy.clone();
+    lp.top_logprobs = Some(1);
+    let (with_lp, full, argmax) = counts(lp);
+    assert_eq!((full, argmax), (8, 0), "greedy with logprobs");
+    assert_eq!(
+        plain.tokens, with_lp.tokens,
+        "argmax rows change the tokens"
+    );
+    let mut variants = Vec::new();
+    let mut r = greedy.clone();
+    r.sampling.repetition_penalty = 1.1;
+    variants.push(("repetition penalty", r));
+    let mut r = greedy.clone();
+    r.sampling.logit_bias = vec![(3, 1.0)];
+    variants.push(("logit bias", r));
+    let mut r = greedy.clone();
+    r.sampling = SamplingParams::default();
+    variants.push(("sampled", r));
+    for (what, r) in variants {
+        let (_, full, argmax) = counts(r);
+        assert_eq!((full, argmax), (8, 0), "{what}");
+    }
+}

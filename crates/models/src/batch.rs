@@ -48,6 +48,11 @@ pub struct BatchInputs {
     pub seqs: Vec<SeqChunk>,
     /// Flat token indices whose logits are wanted, in output order.
     pub logit_rows: Vec<usize>,
+    /// Per entry of `logit_rows`, whether only that row's argmax is wanted (greedy sampling
+    /// with nothing applied to the logits first): the backend computes it and the row's
+    /// values never leave the device ([`Logits::argmax`]). Empty (the default): every row in
+    /// full. Ignored by hidden-state passes.
+    pub argmax_rows: Vec<bool>,
     /// Layers whose output is returned for every token of the batch in [`Logits::taps`]
     /// (block drafters such as DFlash read these): id `l` is the residual stream after
     /// decoder layer `l`, before the final norm (transformers' `hidden_states[l + 1]`), each
@@ -133,6 +138,13 @@ impl BatchInputs {
         if let Some(r) = self.logit_rows.iter().find(|&&r| r >= self.tokens.len()) {
             return bad(format!("logit row {r} out of range"));
         }
+        if !self.argmax_rows.is_empty() && self.argmax_rows.len() != self.logit_rows.len() {
+            return bad(format!(
+                "{} argmax flags for {} logit rows",
+                self.argmax_rows.len(),
+                self.logit_rows.len()
+            ));
+        }
         if !self.mrope.is_empty() && self.mrope.len() != self.tokens.len() {
             return bad(format!(
                 "{} multimodal positions for {} tokens",
@@ -154,16 +166,21 @@ impl BatchInputs {
     }
 }
 
-/// Logits for the requested rows: `data` is `[rows.len(), n_vocab]` row-major f32; with
-/// [`BatchInputs::tap_layers`], also the tapped hidden states of every token.
+/// Logits for the requested rows: `data` is `[n, n_vocab]` row-major f32 for the `n` rows
+/// returned in full (every row, unless [`BatchInputs::argmax_rows`] asked for some rows'
+/// argmax only); with [`BatchInputs::tap_layers`], also the tapped hidden states of every
+/// token.
 #[derive(Debug, Clone, Default)]
 pub struct Logits {
     /// Vocabulary size (row width).
     pub n_vocab: usize,
     /// The flat token index of each row (copied from `BatchInputs::logit_rows`).
     pub rows: Vec<usize>,
-    /// Row-major values.
+    /// Row-major values of the rows returned in full, in row order.
     pub data: Vec<f32>,
+    /// Per row, its argmax where only that was asked for (`None`: the row is in `data`);
+    /// empty when every row is returned in full.
+    pub argmax: Vec<Option<u32>>,
     /// Tapped hidden states, `[n_tokens, tap_width]` row-major f32: per token of the batch
     /// (flat order), the outputs of the layers in `BatchInputs::tap_layers`, concatenated in
     /// request order. Empty without taps.
@@ -172,10 +189,41 @@ pub struct Logits {
     pub tap_width: usize,
 }
 
+/// One row of a step's [`Logits`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LogitRow<'a> {
+    /// The row's values (`[n_vocab]`).
+    Values(&'a [f32]),
+    /// Only the row's argmax (lowest index among equal maxima; NaN never wins), computed
+    /// by the backend.
+    Argmax(u32),
+}
+
 impl Logits {
-    /// Row `i` of the output (the `i`-th requested token).
+    /// Row `i` (the `i`-th requested token): its argmax when only that was asked for, else
+    /// its values.
+    pub fn get(&self, i: usize) -> LogitRow<'_> {
+        if let Some(&Some(t)) = self.argmax.get(i) {
+            return LogitRow::Argmax(t);
+        }
+        // rows returned in full before row i
+        let k = match self.argmax.is_empty() {
+            true => i,
+            false => self.argmax[..i.min(self.argmax.len())]
+                .iter()
+                .filter(|a| a.is_none())
+                .count(),
+        };
+        LogitRow::Values(&self.data[k * self.n_vocab..(k + 1) * self.n_vocab])
+    }
+
+    /// The values of row `i` (the `i`-th requested token), which must have been returned in
+    /// full (see [`Logits::get`]); an argmax-only row gives an empty slice.
     pub fn row(&self, i: usize) -> &[f32] {
-        &self.data[i * self.n_vocab..(i + 1) * self.n_vocab]
+        match self.get(i) {
+            LogitRow::Values(v) => v,
+            LogitRow::Argmax(_) => &[],
+        }
     }
 
     /// The tapped hidden states of flat tokens `tokens` (`[tokens.len(), tap_width]`), or

@@ -24,7 +24,7 @@ pub mod vision;
 
 use std::sync::Arc;
 
-pub use batch::{BatchInputs, EmbedRows, Logits, SeqChunk};
+pub use batch::{BatchInputs, EmbedRows, LogitRow, Logits, SeqChunk};
 pub use error::{ModelError, Result};
 pub use kapitsa_backend::{Backend, Tensor};
 pub use kapitsa_cache::{

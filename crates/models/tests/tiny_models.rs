@@ -5,10 +5,10 @@
 
 use std::path::{Path, PathBuf};
 
-use kapitsa_models::{load_model, BatchInputs, CausalLm, KvType, LoadOptions};
+use kapitsa_models::{load_model, BatchInputs, CausalLm, KvType, LoadOptions, LogitRow};
 
 mod common;
-use common::{backend, fixtures, model_dirs, rel_err};
+use common::{argmax, backend, fixtures, model_dirs, rel_err};
 
 struct Prompt {
     ids: Vec<u32>,
@@ -227,6 +227,47 @@ fn batch_of_three_equals_each_alone() {
     }
 }
 
+/// Rows asked for their argmax only come back as the argmax of the row the batch computes
+/// in full otherwise; the other rows come back unchanged, and only they take host memory.
+#[test]
+fn argmax_rows_are_the_argmax_of_the_full_rows() {
+    for dir in model_dirs() {
+        let m = load_model(&dir, backend(), &LoadOptions::default()).unwrap();
+        let model = &*m.model;
+        let (_, ps) = prompts(&dir);
+        let ids = &ps[0].ids;
+        let run = |argmax_rows: Vec<bool>| {
+            let mut cache =
+                kapitsa_models::new_cache(model, 1, ids.len() + 4, KvType::F32).unwrap();
+            let mut b = BatchInputs::single(0, ids, 0, (0..ids.len()).collect());
+            b.argmax_rows = argmax_rows;
+            model.forward(&b, &mut cache).unwrap()
+        };
+        let full = run(Vec::new());
+        assert!(full.argmax.is_empty());
+        let marks: Vec<bool> = (0..ids.len()).map(|i| i % 3 != 1).collect();
+        let part = run(marks.clone());
+        let n_full = marks.iter().filter(|&&a| !a).count();
+        assert_eq!(part.data.len(), n_full * part.n_vocab, "{}", dir.display());
+        for (i, &a) in marks.iter().enumerate() {
+            match (part.get(i), a) {
+                (LogitRow::Argmax(t), true) => {
+                    assert_eq!(
+                        t as usize,
+                        argmax(full.row(i)),
+                        "{}: row {i}",
+                        dir.display()
+                    )
+                }
+                (LogitRow::Values(v), false) => {
+                    assert_eq!(v, full.row(i), "{}: row {i}", dir.display())
+                }
+                (r, _) => panic!("{}: row {i} came back as {r:?}", dir.display()),
+            }
+        }
+    }
+}
+
 /// MLX 4-bit conversions made by mlx-lm (`<fixture>/mlx-4bit`, see the README): our logits
 /// against mlx-lm's own and against transformers run on the dequantised weights; greedy
 /// tokens against mlx-lm's.
@@ -342,6 +383,10 @@ fn bad_batches_are_errors_not_panics() {
     assert!(model
         .forward(&BatchInputs::single(0, &[1], 0, vec![1]), &mut cache)
         .is_err());
+    // argmax flags that do not match the logit rows
+    let mut b = BatchInputs::single(0, &[1, 2], 0, vec![0, 1]);
+    b.argmax_rows = vec![true];
+    assert!(model.forward(&b, &mut cache).is_err());
 }
 
 fn name(dir: &Path) -> String {

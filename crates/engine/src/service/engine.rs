@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use kapitsa_cache::SlotCache;
 use kapitsa_models::mrope::{self, ImageSpan};
-use kapitsa_models::{BatchInputs, EmbedRows, Logits};
+use kapitsa_models::{BatchInputs, EmbedRows, LogitRow, Logits};
 use kapitsa_text::IncrementalDecoder;
 
 use super::*;
@@ -18,6 +18,13 @@ use crate::StopChecker;
 mod speculate;
 
 const SHUTTING_DOWN: &str = "server shutting down";
+
+/// Whether greedy requests' logit rows are reduced to their argmax by the backend
+/// (`KAPITSA_ARGMAX_ROWS=0`: no, every row comes back in full).
+fn argmax_rows_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KAPITSA_ARGMAX_ROWS").map_or(true, |v| v != "0"))
+}
 
 /// Per-request state kept by the engine thread.
 struct Active {
@@ -63,6 +70,17 @@ struct Images {
 }
 
 impl Active {
+    /// Whether the sampler needs only the argmax of this request's logit rows: greedy with
+    /// nothing applied to the logits first ([`SamplingParams::is_argmax`]), no grammar, no
+    /// logprobs. Then the backend computes the argmax and the rows stay on the device
+    /// (`KAPITSA_ARGMAX_ROWS=0` turns this off).
+    fn argmax_only(&self) -> bool {
+        argmax_rows_on()
+            && self.sampler.params().is_argmax()
+            && self.constraint.is_none()
+            && self.top_logprobs.is_none()
+    }
+
     /// Send the pending text and tokens, if any.
     fn send_text(&mut self) {
         if self.text.is_empty() && self.tokens.is_empty() {
@@ -439,7 +457,8 @@ impl Engine {
         }
         let mut batch = BatchInputs::default();
         for s in &plan.seqs {
-            push_chunk(&mut batch, s);
+            let argmax = self.active.get(&s.id).is_some_and(Active::argmax_only);
+            push_chunk(&mut batch, s, argmax);
         }
         self.attach_images(&mut batch, &plan.seqs);
         if let Some(d) = &self.dflash {
@@ -471,7 +490,7 @@ impl Engine {
                 let mut row = 0;
                 for s in &plan.seqs {
                     let n = s.n_logit_rows();
-                    let rows: Vec<&[f32]> = (row..row + n).map(|r| logits.row(r)).collect();
+                    let rows: Vec<LogitRow<'_>> = (row..row + n).map(|r| logits.get(r)).collect();
                     row += n;
                     outcomes.push((s.id, self.process(s, &rows)));
                 }
@@ -616,11 +635,12 @@ impl Engine {
                 continue;
             }
             let mut b = BatchInputs::default();
-            push_chunk(&mut b, s);
+            let argmax = self.active.get(&s.id).is_some_and(Active::argmax_only);
+            push_chunk(&mut b, s, argmax);
             self.attach_images(&mut b, std::slice::from_ref(s));
             match self.forward(&b) {
                 Ok(l) => {
-                    let rows: Vec<&[f32]> = (0..s.n_logit_rows()).map(|r| l.row(r)).collect();
+                    let rows: Vec<LogitRow<'_>> = (0..s.n_logit_rows()).map(|r| l.get(r)).collect();
                     let o = self.process(s, &rows);
                     out.push((s.id, o));
                 }
@@ -670,7 +690,7 @@ impl Engine {
     /// prefill chunk, one to sample from, or one per proposal plus one to verify proposals
     /// (the slot is then rewound past the rejected ones; recurrent states are rewound later
     /// by [`Engine::rewind_recurrent`]).
-    fn process(&mut self, s: &ScheduledSeq, rows: &[&[f32]]) -> Outcome {
+    fn process(&mut self, s: &ScheduledSeq, rows: &[LogitRow<'_>]) -> Outcome {
         let mut stored = self.cache.tokens(s.slot).to_vec();
         stored.truncate(s.start_pos);
         stored.extend_from_slice(&s.tokens);
@@ -778,10 +798,19 @@ fn uses(spec: &Option<SpecState>, mode: crate::spec::SpecMode) -> bool {
 
 /// Append `s`'s tokens to `batch`, asking for its logit rows ([`ScheduledSeq::n_logit_rows`]:
 /// the last `n_draft + 1` tokens' when it wants logits).
-fn push_chunk(batch: &mut BatchInputs, s: &ScheduledSeq) {
+/// With `argmax_only`, those rows' argmax is all the sampler needs
+/// ([`Active::argmax_only`]): they are marked so the backend computes it.
+fn push_chunk(batch: &mut BatchInputs, s: &ScheduledSeq, argmax_only: bool) {
     batch.push_seq(s.slot, &s.tokens, s.start_pos as u32, false);
     let end = batch.n_tokens();
-    batch.logit_rows.extend(end - s.n_logit_rows()..end);
+    let n = s.n_logit_rows();
+    if argmax_only || batch.argmax_rows.iter().any(|&a| a) {
+        batch.argmax_rows.resize(batch.logit_rows.len(), false);
+        batch
+            .argmax_rows
+            .extend(std::iter::repeat_n(argmax_only, n));
+    }
+    batch.logit_rows.extend(end - n..end);
 }
 
 /// What [`verify`] made of a chunk's logit rows.
@@ -803,12 +832,12 @@ fn verify(
     a: &mut Active,
     tok: &Tokenizer,
     drafts: &[u32],
-    rows: &[&[f32]],
+    rows: &[LogitRow<'_>],
 ) -> Result<Verified, crate::StructuredError> {
     let mut v = Verified::default();
     for (i, row) in rows.iter().enumerate() {
         let draft = drafts.get(i).copied();
-        let (t, finish, accepted) = sample(a, tok, row, draft)?;
+        let (t, finish, accepted) = sample(a, tok, *row, draft)?;
         v.tokens.extend(t);
         if finish.is_some() {
             v.finish = finish;
@@ -834,12 +863,20 @@ fn verify(
 fn sample(
     a: &mut Active,
     tok: &Tokenizer,
-    row: &[f32],
+    row: LogitRow<'_>,
     draft: Option<u32>,
 ) -> Result<(Option<u32>, Option<FinishReason>, bool), crate::StructuredError> {
-    let masked = crate::structured::masked_row(a.constraint.as_mut(), row)?;
+    // an argmax-only row (asked for by `argmax_only`: plain greedy, no constraint, no
+    // logprobs) is the greedy distribution itself
+    let (row, masked, dist) = match row {
+        LogitRow::Argmax(t) => (&[][..], None, crate::Dist::Greedy(t)),
+        LogitRow::Values(row) => {
+            let masked = crate::structured::masked_row(a.constraint.as_mut(), row)?;
+            let dist = a.sampler.dist(masked.as_deref().unwrap_or(row), &a.history);
+            (row, masked, dist)
+        }
+    };
     let row = masked.as_deref().unwrap_or(row);
-    let dist = a.sampler.dist(row, &a.history);
     let (t, accepted) = match draft {
         Some(d) => a.sampler.verify(&dist, d),
         None => (a.sampler.draw(&dist), false),
@@ -854,7 +891,7 @@ fn sample(
     if !a.ignore_eos && tok.eog_ids().contains(&t) {
         return Ok((None, eog, accepted));
     }
-    if let Some(n) = a.top_logprobs {
+    if let (Some(n), false) = (a.top_logprobs, row.is_empty()) {
         let mut lp = token_logprob(row, t, n);
         // Under a constraint, fewer than `n` tokens may be allowed: leave out the rest.
         lp.top.retain(|&(_, l)| l.is_finite());

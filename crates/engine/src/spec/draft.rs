@@ -163,13 +163,14 @@ impl DraftRunner {
             if batch.n_tokens() == 0 {
                 break;
             }
+            batch.argmax_rows = vec![true; batch.logit_rows.len()];
             let logits = self.model.forward(&batch, &mut self.cache)?;
             for c in &batch.seqs {
                 let toks = &batch.tokens[c.start..c.start + c.len];
                 self.held[c.slot].extend_from_slice(toks);
             }
             for (r, &i) in rows.iter().enumerate() {
-                out[i].push(argmax(logits.row(r)) as u32);
+                out[i].push(row_argmax(&logits, r));
             }
         }
         // 3. feed the proposals back
@@ -189,18 +190,27 @@ impl DraftRunner {
             if batch.n_tokens() == 0 {
                 break;
             }
+            batch.argmax_rows = vec![true; batch.logit_rows.len()];
             let logits = self.model.forward(&batch, &mut self.cache)?;
             for (r, &i) in rows.iter().enumerate() {
                 let slot = asks[i].slot;
                 if let Some(&t) = out[i].last() {
                     self.held[slot].push(t);
                 }
-                out[i].push(argmax(logits.row(r)) as u32);
+                out[i].push(row_argmax(&logits, r));
             }
         }
         for (o, &w) in out.iter_mut().zip(&want) {
             o.truncate(w);
         }
         Ok(out)
+    }
+}
+
+/// The greedy token of logit row `r` (computed by the backend when the batch asked for it).
+fn row_argmax(logits: &kapitsa_models::Logits, r: usize) -> u32 {
+    match logits.get(r) {
+        kapitsa_models::LogitRow::Argmax(t) => t,
+        kapitsa_models::LogitRow::Values(v) => argmax(v) as u32,
     }
 }

@@ -365,7 +365,13 @@ impl Decoder {
 
         let rows = &batch.logit_rows;
         let width = if hidden { self.n_embd } else { n_vocab };
-        let mut data = vec![0f32; rows.len() * width];
+        let argmax_only: &[bool] = if hidden { &[] } else { &batch.argmax_rows };
+        let mut data = Vec::new();
+        let mut argmax = Vec::new();
+        let mut read = |t: &Tensor| -> Result<()> {
+            (data, argmax) = read_rows(be, t, width, argmax_only)?;
+            Ok(())
+        };
         // A step is recorded unless an op reads back to the host (an MoE routed there); for
         // models with recurrent layers or MoE blocks unless `recorded::hybrids_on` is off.
         let taps = &batch.tap_layers;
@@ -398,7 +404,7 @@ impl Decoder {
                 table_capacity,
                 n_vocab,
                 |dev_batch, logits| self.run_step(batch, dev_batch, cache, logits, false, None),
-                &mut data,
+                &mut read,
             )?;
         }
         let (n, d) = (batch.n_tokens(), self.n_embd);
@@ -414,7 +420,7 @@ impl Decoder {
             };
             self.run_step(batch, &dev_batch, cache, &mut out, hidden, tap_buf.as_mut())?;
             if !rows.is_empty() {
-                be.read_f32(&out, 0, &mut data)?;
+                read(&out)?;
             }
             if let Some(t) = &tap_buf {
                 let mut by_layer = vec![0f32; taps.len() * n * d];
@@ -438,6 +444,7 @@ impl Decoder {
             n_vocab: width,
             rows: rows.clone(),
             data,
+            argmax,
             taps: tap_data,
             tap_width: taps.len() * d,
         })
@@ -579,4 +586,46 @@ impl Decoder {
         }
         Ok(())
     }
+}
+
+/// The logit rows of `t` (`[rows, width]` on the backend) for the host: every row when
+/// `argmax_only` is empty or all false; otherwise each row's argmax is computed by the
+/// backend ([`Backend::argmax_rows`]) and only the rows not marked come back, runs of
+/// consecutive ones in one read. Returns `(values of the rows returned, per row its argmax
+/// where marked)` ([`Logits::data`], [`Logits::argmax`]).
+fn read_rows(
+    be: &dyn Backend,
+    t: &Tensor,
+    width: usize,
+    argmax_only: &[bool],
+) -> Result<(Vec<f32>, Vec<Option<u32>>)> {
+    let n = t.len() / width.max(1);
+    if !argmax_only.iter().any(|&a| a) {
+        let mut data = vec![0f32; n * width];
+        be.read_f32(t, 0, &mut data)?;
+        return Ok((data, Vec::new()));
+    }
+    let ids = be.argmax_rows(t, width)?;
+    let full = argmax_only.iter().filter(|&&a| !a).count();
+    let mut data = vec![0f32; full * width];
+    let (mut r, mut at) = (0, 0);
+    while r < n {
+        if argmax_only.get(r).copied().unwrap_or(false) {
+            r += 1;
+            continue;
+        }
+        let end = (r..n)
+            .find(|&e| argmax_only.get(e).copied().unwrap_or(false))
+            .unwrap_or(n);
+        let len = (end - r) * width;
+        be.read_f32(t, r * width, &mut data[at..at + len])?;
+        at += len;
+        r = end;
+    }
+    let argmax = argmax_only
+        .iter()
+        .zip(ids)
+        .map(|(&a, id)| a.then_some(id))
+        .collect();
+    Ok((data, argmax))
 }

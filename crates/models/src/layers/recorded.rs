@@ -73,7 +73,7 @@ pub fn recordable(be: &dyn Backend, batch: &BatchInputs) -> bool {
 impl Recordings {
     /// Run a step through a recording: replay a fitting one, or record a new one with `run`
     /// (the step's device work on the given batch, writing the logits tensor) and replay
-    /// it; then read the logits into `out` (`[n_logits, n_vocab]`, host memory).
+    /// it; then give its logits tensor (`[n_logits, n_vocab]`) to `read`.
     ///
     /// `Ok(false)`: nothing ran, the caller runs the step op by op. That is the answer from
     /// the first time recording fails on (a capture the device refuses: nothing is executed
@@ -90,7 +90,7 @@ impl Recordings {
         table_capacity: usize,
         n_vocab: usize,
         run: impl FnOnce(&Batch, &mut Tensor) -> Result<()>,
-        out: &mut [f32],
+        read: &mut dyn FnMut(&Tensor) -> Result<()>,
     ) -> Result<bool> {
         if self.failed {
             return Ok(false);
@@ -105,8 +105,9 @@ impl Recordings {
             let mut e = self.entries.remove(i);
             if be.refill_batch(&mut e.batch, desc.clone())? {
                 be.replay(&e.rec)?;
-                be.read_f32(&e.logits, 0, out)?;
+                let r = read(&e.logits);
                 self.entries.push(e);
+                r?;
                 return Ok(true);
             }
             // the batch outgrew the recording: record again
@@ -128,7 +129,7 @@ impl Recordings {
             }
         };
         be.replay(&rec)?;
-        be.read_f32(&logits, 0, out)?;
+        read(&logits)?;
         if self.entries.len() >= MAX_RECORDINGS {
             self.entries.remove(0);
         }
