@@ -28,6 +28,9 @@
 // Positions per chunk of the split attention (src/attention.rs `ATTN_SPLIT` must match).
 #define ATTN_SPLIT 256
 #define ATTN_WARPS 4
+// Threads of attn_combine (src/attention.rs `COMBINE_THREADS` must match), largest head_dim.
+#define COMBINE_THREADS 256
+#define MAX_HEAD_DIM 256
 
 // ---- element loads of the three cache types ---------------------------------------------------
 
@@ -267,6 +270,181 @@ ATTN_SPLIT_KERNEL(attn_split_q8_0_2, CacheQ8, 2)
 ATTN_SPLIT_KERNEL(attn_split_q8_0_4, CacheQ8, 4)
 ATTN_SPLIT_KERNEL(attn_split_q8_0_8, CacheQ8, 8)
 
+// ---- split attention, grouped query heads (f16 caches) -------------------------------------------
+
+// The split kernel for f16 caches with several query heads per KV head (GQA) and head_dim ==
+// 32 NI: block (i, y, s) handles chunk s of query token t = toks[i] for up to GQA_MAX query
+// heads of KV head kvh (y = kvh * hgroups + group; hgroups = ceil(G / GQA_MAX), G = n_head /
+// n_head_kv), so each position's K and V rows are read once for all of them (attn_split reads
+// them once per query head). Lane `lane` holds the NI contiguous head dims NI lane .. NI lane +
+// NI - 1 (one 8- or 16-byte load per row); warps take GQA_PU consecutive positions of every
+// ATTN_WARPS * GQA_PU of the chunk, loading all of them before using the first. Chunks, the
+// per-chunk (max, sum, acc) workspace and the output are attn_split's, so attn_combine merges
+// them and results depend only on the token's own position.
+// query heads per block, and positions per warp and step
+#define GQA_MAX 4
+#define GQA_PU 4
+
+template <int NI>
+__device__ __forceinline__ void load_f16_row(const __half* __restrict__ p, float (&f)[NI]) {
+  static_assert(NI == 4 || NI == 8, "4 or 8 halves per lane");
+  if constexpr (NI == 8) {
+    const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
+    const __half2* h = reinterpret_cast<const __half2*>(&r);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = __half22float2(h[i]);
+      f[2 * i] = v.x;
+      f[2 * i + 1] = v.y;
+    }
+  } else {
+    const uint2 r = __ldg(reinterpret_cast<const uint2*>(p));
+    const __half2* h = reinterpret_cast<const __half2*>(&r);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float2 v = __half22float2(h[i]);
+      f[2 * i] = v.x;
+      f[2 * i + 1] = v.y;
+    }
+  }
+}
+
+template <int NI>
+__device__ __forceinline__ void attn_split_gqa(const float* __restrict__ q, const __half* __restrict__ kc,
+                                               const __half* __restrict__ vc, const uint32_t* __restrict__ positions,
+                                               const uint32_t* __restrict__ tok_seq, const uint32_t* __restrict__ seqs,
+                                               const uint32_t* __restrict__ tables, uint32_t n_head,
+                                               uint32_t n_head_kv, uint32_t head_dim, float scale,
+                                               uint32_t block_size, uint32_t n_blocks,
+                                               const uint32_t* __restrict__ toks, float* __restrict__ out,
+                                               float* __restrict__ ws) {
+  __shared__ float sm_m[ATTN_WARPS][GQA_MAX], sm_l[ATTN_WARPS][GQA_MAX];
+  __shared__ float sm_acc[ATTN_WARPS][GQA_MAX][32 * NI];
+  const uint32_t ti = blockIdx.x, s = blockIdx.z;
+  const uint32_t t = toks[ti];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t kv_dim = n_head_kv * head_dim;
+  const uint32_t G = n_head / n_head_kv;
+  const uint32_t hgroups = (G + GQA_MAX - 1) / GQA_MAX;
+  const uint32_t kvh = blockIdx.y / hgroups;
+  const uint32_t h0 = kvh * G + (blockIdx.y % hgroups) * GQA_MAX;
+  const uint32_t nh = min((uint32_t)GQA_MAX, kvh * G + G - h0);  // query heads of this block
+  const uint32_t ctx = positions[t] + 1;
+  const uint32_t* table = tables + seqs[tok_seq[t] * SEQ_FIELDS + SEQ_TSTART];
+  const uint32_t j0 = s * ATTN_SPLIT;
+  const uint32_t j1 = min(ctx, j0 + ATTN_SPLIT);
+  const uint32_t d0 = lane * NI;
+
+  float qr[GQA_MAX][NI], acc[GQA_MAX][NI], m[GQA_MAX], l[GQA_MAX];
+#pragma unroll
+  for (int g = 0; g < GQA_MAX; ++g) {
+    const float* qt = q + ((uint64_t)t * n_head + h0 + min((uint32_t)g, nh - 1)) * head_dim + d0;
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      qr[g][i] = (uint32_t)g < nh ? qt[i] : 0.0f;
+      acc[g][i] = 0.0f;
+    }
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+  }
+  // GQA_PU consecutive positions per warp and step: their table lookups and K/V loads are
+  // all issued before the first is used (independent loads in flight hide the latency)
+  for (uint32_t jb = j0 + warp * GQA_PU; jb < j1; jb += ATTN_WARPS * GQA_PU) {
+    float kf[GQA_PU][NI], vf[GQA_PU][NI];
+    bool ok[GQA_PU];
+#pragma unroll
+    for (int u = 0; u < GQA_PU; ++u) {
+      const uint32_t j = jb + u;
+      const int64_t row = j < j1 ? cache_row(table, j, block_size, n_blocks) : -1;
+      ok[u] = row >= 0;  // uniform across the warp
+      const uint64_t base = (uint64_t)(ok[u] ? row : 0) * kv_dim + (uint64_t)kvh * head_dim + d0;
+      load_f16_row<NI>(kc + base, kf[u]);
+      load_f16_row<NI>(vc + base, vf[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < GQA_PU; ++u) {
+      if (!ok[u]) continue;
+#pragma unroll
+      for (int g = 0; g < GQA_MAX; ++g) {
+        if ((uint32_t)g >= nh) break;  // uniform across the block
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NI; ++i) dot += qr[g][i] * kf[u][i];
+        const float sc = warp_sum(dot) * scale;
+        const float m_new = fmaxf(m[g], sc);
+        const float corr = expf(m[g] - m_new);  // 0 on the first position (m = -inf)
+        const float p = expf(sc - m_new);
+        l[g] = l[g] * corr + p;
+#pragma unroll
+        for (int i = 0; i < NI; ++i) acc[g][i] = acc[g][i] * corr + p * vf[u][i];
+        m[g] = m_new;
+      }
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < GQA_MAX; ++g) {
+    if (lane == 0) {
+      sm_m[warp][g] = m[g];
+      sm_l[warp][g] = l[g];
+    }
+#pragma unroll
+    for (int i = 0; i < NI; ++i) sm_acc[warp][g][d0 + i] = acc[g][i];
+  }
+  __syncthreads();
+  // warp w merges heads w, w + ATTN_WARPS, ... over the warps, in order
+  for (uint32_t g = warp; g < nh; g += ATTN_WARPS) {
+    float mm = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < ATTN_WARPS; ++w) mm = fmaxf(mm, sm_m[w][g]);
+    float ll = 0.0f, f[ATTN_WARPS];
+#pragma unroll
+    for (int w = 0; w < ATTN_WARPS; ++w) {
+      f[w] = mm == -INFINITY ? 0.0f : expf(sm_m[w][g] - mm);
+      ll += sm_l[w][g] * f[w];
+    }
+    const uint32_t h = h0 + g;
+    if (gridDim.z == 1) {
+      float* o = out + ((uint64_t)t * n_head + h) * head_dim;
+      const float inv = ll > 0.0f ? 1.0f / ll : 0.0f;
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const uint32_t d = lane + 32 * i;
+        float a = 0.0f;
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; ++w) a += sm_acc[w][g][d] * f[w];
+        o[d] = a * inv;
+      }
+    } else {
+      float* o = ws + (((uint64_t)ti * n_head + h) * gridDim.z + s) * (head_dim + 2);
+      if (lane == 0) {
+        o[0] = mm;
+        o[1] = ll;
+      }
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const uint32_t d = lane + 32 * i;
+        float a = 0.0f;
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; ++w) a += sm_acc[w][g][d] * f[w];
+        o[2 + d] = a;
+      }
+    }
+  }
+}
+
+#define ATTN_SPLIT_GQA_KERNEL(NAME, NI)                                                                          \
+  extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS)                                                  \
+      NAME(const float* q, const __half* kc, const __half* vc, const uint32_t* positions, const uint32_t* tok_seq, \
+           const uint32_t* seqs, const uint32_t* tables, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim, \
+           float scale, uint32_t block_size, uint32_t n_blocks, const uint32_t* toks, float* out, float* ws) {   \
+    pdl_enter();                                                                                                 \
+    attn_split_gqa<NI>(q, kc, vc, positions, tok_seq, seqs, tables, n_head, n_head_kv, head_dim, scale,         \
+                       block_size, n_blocks, toks, out, ws);                                                     \
+  }
+
+ATTN_SPLIT_GQA_KERNEL(attn_split_gqa_f16_4, 4)
+ATTN_SPLIT_GQA_KERNEL(attn_split_gqa_f16_8, 8)
+
 // ---- tiled attention (prefill) -------------------------------------------------------------------
 
 // Query rows and cache positions per tile (src/attention.rs `TILE_Q`, `TILE_K` must match).
@@ -431,30 +609,59 @@ ATTN_TILE_KERNEL(attn_tile_q8_0_16, CacheQ8, 16)
 ATTN_TILE_KERNEL(attn_tile_q8_0_32, CacheQ8, 32)
 
 // Merge the chunks of block (i, h), token t = toks[i]: ws `[n_listed, n_head, n_splits,
-// head_dim + 2]` -> out `[n_tokens, n_head * head_dim]`, chunks in ascending order; chunks past
-// the token's context hold max = -inf and contribute nothing. Any block size.
-extern "C" __global__ void attn_combine(const float* __restrict__ ws, const uint32_t* __restrict__ toks,
-                                        uint32_t n_splits, uint32_t n_head, uint32_t head_dim,
-                                        float* __restrict__ out) {
+// head_dim + 2]` -> out `[n_tokens, n_head * head_dim]`; chunks past the token's context hold
+// max = -inf and contribute nothing. COMBINE_THREADS threads: the max and the sum over the
+// chunks spread over the threads (block reductions), the outputs summed per warp over every
+// n_warps-th chunk and then over the warps in order. Which chunk goes to which thread or
+// warp does not depend on n_splits, and the chunks past the context add exact zeros, so the
+// result depends only on the token's own position.
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
+    attn_combine(const float* __restrict__ ws, const uint32_t* __restrict__ toks, uint32_t n_splits,
+                 uint32_t n_head, uint32_t head_dim, float* __restrict__ out) {
   pdl_enter();
+  __shared__ float scratch[32];
+  __shared__ float part[COMBINE_THREADS / 32][MAX_HEAD_DIM];
   const uint32_t ti = blockIdx.x, h = blockIdx.y, t = toks[ti];
-  const float* w = ws + ((uint64_t)ti * n_head + h) * n_splits * (head_dim + 2);
-  float mm = -INFINITY;
-  for (uint32_t s = 0; s < n_splits; ++s) mm = fmaxf(mm, w[s * (head_dim + 2)]);
-  float ll = 0.0f;
-  for (uint32_t s = 0; s < n_splits; ++s) {
-    const float ms = w[s * (head_dim + 2)];
-    if (ms != -INFINITY) ll += w[s * (head_dim + 2) + 1] * expf(ms - mm);
+  const uint32_t stride = head_dim + 2;
+  const float* w = ws + ((uint64_t)ti * n_head + h) * n_splits * stride;
+  // the largest chunk max and the sum, the chunks spread over the threads
+  float mx = -INFINITY;
+  for (uint32_t s = threadIdx.x; s < n_splits; s += blockDim.x) mx = fmaxf(mx, w[s * stride]);
+  const float mm = block_max(mx, scratch);
+  float ls = 0.0f;
+  for (uint32_t s = threadIdx.x; s < n_splits; s += blockDim.x) {
+    const float ms = w[s * stride];
+    if (ms != -INFINITY) ls += w[s * stride + 1] * expf(ms - mm);
   }
+  const float ll = block_sum(ls, scratch);
+  // the outputs: warp w sums chunks w, w + n_warps, ... (lanes over the head dims), then the
+  // warps' sums are added in warp order
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  float a[MAX_HEAD_DIM / 32];
+#pragma unroll
+  for (int i = 0; i < MAX_HEAD_DIM / 32; ++i) a[i] = 0.0f;
+  for (uint32_t s = warp; s < n_splits; s += n_warps) {
+    const float ms = w[s * stride];
+    if (ms == -INFINITY) continue;  // uniform across the warp
+    const float f = expf(ms - mm);
+#pragma unroll
+    for (int i = 0; i < MAX_HEAD_DIM / 32; ++i) {
+      const uint32_t d = lane + 32 * i;
+      if (d < head_dim) a[i] += w[s * stride + 2 + d] * f;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < MAX_HEAD_DIM / 32; ++i) {
+    const uint32_t d = lane + 32 * i;
+    if (d < head_dim) part[warp][d] = a[i];
+  }
+  __syncthreads();
   const float inv = ll > 0.0f ? 1.0f / ll : 0.0f;
   float* o = out + ((uint64_t)t * n_head + h) * head_dim;
   for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float a = 0.0f;
-    for (uint32_t s = 0; s < n_splits; ++s) {
-      const float ms = w[s * (head_dim + 2)];
-      if (ms != -INFINITY) a += w[s * (head_dim + 2) + 2 + d] * expf(ms - mm);
-    }
-    o[d] = a * inv;
+    float acc = 0.0f;
+    for (int k = 0; k < n_warps; ++k) acc += part[k][d];
+    o[d] = acc * inv;
   }
 }
 

@@ -16,7 +16,11 @@
 //! - the others (decode, short speculative chunks): the split kernel (flash-decoding), which
 //!   cuts each query token's context `0..=pos` into chunks of [`ATTN_SPLIT`] positions, one
 //!   block per (token, query head, chunk), and a second kernel that merges the chunks in
-//!   order. The chunking depends only on the token's position.
+//!   order. The chunking depends only on the token's position. For f16 caches of head size
+//!   128 or 256 with several query heads per KV head, one block per (token, KV head, chunk)
+//!   serves up to [`GQA_MAX`] of its query heads (`attn_split_gqa_f16_*`), reading each K/V
+//!   row once for them, with 8- or 16-byte loads (a decode step at a 32K context reads the
+//!   cache once instead of once per query head).
 //!
 //! Both compute in f32 on CUDA cores (K/V converted to f32 on load): the accuracy of the
 //! scalar reference (relative error ~1e-6). For f16 caches of head size 64, 128 or 256 the
@@ -52,6 +56,10 @@ const TILE_THREADS: u32 = 128;
 const MMA_WARPS: usize = 4;
 /// Warps per block of the split attention (kernels/attention.cu `ATTN_WARPS`).
 const ATTN_WARPS: u32 = 4;
+/// Threads of `attn_combine` (kernels/attention.cu `COMBINE_THREADS`).
+const COMBINE_THREADS: u32 = 256;
+/// Query heads per block of the grouped split attention (kernels/attention.cu `GQA_MAX`).
+const GQA_MAX: usize = 4;
 /// Largest head dimension the kernels take (8 dims per lane).
 pub(crate) const MAX_HEAD_DIM: usize = 256;
 
@@ -367,8 +375,21 @@ impl CudaBackend {
         } else {
             None
         };
+        // f16 caches with grouped query heads: the kernel that reads each K/V row once per
+        // group of up to GQA_MAX query heads (grid y: KV heads x head groups)
+        let group = n_head / n_head_kv;
+        let gqa = match (dtype, head_dim) {
+            (DType::F16, 128) if group > 1 && gqa_on() => Some(&self.k.attn_split_gqa_f16_4),
+            (DType::F16, 256) if group > 1 && gqa_on() => Some(&self.k.attn_split_gqa_f16_8),
+            _ => None,
+        };
+        let grid_y = match gqa {
+            Some(_) => u32_arg(OP, "head groups", n_head_kv * group.div_ceil(GQA_MAX))?,
+            None => nh,
+        };
+        let fs = gqa.unwrap_or(fs);
         let cfg = LaunchConfig {
-            grid_dim: (nt, nh, ns),
+            grid_dim: (nt, grid_y, ns),
             block_dim: (32 * ATTN_WARPS, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -396,8 +417,10 @@ impl CudaBackend {
                 // SAFETY: attn_split_*(const float* q, const T* kc, const T* vc,
                 // const uint32_t* positions, tok_seq, seqs, tables, uint32_t n_head,
                 // n_head_kv, head_dim, float scale, uint32_t block_size, n_blocks,
-                // const uint32_t* toks, float* out, float* ws), grid (listed tokens, heads,
-                // splits): q and out hold n_tokens * n_head * head_dim floats, toks n_short
+                // const uint32_t* toks, float* out, float* ws), grid (listed tokens, heads
+                // (attn_split_gqa_f16_*: KV heads x ceil(group / GQA_MAX) head groups, for
+                // head_dim == 32 * its dims per lane, an f16 cache), splits): q and out hold
+                // n_tokens * n_head * head_dim floats, toks n_short
                 // token indices, the caches n_blocks rows of block_size * kv_dim, ws (only
                 // used with more than one split) holds n_short * n_head * n_splits *
                 // (head_dim + 2) floats; the kernel variant's
@@ -416,7 +439,7 @@ impl CudaBackend {
             b.arg(w).arg(&toks).arg(&ns).arg(&nh).arg(&hd).arg(&mut *ob);
             let cfg = LaunchConfig {
                 grid_dim: (nt, nh, 1),
-                block_dim: (((head_dim.div_ceil(32) * 32).min(256)) as u32, 1, 1),
+                block_dim: (COMBINE_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: attn_combine(const float* ws, const uint32_t* toks, uint32_t n_splits,
@@ -426,6 +449,12 @@ impl CudaBackend {
         }
         Ok(())
     }
+}
+
+env_switch! {
+    /// Whether f16 caches with grouped query heads take the grouped split kernel
+    /// (`KAPITSA_ATTN_GQA=0`: the per-head split kernel, for measurements).
+    fn gqa_on = "KAPITSA_ATTN_GQA"
 }
 
 env_switch! {

@@ -388,6 +388,7 @@ kernel_table! {
         attn_split_f32_2, attn_split_f32_4, attn_split_f32_8,
         attn_split_f16_2, attn_split_f16_4, attn_split_f16_8,
         attn_split_q8_0_2, attn_split_q8_0_4, attn_split_q8_0_8,
+        attn_split_gqa_f16_4, attn_split_gqa_f16_8,
         attn_combine,
         attn_tile_f32_8, attn_tile_f32_16, attn_tile_f32_32,
         attn_tile_f16_8, attn_tile_f16_16, attn_tile_f16_32,

@@ -50,6 +50,10 @@ pub struct BenchArgs {
     /// Tokens already in the cache before each test (comma-separated or repeated).
     #[arg(short = 'd', long = "n-depth", value_delimiter = ',', default_values_t = [0])]
     n_depth: Vec<usize>,
+    /// Sequences decoded at once in the tg tests, each in its own cache slot with its own
+    /// depth (llama-batched-bench's `-npl`); t/s counts the tokens of all of them.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    sequences: usize,
     /// Compute threads (0 = one per core).
     #[arg(short, long, default_value_t = 0)]
     threads: usize,
@@ -112,12 +116,16 @@ struct Test {
     n_prompt: usize,
     n_gen: usize,
     n_depth: usize,
+    /// Sequences decoding at once (tg tests; 1 for pp tests).
+    n_seqs: usize,
 }
 
 impl Test {
     fn name(&self) -> String {
         let base = if self.n_prompt > 0 {
             format!("pp{}", self.n_prompt)
+        } else if self.n_seqs > 1 {
+            format!("tg{} x{}", self.n_gen, self.n_seqs)
         } else {
             format!("tg{}", self.n_gen)
         };
@@ -128,14 +136,14 @@ impl Test {
         }
     }
 
-    /// Tokens each timed run processes.
+    /// Tokens each timed run processes (all sequences').
     fn n_tokens(&self) -> usize {
-        self.n_prompt + self.n_gen
+        self.n_prompt + self.n_gen * self.n_seqs
     }
 
-    /// Cache positions the test needs.
+    /// Cache positions a sequence of the test needs.
     fn n_ctx(&self) -> usize {
-        self.n_depth + self.n_tokens()
+        self.n_depth + self.n_prompt + self.n_gen
     }
 }
 
@@ -160,6 +168,7 @@ fn tests(a: &BenchArgs) -> Vec<Test> {
                 n_prompt: p,
                 n_gen: 0,
                 n_depth: d,
+                n_seqs: 1,
             });
         }
         for &n in a.n_gen.iter().filter(|&&n| n > 0) {
@@ -167,6 +176,7 @@ fn tests(a: &BenchArgs) -> Vec<Test> {
                 n_prompt: 0,
                 n_gen: n,
                 n_depth: d,
+                n_seqs: a.sequences,
             });
         }
     }
@@ -189,6 +199,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     // Reject bad arguments before the slow load.
     if a.repetitions == 0 {
         bail!("-r/--repetitions must be >= 1");
+    }
+    if a.sequences == 0 {
+        bail!("--sequences must be >= 1");
     }
     let kvt = kv_type(&a.kv_type)?;
     let tests = tests(&a);
@@ -286,7 +299,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             spec.n_ctx_train
         );
     }
-    let mut cache = kapitsa_models::new_cache(model, 1, max_ctx, kvt)?;
+    let mut cache = kapitsa_models::new_cache(model, a.sequences, max_ctx, kvt)?;
     // Recurrent state (conv windows + SSM/delta-rule states): read and written every step.
     let state_bytes = kapitsa_models::new_cache(model, 1, 0, kvt)?.size_bytes() as u64;
     eprintln!(
@@ -405,12 +418,28 @@ fn run_once(
     let mut pos = 0;
     while pos < t.n_depth {
         let len = FILL_CHUNK.min(t.n_depth - pos);
-        let toks = rng.tokens(len, n_vocab);
-        model.forward(
-            &BatchInputs::single(0, &toks, pos as u32, vec![len - 1]),
-            cache,
-        )?;
+        for slot in 0..t.n_seqs {
+            let toks = rng.tokens(len, n_vocab);
+            model.forward(
+                &BatchInputs::single(slot, &toks, pos as u32, vec![len - 1]),
+                cache,
+            )?;
+        }
         pos += len;
+    }
+    if t.n_prompt == 0 && t.n_seqs > 1 {
+        // every sequence's next token in one batch per step
+        let toks = rng.tokens(t.n_gen * t.n_seqs, n_vocab);
+        let start = Instant::now();
+        for (i, step) in toks.chunks_exact(t.n_seqs).enumerate() {
+            let mut b = BatchInputs::default();
+            for (slot, tok) in step.iter().enumerate() {
+                b.push_seq(slot, std::slice::from_ref(tok), (pos + i) as u32, true);
+            }
+            let out = model.forward(&b, cache)?;
+            std::hint::black_box(&out);
+        }
+        return Ok((start.elapsed().as_nanos() as u64).max(1));
     }
     if t.n_prompt > 0 {
         let toks = rng.tokens(t.n_prompt, n_vocab);
@@ -670,6 +699,7 @@ fn json_entry(
         "n_prompt": t.n_prompt,
         "n_gen": t.n_gen,
         "n_depth": t.n_depth,
+        "n_sequences": t.n_seqs,
         "test": t.name(),
         "avg_ns": avg_ns.round() as u64,
         "stddev_ns": std_ns.round() as u64,
@@ -834,15 +864,25 @@ mod tests {
             n_prompt: 512,
             n_gen: 0,
             n_depth: 0,
+            n_seqs: 1,
         };
         assert_eq!(t.name(), "pp512");
         let t = Test {
             n_prompt: 0,
             n_gen: 128,
             n_depth: 4096,
+            n_seqs: 1,
         };
         assert_eq!(t.name(), "tg128 @ d4096");
         assert_eq!(t.n_ctx(), 4224);
+        let t = Test {
+            n_prompt: 0,
+            n_gen: 128,
+            n_depth: 512,
+            n_seqs: 16,
+        };
+        assert_eq!(t.name(), "tg128 x16 @ d512");
+        assert_eq!((t.n_ctx(), t.n_tokens()), (640, 2048));
         let (m, s) = mean_std(&[1.0, 2.0, 3.0]);
         assert!((m - 2.0).abs() < 1e-12 && (s - 1.0).abs() < 1e-12);
         assert_eq!(mean_std(&[5.0]), (5.0, 0.0));

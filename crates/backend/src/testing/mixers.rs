@@ -3,9 +3,10 @@
 
 use super::*;
 
-/// `kv_write` then `attention` over a paged cache of `dt` with random prior contents.
+/// `kv_write` then `attention` over a paged cache of `dt` with random prior contents: random
+/// shapes, then for f16 caches the decode shapes of the GPU's grouped split kernel (head size
+/// 128 and 256, 8 and 16 query heads per KV head, contexts of several 256-position chunks).
 pub(super) fn attention(s: &mut Suite<'_>, dt: DType) -> R<()> {
-    let (kv_name, at_name) = (format!("kv_write {dt:?}"), format!("attention {dt:?}"));
     for _ in 0..s.cases {
         let head_dim = match dt {
             DType::Q8_0 => s.rng.pick(&[32, 64, 128]),
@@ -13,62 +14,89 @@ pub(super) fn attention(s: &mut Suite<'_>, dt: DType) -> R<()> {
             _ => s.rng.pick(&[4, 8, 12, 16, 24, 40, 64, 72, 128, 256]),
         };
         let n_head_kv = s.rng.range(1, 3);
-        // query heads per KV head: 8 spans two of the GPU's 4-head blocks
-        let n_head = n_head_kv * s.rng.pick(&[1, 2, 3, 8]);
-        let kv_dim = n_head_kv * head_dim;
+        // query heads per KV head: 8 spans two of the GPU's 4-head blocks; 16, two of its
+        // 8-head groups of the split kernel
+        let n_head = n_head_kv * s.rng.pick(&[1, 2, 3, 8, 16]);
         let spec = BatchSpec {
             n_slots: 4,
             // (16 and more: the tiled kernels; 37: a partial second query tile)
             max_len: s.rng.pick(&[1, 4, 9, 20, 37]),
-            max_pos0: 40,
+            // (past 256: several chunks of the GPU's split kernel)
+            max_pos0: s.rng.pick(&[40, 40, 700]),
             block_size: 16,
             vocab: 1,
         };
-        let (d, n_blocks) = rand_batch(&mut s.rng, &spec);
-        let b = s.batch(&d)?;
-        let nt = d.n_tokens();
-        let cache_len = n_blocks * 16 * kv_dim;
-        let (kb, vb) = (
-            rand_bytes(&mut s.rng, dt, cache_len),
-            rand_bytes(&mut s.rng, dt, cache_len),
-        );
-        let mut kc = s.with_bytes(dt, cache_len, &kb)?;
-        let mut vc = s.with_bytes(dt, cache_len, &vb)?;
-        let new_rows = |rng: &mut Rng| match dt {
-            DType::Q8_0 => q8_exact(rng, nt * kv_dim),
-            _ => rng.vals(nt * kv_dim, 1.0),
-        };
-        let (kv, vv) = (new_rows(&mut s.rng), new_rows(&mut s.rng));
-        let (k, v) = (s.up(&kv)?, s.up(&vv)?);
-        s.both("kv_write", |be, i| {
-            let cache = KvLayer {
-                k: &mut kc[i],
-                v: &mut vc[i],
-                kv_dim,
-            };
-            be.kv_write(&k[i], &v[i], cache, &b[i])
-        })?;
-        let [ka, kb] = s.read_any(&kc)?;
-        let [va, vb] = s.read_any(&vc)?;
-        s.record(
-            &kv_name,
-            TOL_EXACT,
-            rel_err(&ka, &kb).max(rel_err(&va, &vb)),
-        );
-
-        let q = s.rand(nt * n_head * head_dim, 1.0)?;
-        let mut out = s.alloc(DType::F32, nt * n_head * head_dim)?;
-        let shape = AttnShape {
-            n_head,
-            n_head_kv,
-            head_dim,
-            scale: 1.0 / (head_dim as f32).sqrt(),
-        };
-        s.both("attention", |be, i| {
-            be.attention(shape, &q[i], &kc[i], &vc[i], &b[i], &mut out[i])
-        })?;
-        s.cmp(&at_name, s.tol.attention, &out)?;
+        attention_case(s, dt, (n_head, n_head_kv, head_dim), &spec)?;
     }
+    if dt == DType::F16 {
+        for (n_head, n_head_kv, head_dim) in [(16, 2, 256), (16, 2, 128), (16, 1, 128), (6, 2, 128)]
+        {
+            let spec = BatchSpec {
+                n_slots: 4,
+                max_len: 2,
+                max_pos0: 900,
+                block_size: 16,
+                vocab: 1,
+            };
+            attention_case(s, dt, (n_head, n_head_kv, head_dim), &spec)?;
+        }
+    }
+    Ok(())
+}
+
+/// One case of [`attention`]: `(n_head, n_head_kv, head_dim)` over a random batch of `spec`.
+fn attention_case(
+    s: &mut Suite<'_>,
+    dt: DType,
+    (n_head, n_head_kv, head_dim): (usize, usize, usize),
+    spec: &BatchSpec,
+) -> R<()> {
+    let (kv_name, at_name) = (format!("kv_write {dt:?}"), format!("attention {dt:?}"));
+    let kv_dim = n_head_kv * head_dim;
+    let (d, n_blocks) = rand_batch(&mut s.rng, spec);
+    let b = s.batch(&d)?;
+    let nt = d.n_tokens();
+    let cache_len = n_blocks * 16 * kv_dim;
+    let (kb, vb) = (
+        rand_bytes(&mut s.rng, dt, cache_len),
+        rand_bytes(&mut s.rng, dt, cache_len),
+    );
+    let mut kc = s.with_bytes(dt, cache_len, &kb)?;
+    let mut vc = s.with_bytes(dt, cache_len, &vb)?;
+    let new_rows = |rng: &mut Rng| match dt {
+        DType::Q8_0 => q8_exact(rng, nt * kv_dim),
+        _ => rng.vals(nt * kv_dim, 1.0),
+    };
+    let (kv, vv) = (new_rows(&mut s.rng), new_rows(&mut s.rng));
+    let (k, v) = (s.up(&kv)?, s.up(&vv)?);
+    s.both("kv_write", |be, i| {
+        let cache = KvLayer {
+            k: &mut kc[i],
+            v: &mut vc[i],
+            kv_dim,
+        };
+        be.kv_write(&k[i], &v[i], cache, &b[i])
+    })?;
+    let [ka, kb] = s.read_any(&kc)?;
+    let [va, vb] = s.read_any(&vc)?;
+    s.record(
+        &kv_name,
+        TOL_EXACT,
+        rel_err(&ka, &kb).max(rel_err(&va, &vb)),
+    );
+
+    let q = s.rand(nt * n_head * head_dim, 1.0)?;
+    let mut out = s.alloc(DType::F32, nt * n_head * head_dim)?;
+    let shape = AttnShape {
+        n_head,
+        n_head_kv,
+        head_dim,
+        scale: 1.0 / (head_dim as f32).sqrt(),
+    };
+    s.both("attention", |be, i| {
+        be.attention(shape, &q[i], &kc[i], &vc[i], &b[i], &mut out[i])
+    })?;
+    s.cmp(&at_name, s.tol.attention, &out)?;
     Ok(())
 }
 

@@ -26,6 +26,42 @@ fn argmax_rows_on() -> bool {
     *ON.get_or_init(|| std::env::var("KAPITSA_ARGMAX_ROWS").map_or(true, |v| v != "0"))
 }
 
+/// Engine steps' time split into the forward pass and the rest (scheduling, sampling,
+/// detokenising, streaming), summed and printed to stderr every [`StepTimes::EVERY`] steps.
+#[derive(Default)]
+struct StepTimes {
+    steps: u32,
+    tokens: usize,
+    step_secs: f64,
+    forward_secs: f64,
+}
+
+impl StepTimes {
+    const EVERY: u32 = 256;
+
+    fn forward(&mut self, tokens: usize, secs: f64) {
+        self.tokens += tokens;
+        self.forward_secs += secs;
+    }
+
+    fn step(&mut self, secs: f64) {
+        self.steps += 1;
+        self.step_secs += secs;
+        if self.steps == Self::EVERY {
+            let n = f64::from(self.steps);
+            eprintln!(
+                "engine: {} steps, {:.1} tokens each: {:.3} ms a step, {:.3} ms of it the forward pass, {:.3} ms the rest",
+                self.steps,
+                self.tokens as f64 / n,
+                1e3 * self.step_secs / n,
+                1e3 * self.forward_secs / n,
+                1e3 * (self.step_secs - self.forward_secs) / n
+            );
+            *self = StepTimes::default();
+        }
+    }
+}
+
 /// Per-request state kept by the engine thread.
 struct Active {
     tx: tmpsc::UnboundedSender<Event>,
@@ -121,6 +157,8 @@ pub(super) struct Engine {
     spec_default_on: bool,
     /// Time of a forward pass against its size (for speculation in auto mode).
     step_cost: crate::spec::cost::StepCost,
+    /// Where a step's time goes, printed to stderr now and then (`KAPITSA_STEP_TIMES=1`).
+    step_times: Option<StepTimes>,
     /// Seconds per proposal of each drafter (moving averages; for auto mode).
     proposer_secs: HashMap<crate::spec::Proposer, f64>,
     /// Every request's acceptance per proposer: where a new request's controller starts.
@@ -206,6 +244,9 @@ impl Engine {
             vision: cfg.vision.clone(),
             spec_default_on: cfg.spec.mode != crate::spec::SpecMode::Off,
             step_cost: crate::spec::cost::StepCost::new(),
+            step_times: std::env::var("KAPITSA_STEP_TIMES")
+                .is_ok_and(|v| v == "1")
+                .then(StepTimes::default),
             spec_priors: crate::spec::AcceptancePriors::default(),
             proposer_secs: HashMap::new(),
             model,
@@ -287,8 +328,12 @@ impl Engine {
             }
             self.retire_free_slots();
             if !self.sched.is_idle() {
+                let t = Instant::now();
                 self.step();
                 self.publish();
+                if let Some(st) = &mut self.step_times {
+                    st.step(t.elapsed().as_secs_f64());
+                }
             }
         }
     }
@@ -481,8 +526,11 @@ impl Engine {
         let snapshots = self.snapshot_drafting(&plan.seqs);
         let started = Instant::now();
         let res = self.forward(&batch);
-        self.step_cost
-            .observe(batch.n_tokens(), started.elapsed().as_secs_f64());
+        let secs = started.elapsed().as_secs_f64();
+        self.step_cost.observe(batch.n_tokens(), secs);
+        if let Some(st) = &mut self.step_times {
+            st.forward(batch.n_tokens(), secs);
+        }
         self.metrics.steps += 1;
         let mut outcomes = Vec::with_capacity(plan.seqs.len());
         match res {
