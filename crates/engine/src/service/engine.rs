@@ -159,6 +159,8 @@ pub(super) struct Engine {
     step_cost: crate::spec::cost::StepCost,
     /// Where a step's time goes, printed to stderr now and then (`KAPITSA_STEP_TIMES=1`).
     step_times: Option<StepTimes>,
+    /// What auto speculation's steps deliver against plain ones ([`crate::spec::guard`]).
+    rate_guard: crate::spec::guard::RateGuard,
     /// Seconds per proposal of each drafter (moving averages; for auto mode).
     proposer_secs: HashMap<crate::spec::Proposer, f64>,
     /// Every request's acceptance per proposer: where a new request's controller starts.
@@ -244,6 +246,7 @@ impl Engine {
             vision: cfg.vision.clone(),
             spec_default_on: cfg.spec.mode != crate::spec::SpecMode::Off,
             step_cost: crate::spec::cost::StepCost::new(),
+            rate_guard: crate::spec::guard::RateGuard::new(),
             step_times: std::env::var("KAPITSA_STEP_TIMES")
                 .is_ok_and(|v| v == "1")
                 .then(StepTimes::default),
@@ -465,6 +468,7 @@ impl Engine {
 
     /// One scheduler step: one forward pass over every scheduled sequence.
     fn step(&mut self) {
+        let (started, generated) = (Instant::now(), self.metrics.generated_tokens_total);
         self.propose_drafts();
         let plan = self.sched.schedule_with(&mut self.cache);
         for _ in &plan.preempted {
@@ -524,9 +528,10 @@ impl Engine {
             }
         }
         let snapshots = self.snapshot_drafting(&plan.seqs);
-        let started = Instant::now();
+        let kind = self.step_kind(&plan.seqs);
+        let started_pass = Instant::now();
         let res = self.forward(&batch);
-        let secs = started.elapsed().as_secs_f64();
+        let secs = started_pass.elapsed().as_secs_f64();
         self.step_cost.observe(batch.n_tokens(), secs);
         if let Some(st) = &mut self.step_times {
             st.forward(batch.n_tokens(), secs);
@@ -552,6 +557,53 @@ impl Engine {
         }
         self.rewind_recurrent(&plan.seqs, &outcomes, snapshots);
         self.retire_free_slots();
+        if let Some(proposer) = kind {
+            let tokens = self
+                .metrics
+                .generated_tokens_total
+                .saturating_sub(generated);
+            let paused = self.rate_guard.observe(
+                self.metrics.steps,
+                plan.seqs.len(),
+                proposer,
+                started.elapsed().as_secs_f64(),
+                usize::try_from(tokens).unwrap_or(usize::MAX),
+            );
+            if let (Some((s, b, n)), Some(p), true) = (paused, proposer, self.step_times.is_some())
+            {
+                eprintln!(
+                    "engine: step {}: auto pauses {p:?} for {n} steps ({:.1} ms a token against {:.1} without proposals)",
+                    self.metrics.steps,
+                    1e3 * s,
+                    1e3 * b
+                );
+            }
+        }
+    }
+
+    /// What kind of step `seqs` make for the rate guard ([`crate::spec::guard`]): for a decode
+    /// step (every sequence a decode token, with or without proposals) `Some` of the proposer
+    /// of all its proposals (`None`: no proposals); `None` for a step with prefill chunks or
+    /// with proposals from more than one proposer. Read before the step's verification (which
+    /// clears the proposals' record).
+    fn step_kind(&self, seqs: &[ScheduledSeq]) -> Option<Option<crate::spec::Proposer>> {
+        let decode = |s: &ScheduledSeq| s.want_logits && s.n_logit_rows() == s.tokens.len();
+        if seqs.is_empty() || !seqs.iter().all(decode) {
+            return None;
+        }
+        let mut proposer = None;
+        for s in seqs.iter().filter(|s| s.n_draft > 0) {
+            let p = self
+                .active
+                .get(&s.id)
+                .and_then(|a| a.spec.as_ref())
+                .and_then(|st| st.in_flight)?;
+            match proposer {
+                Some(q) if q != p => return None,
+                _ => proposer = Some(p),
+            }
+        }
+        Some(proposer)
     }
 
     /// Move what finished, cancelled or preempted sequences left in their slots into the

@@ -27,11 +27,14 @@
 //! per second grow; n-gram acceptance is kept per match-length class), not when many
 //! sequences decode at once ([`AUTO_MAX_DECODING`]), and a proposer (or n-gram match class)
 //! whose recent acceptance is low pauses for a while (the draft model's cache catches up
-//! when it resumes). The explicit modes propose whenever they can: n-gram up to
-//! twice the match length, the draft model an adaptive length.
+//! when it resumes). Beside that model, [`guard::RateGuard`] compares what a proposer's
+//! decode steps took per generated token with plain decode steps and pauses it for every
+//! auto request while it is slower. The explicit modes propose whenever they can: n-gram up
+//! to twice the match length, the draft model an adaptive length.
 
 pub mod cost;
 pub mod draft;
+pub mod guard;
 pub mod ngram;
 
 use std::str::FromStr;

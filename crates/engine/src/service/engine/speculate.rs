@@ -22,6 +22,10 @@ use crate::spec::draft::DraftAsk;
 use crate::spec::ngram;
 use crate::spec::{Drafters, Plan, Proposer, SpecMode};
 
+/// What auto takes a drafter's proposal to cost, as a share of a target pass's fixed time,
+/// until the drafter has been timed.
+const UNTIMED_DRAFTER_SHARE: f64 = 0.25;
+
 /// A sequence's possible proposals in one step.
 struct Candidate {
     id: SeqId,
@@ -64,6 +68,9 @@ impl Engine {
             let Some(st) = &mut a.spec else { continue };
             st.in_flight = None;
             let auto = st.mode() == SpecMode::Auto;
+            // auto: proposers whose steps came out slower than plain ones are paused
+            let guard = &self.rate_guard;
+            let open = |p: Proposer| !auto || guard.open(p, step, n_decoding);
             let mut plan = st.plan(step, n_decoding, have);
             if let Plan::Ngram(cap) = plan {
                 let cap = cap.min(room);
@@ -78,7 +85,7 @@ impl Engine {
                 plan = match best {
                     // (auto: a match-length class whose acceptance paused it falls through
                     // to the drafters)
-                    Some(f) if !auto || st.ngram_open(f.len, step) => {
+                    Some(f) if !auto || (st.ngram_open(f.len, step) && open(Proposer::Ngram)) => {
                         let k = if auto {
                             f.next.len()
                         } else {
@@ -106,7 +113,8 @@ impl Engine {
                 Plan::Dflash(k) if a.dflash.is_some() => Some((Proposer::Dflash, k)),
                 Plan::Mtp(k) if a.mtp.is_some() => Some((Proposer::Mtp, k)),
                 _ => None,
-            };
+            }
+            .filter(|&(p, _)| open(p));
             if let Some((proposer, k)) = drafter {
                 cands.push(Candidate {
                     id,
@@ -123,6 +131,12 @@ impl Engine {
         let autos: Vec<usize> = (0..cands.len()).filter(|&i| cands[i].auto).collect();
         if !autos.is_empty() {
             let model = self.step_cost.coeffs().unwrap_or((1.0, 0.05));
+            // a drafter not yet timed is taken to cost a quarter of a pass per proposal (a
+            // small draft model's step), not nothing: its first rounds are then short
+            let unmeasured = |p: Proposer| match p {
+                Proposer::Ngram => 0.0,
+                _ => UNTIMED_DRAFTER_SHARE * model.0,
+            };
             let offers: Vec<Offer> = autos
                 .iter()
                 .map(|&i| Offer {
@@ -132,7 +146,7 @@ impl Engine {
                         .proposer_secs
                         .get(&cands[i].proposer)
                         .copied()
-                        .unwrap_or(0.0),
+                        .unwrap_or_else(|| unmeasured(cands[i].proposer)),
                 })
                 .collect();
             let ks = SpecAllocator::allocate(&offers, n_decoding, model);
