@@ -918,6 +918,17 @@ pub(crate) fn parse_size(s: &str) -> std::result::Result<usize, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("4MiB"), Ok(4 << 20));
+        assert_eq!(parse_size("512k"), Ok(512 << 10));
+        assert_eq!(parse_size("24GiB"), Ok(24 << 30));
+        assert!(parse_size("x").is_err());
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("3 parsecs").is_err());
+    }
     use kapitsa_engine::reply::parse_reply;
 
     #[test]

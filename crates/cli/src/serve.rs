@@ -311,18 +311,29 @@ fn kv_memory(
         ));
     };
     let states = max_running.saturating_mul(spec.cache_layout().slot_state_bytes());
-    let reserve = (1usize << 30).saturating_add(
-        max_batch_tokens
-            .saturating_mul(spec.n_embd)
-            .saturating_mul(128),
-    );
+    let activations = max_batch_tokens.saturating_mul(spec.n_embd);
+    Some(gpu_kv_memory(&m, states, activations, max_running))
+}
+
+/// [`kv_memory`] on a GPU whose memory `m` reports: what the backend may still allocate, less
+/// `states` bytes of recurrent states and a reserve for activations (1 GiB plus 128 bytes
+/// per one of `activations`, the batch tokens times the model dimension), 90% of the rest;
+/// and the reason, for stderr.
+fn gpu_kv_memory(
+    m: &kapitsa_backend::DeviceMemory,
+    states: usize,
+    activations: usize,
+    max_running: usize,
+) -> (usize, String) {
+    use kapitsa_backend::gib;
+    let reserve = (1usize << 30).saturating_add(activations.saturating_mul(128));
     let left = m.available.saturating_sub(states).saturating_sub(reserve);
     let kv = left / 10 * 9;
     let budget = match m.budget {
         Some(b) => format!(" of --gpu-memory {}", gib(b)),
         None => String::new(),
     };
-    Some((
+    (
         kv,
         format!(
             "{} of the {} the GPU has left{budget} after the weights, less {} of recurrent states for {max_running} slots and {} for activations",
@@ -331,7 +342,7 @@ fn kv_memory(
             gib(states),
             gib(reserve)
         ),
-    ))
+    )
 }
 
 /// Context used when none is given: the model's training context (4096 when the model does
@@ -400,12 +411,25 @@ mod tests {
     }
 
     #[test]
-    fn sizes() {
-        assert_eq!(crate::commands::parse_size("4096"), Ok(4096));
-        assert_eq!(crate::commands::parse_size("4MiB"), Ok(4 << 20));
-        assert_eq!(crate::commands::parse_size("512k"), Ok(512 << 10));
-        assert!(crate::commands::parse_size("x").is_err());
-        assert!(crate::commands::parse_size("0").is_err());
-        assert!(crate::commands::parse_size("3 parsecs").is_err());
+    fn gpu_kv_memory_leaves_the_states_and_a_reserve() {
+        const G: usize = 1 << 30;
+        let m = kapitsa_backend::DeviceMemory {
+            available: 10 * G,
+            budget: Some(24 * G),
+            ..Default::default()
+        };
+        // 2 GiB of states, 1 GiB + 512 x 2048 x 128 bytes (128 MiB) of reserve: 90% of the rest
+        let (kv, why) = gpu_kv_memory(&m, 2 * G, 512 * 2048, 16);
+        assert_eq!(kv, (10 * G - 2 * G - G - (128 << 20)) / 10 * 9);
+        assert!(
+            why.contains("--gpu-memory 24.0 GiB") && why.contains("16 slots"),
+            "{why}"
+        );
+        // nothing left: no KV memory, no panic
+        let small = kapitsa_backend::DeviceMemory {
+            available: G / 2,
+            ..m
+        };
+        assert_eq!(gpu_kv_memory(&small, 2 * G, 512 * 2048, 16).0, 0);
     }
 }
