@@ -162,6 +162,15 @@ fn round_half_even(x: f64) -> f64 {
     x.round_ties_even()
 }
 
+/// [`ImageError::TooSmall`] for an image of `width` x `height` pixels, with `reason`.
+pub(crate) fn too_small(width: usize, height: usize, reason: String) -> ImageError {
+    ImageError::TooSmall {
+        width: u32::try_from(width).unwrap_or(u32::MAX),
+        height: u32::try_from(height).unwrap_or(u32::MAX),
+        reason,
+    }
+}
+
 /// transformers' `smart_resize`: the `(height, width)` the image is resized to. Both are
 /// multiples of `factor = patch_size * merge_size`, the area is brought into
 /// `[min_pixels, max_pixels]` keeping the aspect ratio, with the reference's float arithmetic.
@@ -170,11 +179,7 @@ pub fn smart_resize(
     width: usize,
     cfg: &ProcessorConfig,
 ) -> Result<(usize, usize), ImageError> {
-    let too_small = |reason: String| ImageError::TooSmall {
-        width: u32::try_from(width).unwrap_or(u32::MAX),
-        height: u32::try_from(height).unwrap_or(u32::MAX),
-        reason,
-    };
+    let too_small = |reason: String| crate::too_small(width, height, reason);
     if height == 0 || width == 0 {
         return Err(too_small("the image has no pixels.".into()));
     }

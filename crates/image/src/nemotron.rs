@@ -241,11 +241,7 @@ pub fn patch_grid_size(
     min_num_patches: usize,
     max_num_patches: usize,
 ) -> Result<(usize, usize), ImageError> {
-    let too_small = |reason: String| ImageError::TooSmall {
-        width: u32::try_from(width).unwrap_or(u32::MAX),
-        height: u32::try_from(height).unwrap_or(u32::MAX),
-        reason,
-    };
+    let too_small = |reason: String| crate::too_small(width, height, reason);
     if height == 0 || width == 0 {
         return Err(too_small("the image has no pixels.".into()));
     }

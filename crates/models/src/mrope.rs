@@ -123,12 +123,18 @@ pub fn text_tables(
     sin.reserve(pos.len() * half);
     for p in pos {
         for (f, &w) in inv.iter().enumerate() {
-            let a = (p[comp(f)] as f32 * w) as f64;
-            cos.push(a.cos() as f32);
-            sin.push(a.sin() as f32);
+            push_angle(&mut cos, &mut sin, p[comp(f)] as f32, w);
         }
     }
     (cos, sin)
+}
+
+/// Append the cosine and sine of the rotary angle `pos * freq` (the product in f32, as the
+/// references take it, its cosine and sine in f64 rounded to f32) to `cos` and `sin`.
+pub(crate) fn push_angle(cos: &mut Vec<f32>, sin: &mut Vec<f32>, pos: f32, freq: f32) {
+    let a = (pos * freq) as f64;
+    cos.push(a.cos() as f32);
+    sin.push(a.sin() as f32);
 }
 
 #[cfg(test)]

@@ -549,9 +549,7 @@ fn rotary_tables(grid: [usize; 3], m: usize, head_dim: usize, theta: f32) -> (Ve
         let (r, col) = patch_row_col(j % (gh * gw), gw, m);
         for p in [r, col] {
             for &f in &inv {
-                let a = (p as f32 * f) as f64;
-                cos.push(a.cos() as f32);
-                sin.push(a.sin() as f32);
+                crate::mrope::push_angle(&mut cos, &mut sin, p as f32, f);
             }
         }
     }

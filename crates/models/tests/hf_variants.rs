@@ -10,6 +10,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+mod common;
+use common::read_f32;
+
 use half::{bf16, f16};
 use kapitsa_backend::Backend;
 use kapitsa_backend_cpu::CpuBackend;
@@ -47,13 +50,6 @@ struct Fixture {
     weights: BTreeMap<String, (Vec<usize>, Vec<f32>)>,
     /// (token ids, transformers all-position logits) per prompt.
     prompts: Vec<(Vec<u32>, Vec<f32>)>,
-}
-
-fn read_f32(path: &Path) -> Vec<f32> {
-    let b = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
 }
 
 fn fixture(name: &'static str) -> Fixture {

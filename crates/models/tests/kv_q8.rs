@@ -19,6 +19,7 @@ use kapitsa_base::pool::RayonPool;
 use kapitsa_models::{load_model, BatchInputs, CausalLm, KvCache, KvType, LoadOptions, ModelError};
 
 mod common;
+use common::json_ids as ids_of;
 use common::{argmax, backend, model_dirs};
 
 /// Prefill `ids` in chunks of `chunk` tokens into one fresh cache per entry of `types`
@@ -87,14 +88,6 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 /// Leading tokens two sequences share.
 fn same_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
-}
-
-fn ids_of(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
 }
 
 /// Where the q8_0 and f32 caches pick different top tokens on a model without MoE layers,

@@ -13,24 +13,10 @@ use serde_json::Value;
 
 mod common;
 use common::{backend, fixtures, rel_err};
+use common::{json_ids as ids, read_f32};
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/mtp")
-}
-
-fn read_f32(path: &Path) -> Vec<f32> {
-    let b = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
 }
 
 /// One model's reference: tokens, taps `[T, d]`, context logits `[T-1, V]`, anchors, drafts

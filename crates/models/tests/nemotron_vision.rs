@@ -5,8 +5,9 @@
 //! `BatchInputs::embeds` (one forward pass, and chunks that cut through the images).
 
 mod common;
+use common::{json_ids as ids, read_f32};
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use common::{backend, fixtures, rel_err};
@@ -20,21 +21,6 @@ use serde_json::Value;
 const MODEL: &str = "nemotronh-vl-a";
 /// The acceptance bound: relative to the largest reference value.
 const TOL: f32 = 1e-4;
-
-fn read_f32(path: &Path) -> Vec<f32> {
-    let b = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
 
 struct Fixture {
     dir: PathBuf,

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use kapitsa_models::{load_model, BatchInputs, CausalLm, KvType, LoadOptions, LogitRow};
 
 mod common;
+use common::read_f32;
 use common::{argmax, backend, fixtures, model_dirs, rel_err};
 
 struct Prompt {
@@ -15,13 +16,6 @@ struct Prompt {
     hf_logits: Vec<f32>,
     llama_logits: Option<Vec<f32>>,
     hf_greedy: Vec<u32>,
-}
-
-fn read_f32(path: &Path) -> Vec<f32> {
-    let b = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
 }
 
 fn prompts(dir: &Path) -> (usize, Vec<Prompt>) {
