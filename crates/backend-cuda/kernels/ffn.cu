@@ -118,19 +118,20 @@ extern "C" __global__ void moe_topk_f32(const float* __restrict__ logits, uint32
 // are k warp-wide argmax reductions. Same semantics and arithmetic as moe_topk_f32 (softmax
 // sum in f64; NaN counts as -inf; ties to the lower index). No shared memory.
 #define TOPK_VPL 16
-extern "C" __global__ void __launch_bounds__(32)
-    moe_topk_warp_f32(const float* __restrict__ logits, uint32_t n_exp, uint32_t k, uint32_t gating,
-                      const float* __restrict__ bias, uint32_t norm_topk, float scale, uint32_t* __restrict__ ids,
-                      float* __restrict__ weights) {
-  pdl_enter();
-  const float* l = logits + (uint64_t)blockIdx.x * n_exp;
-  const uint32_t lane = threadIdx.x;
+
+// The warp's routing of one token: logits `l [n_exp]` -> ids `[k]`, weights `[k]` (the body of
+// moe_topk_warp_f32; CG: the logits were written by other blocks of this grid, read through L2).
+template <bool CG>
+__device__ __forceinline__ void topk_warp_row(const float* l, uint32_t n_exp, uint32_t k, uint32_t gating,
+                                              const float* __restrict__ bias, uint32_t norm_topk, float scale,
+                                              uint32_t* __restrict__ ids, float* __restrict__ weights) {
+  const uint32_t lane = threadIdx.x & 31;
   float score[TOPK_VPL], sel[TOPK_VPL];
   uint32_t live = 0;  // bit i: expert lane + 32 i exists and is not picked
 #pragma unroll
   for (int i = 0; i < TOPK_VPL; i++) {
     const uint32_t e = lane + 32 * i;
-    score[i] = e < n_exp ? l[e] : -INFINITY;
+    score[i] = e < n_exp ? (CG ? __ldcg(l + e) : l[e]) : -INFINITY;
     if (e < n_exp) live |= 1u << i;
   }
   if (gating == 0) {
@@ -200,9 +201,80 @@ extern "C" __global__ void __launch_bounds__(32)
   if (lane < k) {
     float norm = 1.0f;
     if (norm_topk) norm = gating == 0 ? 1.0f / sum : 1.0f / (sum + 1e-20f);
-    const uint64_t o = (uint64_t)blockIdx.x * k + lane;
-    ids[o] = picked_id;
-    weights[o] = picked_w * norm * scale;
+    ids[lane] = picked_id;
+    weights[lane] = picked_w * norm * scale;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(32)
+    moe_topk_warp_f32(const float* __restrict__ logits, uint32_t n_exp, uint32_t k, uint32_t gating,
+                      const float* __restrict__ bias, uint32_t norm_topk, float scale, uint32_t* __restrict__ ids,
+                      float* __restrict__ weights) {
+  pdl_enter();
+  const uint64_t t = blockIdx.x;
+  topk_warp_row<false>(logits + t * n_exp, n_exp, k, gating, bias, norm_topk, scale, ids + t * k, weights + t * k);
+}
+
+// The router product and the routing in one launch (decode): token t = blockIdx.y, warp w of
+// block b computes expert row e = 4b + w: logits[t, e] = x[t, :] . W[e, :] (W `[n_exp, d]` f32,
+// row stride `ld` floats, 16-byte aligned rows; x `[n, d]`; d a multiple of 4), its first
+// ROUTER_PF float4 per lane loaded before the PDL wait. The last block of token t to finish
+// (counted in counts[t], zero before the launch and zero again after it) runs
+// moe_topk_warp_f32's routing of the token on the logits. n_exp <= 32 * TOPK_VPL, k <= 32.
+// Launch: grid (ceil(n_exp / ROUTER_WARPS), n), ROUTER_WARPS * 32 threads.
+#define ROUTER_WARPS 4
+#define ROUTER_PF 16
+extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
+    moe_router_topk_f32(const float* __restrict__ w, uint64_t ld, const float* __restrict__ x, uint32_t d,
+                        uint32_t n_exp, uint32_t k, uint32_t gating, const float* __restrict__ bias,
+                        uint32_t norm_topk, float scale, float* logits, uint32_t* counts, uint32_t* __restrict__ ids,
+                        float* __restrict__ weights) {
+  __shared__ bool last;
+  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t e = blockIdx.x * ROUTER_WARPS + warp;
+  const uint64_t t = blockIdx.y;
+  const uint32_t n4 = d / 4;
+  const float4* wr = reinterpret_cast<const float4*>(w + (uint64_t)min(e, n_exp - 1) * ld);
+  float4 pf[ROUTER_PF];
+#pragma unroll
+  for (int u = 0; u < ROUTER_PF; u++) {
+    const uint32_t i = lane + 32 * u;
+    if (i < n4) pf[u] = __ldg(wr + i);
+  }
+  pdl_enter();
+  const float4* xr = reinterpret_cast<const float4*>(x + t * d);
+  float acc = 0.0f;
+#pragma unroll
+  for (int u = 0; u < ROUTER_PF; u++) {
+    const uint32_t i = lane + 32 * u;
+    if (i < n4) {
+      const float4 xv = __ldg(xr + i);
+      acc = fmaf(pf[u].x, xv.x, acc);
+      acc = fmaf(pf[u].y, xv.y, acc);
+      acc = fmaf(pf[u].z, xv.z, acc);
+      acc = fmaf(pf[u].w, xv.w, acc);
+    }
+  }
+  for (uint32_t i = lane + 32 * ROUTER_PF; i < n4; i += 32) {
+    const float4 wv = __ldg(wr + i), xv = __ldg(xr + i);
+    acc = fmaf(wv.x, xv.x, acc);
+    acc = fmaf(wv.y, xv.y, acc);
+    acc = fmaf(wv.z, xv.z, acc);
+    acc = fmaf(wv.w, xv.w, acc);
+  }
+  acc = warp_sum(acc);
+  if (lane == 0 && e < n_exp) logits[t * n_exp + e] = acc;
+  // make this block's logits visible, then count it; the last one routes the token
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counts + t, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (warp == 0) {
+    topk_warp_row<true>(logits + t * n_exp, n_exp, k, gating, bias, norm_topk, scale, ids + t * k,
+                        weights + t * k);
+    if (lane == 0) counts[t] = 0;
   }
 }
 

@@ -21,8 +21,10 @@
 //   per grid.y. Pair q computes part p's rows of expert e = ids[q] (rows
 //   `row0 + e * rpe[p] + r`) against x row `q / x_div` (x_div = top_k for the expert inputs,
 //   1 for rows already per pair) into `y + q * ldy`. One token's GEMV otherwise (no staging),
-//   the GLU pair allowed; a pair whose id is not below `n_exp` writes nothing. Launch: one
-//   `GemvArgs` and one `GemvIdArgs` by value, grid (vblocks, n_pairs).
+//   the GLU pair allowed; a pair whose id is not below `n_exp` writes nothing. Pairs from
+//   `n_routed` on run a shared expert instead (see `GemvIdArgs`), so an MoE's shared expert
+//   rides in its routed launches. Launch: one `GemvArgs` and one `GemvIdArgs` by value, grid
+//   (vblocks, pairs).
 // - `gemv_grp_<ty>`: the expert-grouped GEMV of a prompt's MoE (every used expert in one
 //   launch; the f32 form of `gemm_grp_<ty>_<bn>`): the rows of x are the (token, slot) pairs
 //   sorted by expert, and grid.y runs over tiles of up to 8 pairs of one expert. Tile i is
@@ -214,7 +216,7 @@ __device__ __forceinline__ void gemv_chunk_x8(const typename KqFmt<T>::Raw (&raw
 // same n_rows), every block's warps split between the two, and
 // y0[t * ldy0 + r] = silu(gate . x) * (up . x) (ops.cu `silu_mul_f32`'s formula); bias and
 // accumulate are not applied then.
-#define GEMV_MAX_PARTS 3
+#define GEMV_MAX_PARTS 4
 // flags: issue the first weight loads before the PDL wait (weights never depend on the kernel
 // before); the gate/up pair with the SwiGLU epilogue
 #define GEMV_PREFETCH 1
@@ -238,10 +240,14 @@ struct GemvArgs {
 // The routing of `gemv_id_<ty>` (mirrored by src/matmul/gemv.rs `GemvIdArgs`): expert ids
 // `[n_pairs]` (u32, device), each part's rows per expert, the x row divisor, the expert count.
 // `gemv_grp_<ty>` reads `ids` as its tiles (3 u32 each) and ignores x_div.
+// Pairs from `n_routed` on (grid.y) are the shared expert's, one per token: pair q runs parts
+// `shared_part ..` (the routed parts' twins: same format, rows and y) on x row
+// `q - n_routed + shared_x0` (expert 0 of those 2-D parts).
 struct GemvIdArgs {
   const uint32_t* ids;
   uint64_t rpe[GEMV_MAX_PARTS];
   int x_div, n_exp;
+  int n_routed, shared_part, shared_x0, unused;
 };
 
 // XS: one token, x staged once per block in dynamic shared memory (gemv_xs_idx layout) and
@@ -287,11 +293,19 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
     n_tok = (int)tile[2];
     x_off = y_pair * n_in;
   }
+  int sp = 0;  // the first part of this pair's products (the shared expert's twins)
   if constexpr (ID) {
     pdl_enter();
-    e = ida.ids[blockIdx.y];
-    if (e >= (uint64_t)ida.n_exp) return;  // uniform over the block
-    x_off = (size_t)(blockIdx.y / ida.x_div) * (X8 ? gemv_x8_row_bytes(n_in) / 4 : n_in);
+    size_t x_row;
+    if ((int)blockIdx.y >= ida.n_routed) {
+      sp = ida.shared_part;
+      x_row = blockIdx.y - ida.n_routed + ida.shared_x0;
+    } else {
+      e = ida.ids[blockIdx.y];
+      if (e >= (uint64_t)ida.n_exp) return;  // uniform over the block
+      x_row = blockIdx.y / ida.x_div;
+    }
+    x_off = x_row * (X8 ? gemv_x8_row_bytes(n_in) / 4 : n_in);
     y_pair = blockIdx.y;
   }
   const float* __restrict__ x = XS ? reinterpret_cast<const float*>(gemv_xs) : a.x + x_off;
@@ -309,10 +323,10 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
   {                                                                                        \
     p = 0;                                                                                 \
     if (!glu) {                                                                            \
-      if (a.n_parts > 1 && vb >= a.part[1].block0) p = 1;                                  \
-      if (a.n_parts > 2 && vb >= a.part[2].block0) p = 2;                                  \
+      _Pragma("unroll") for (int q = 1; q < GEMV_MAX_PARTS; q++)                          \
+        if (q < a.n_parts && vb >= a.part[q].block0) p = q;                                \
     }                                                                                      \
-    pm = glu ? mi : p;                                                                     \
+    pm = (glu ? mi : p) + sp;                                                              \
     n_rows = a.part[pm].n_rows;                                                            \
     r_first = ((vb - a.part[p].block0) * (wpm / G) + rg) * R;                              \
     m = KqMat{a.part[pm].w, a.part[pm].off1, a.part[pm].off2, a.part[pm].off3, a.part[pm].stride}; \
@@ -377,7 +391,7 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
       const int t = lane / R, i = lane - t * R;
       const int r = r_first + i;
       if (r < n_rows && (!GRP || t < n_tok)) {
-        const GemvPart& P = a.part[p];
+        const GemvPart& P = a.part[p + sp];
         float* yp = P.y + (ID ? y_pair : GRP ? y_pair + t : (size_t)t) * P.ldy + r;
         if (glu) {
           float u = red[warp + wpm][lane];

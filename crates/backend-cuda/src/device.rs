@@ -400,7 +400,9 @@ kernel_table! {
         gdn_chunk_out_f32, mamba2_preamble_f32, mamba2_recurrent_f32, mamba2_chunk_prep_f32,
         mamba2_chunk_state_f32, mamba2_chunk_out_f32,
     ],
-    "ffn" => [moe_topk_f32, moe_topk_warp_f32, moe_finish_f32, moe_shared_add_f32],
+    "ffn" => [
+        moe_topk_f32, moe_topk_warp_f32, moe_router_topk_f32, moe_finish_f32, moe_shared_add_f32,
+    ],
 }
 
 /// Dynamic shared memory the tiled attention kernels may use (head_dim 256 needs ~84 KB).

@@ -4,7 +4,8 @@
 //!
 //! MoE: the router logits are a matmul, the scores and top-k run on the device
 //! (kernels/ffn.cu `moe_topk_warp_f32`, one warp per token; `moe_topk_f32` past 512
-//! experts). Up to 16 tokens ([`MOE_ROUTED_MAX_TOKENS`]) the experts run
+//! experts); up to 16 tokens an f32 router's product and the routing are one launch
+//! (`moe_router_topk_f32`: the last block of each token routes it). Up to 16 tokens ([`MOE_ROUTED_MAX_TOKENS`]) the experts run
 //! routed on the device ([`CudaBackend::moe_experts`]: one GEMV launch for every (token, slot)
 //! pair's gate/up with SwiGLU, one for its down projection, the expert rows chosen by the ids
 //! in device memory), so the op never waits for the host and decode steps record. More tokens
@@ -28,7 +29,10 @@ use kapitsa_backend::{
 
 use crate::device::{dev_err, grid_yz, row_threads, u32_arg};
 use crate::launch::KernelLaunch;
-use crate::matmul::{fuse_on, CudaWeight, GemvEpilogue, GemvPart, GemvRoute, GEMM_GRP_TILES};
+use crate::matmul::{
+    fuse_on, CudaWeight, GemvEpilogue, GemvPart, GemvRoute, SharedPairs, GEMM_GRP_TILES,
+    GEMV_MAX_PARTS,
+};
 use crate::CudaBackend;
 
 /// One operand of an expert MLP: rows `rows` of expert `e` of a device weight (`e = 0` and
@@ -126,8 +130,10 @@ impl CudaBackend {
         kapitsa_backend::matmul_with_composed(self, w, x, n_tok, y, ep)
     }
 
-    /// `ys[i] = epilogue_i(x @ ws[i]^T)`: one GEMV launch for all products where they share
-    /// a format and width (q/k/v), else one product after the other.
+    /// `ys[i] = epilogue_i(x @ ws[i]^T)`: the products that share a format and width in one
+    /// GEMV launch per up to [`GEMV_MAX_PARTS`] of them (q/k/v; a Gated DeltaNet layer's four
+    /// input projections, or two launches where qkv has a format of its own), the others one
+    /// after the other.
     pub(crate) fn matmul_many_with_impl(
         &self,
         ws: &[&Weight],
@@ -155,41 +161,67 @@ impl CudaBackend {
                 self.matrix(w, OP)
             })
             .collect::<Result<Vec<_>>>()?;
-        if ws.len() < 2 || !CudaWeight::can_share_gemv(&mats, n_tok) {
-            for ((w, y), ep) in ws.iter().zip(ys.iter_mut()).zip(eps) {
-                self.matmul_with_impl(w, x, n_tok, y, *ep)?;
-            }
-            return Ok(());
-        }
-        let xb = self.f32_len(x, n_tok * mats[0].n_in(), OP, "x")?;
-        let mut views = Vec::with_capacity(ys.len());
-        let mut epis = Vec::with_capacity(ys.len());
-        for ((y, m), ep) in ys.iter_mut().zip(&mats).zip(eps) {
-            let yb = self.f32_len_mut(y, n_tok * m.n_out(), OP, "y")?;
-            views.push(yb.as_view_mut());
-            let bias = match ep.bias {
-                Some(b) => Some(self.f32_len(b, m.n_out(), OP, "bias")?),
-                None => None,
-            };
-            epis.push(GemvEpilogue {
-                bias,
-                accumulate: ep.accumulate,
+        // launch groups: products that can share a launch (one format and width, a GEMV's
+        // token count), in their order, at most GEMV_MAX_PARTS a launch
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        for (i, m) in mats.iter().enumerate() {
+            let joins = groups.iter_mut().find(|g| {
+                g.len() < GEMV_MAX_PARTS && CudaWeight::can_share_gemv(&[mats[g[0]], m], n_tok)
             });
+            match joins {
+                Some(g) => g.push(i),
+                None => groups.push(vec![i]),
+            }
         }
-        let mut parts: Vec<GemvPart<'_, '_>> = views
-            .iter_mut()
-            .zip(&mats)
-            .zip(epis)
-            .map(|((y, m), ep)| GemvPart {
-                w: m,
-                row0: 0,
-                n_rows: m.n_out(),
-                y,
-                ep,
-            })
-            .collect();
-        self.mm
-            .gemv_parts(&self.stream, &mut parts, &xb.as_view(), n_tok, false)
+        let mut group_of = vec![0usize; ws.len()];
+        for (gi, g) in groups.iter().enumerate() {
+            for &i in g {
+                group_of[i] = gi;
+            }
+        }
+        let mut ys_by_group: Vec<Vec<&mut Tensor>> = groups.iter().map(|_| Vec::new()).collect();
+        for (i, y) in ys.iter_mut().enumerate() {
+            ys_by_group[group_of[i]].push(&mut **y);
+        }
+        for (g, gys) in groups.iter().zip(ys_by_group) {
+            let gm: Vec<&CudaWeight> = g.iter().map(|&i| mats[i]).collect();
+            if g.len() < 2 {
+                for (&i, y) in g.iter().zip(gys) {
+                    self.matmul_with_impl(ws[i], x, n_tok, y, eps[i])?;
+                }
+                continue;
+            }
+            let xb = self.f32_len(x, n_tok * gm[0].n_in(), OP, "x")?;
+            let mut views = Vec::with_capacity(g.len());
+            let mut epis = Vec::with_capacity(g.len());
+            for ((y, m), &i) in gys.into_iter().zip(&gm).zip(g) {
+                let yb = self.f32_len_mut(y, n_tok * m.n_out(), OP, "y")?;
+                views.push(yb.as_view_mut());
+                let bias = match eps[i].bias {
+                    Some(b) => Some(self.f32_len(b, m.n_out(), OP, "bias")?),
+                    None => None,
+                };
+                epis.push(GemvEpilogue {
+                    bias,
+                    accumulate: eps[i].accumulate,
+                });
+            }
+            let mut parts: Vec<GemvPart<'_, '_>> = views
+                .iter_mut()
+                .zip(&gm)
+                .zip(epis)
+                .map(|((y, m), ep)| GemvPart {
+                    w: m,
+                    row0: 0,
+                    n_rows: m.n_out(),
+                    y,
+                    ep,
+                })
+                .collect();
+            self.mm
+                .gemv_parts(&self.stream, &mut parts, &xb.as_view(), n_tok, false)?;
+        }
+        Ok(())
     }
 
     pub(crate) fn embed_impl(&self, w: &Weight, batch: &Batch, out: &mut Tensor) -> Result<()> {
@@ -588,8 +620,6 @@ impl CudaBackend {
         }
 
         // router and top-k on the device
-        let mut logits = self.scratch::<f32>(n * n_exp)?;
-        self.matmul_dev(router, xb, n, &mut logits)?;
         let mut ids = self.scratch::<u32>(n * k)?;
         let mut wts = self.scratch::<f32>(n * k)?;
         let (ne, ka, nt) = (
@@ -598,36 +628,73 @@ impl CudaBackend {
             u32_arg(OP, "tokens", n)?,
         );
         let (norm, scale) = (u32::from(w.norm_topk), w.scale);
-        let smem = u32_arg(OP, "experts", (n_exp * 9).div_ceil(4) * 4)?;
-        if smem > 48 * 1024 {
-            return Err(BackendError::Unsupported {
-                op: OP,
-                what: format!("{n_exp} experts (routing table over 48 KiB of shared memory)"),
-            });
-        }
-        {
-            // one warp per token where the scores fit its registers
-            let warp = n_exp <= TOPK_WARP_MAX_EXPERTS && k <= 32 && topk_warp_on();
-            let f = match warp {
-                true => &self.k.moe_topk_warp_f32,
-                false => &self.k.moe_topk_f32,
-            };
-            let mut b = self.stream.kernel(f);
-            b.arg(&logits).arg(&ne).arg(&ka).arg(&gating);
-            b.arg(bias);
-            b.arg(&norm).arg(&scale).arg(&mut ids).arg(&mut wts);
-            let cfg = LaunchConfig {
-                grid_dim: (nt, 1, 1),
-                block_dim: (if warp { 32 } else { row_threads(n_exp) }, 1, 1),
-                shared_mem_bytes: if warp { 0 } else { smem },
-            };
-            // SAFETY: moe_topk_f32 / moe_topk_warp_f32(const float* logits, uint32_t n_exp,
-            // uint32_t k, uint32_t gating, const float* bias (or null), uint32_t norm_topk,
-            // float scale, uint32_t* ids, float* weights), one block per token (the block
-            // kernel with n_exp * 9 bytes of dynamic shared memory; the warp kernel 32
-            // threads, n_exp <= 32 * TOPK_VPL and k <= 32): logits hold n * n_exp floats,
-            // bias n_exp, ids and weights n * k entries, k <= n_exp.
-            unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        let warp = n_exp <= TOPK_WARP_MAX_EXPERTS && k <= 32 && topk_warp_on();
+        let mut logits = self.scratch::<f32>(n * n_exp)?;
+        match router.f32_rows() {
+            Some((rw, ld))
+                if warp
+                    && n <= MOE_ROUTED_MAX_TOKENS
+                    && d.is_multiple_of(4)
+                    && router_fused_on() =>
+            {
+                // the router product and the routing in one launch
+                let da = u32_arg(OP, "width", d)?;
+                let mut b = self.stream.kernel(&self.k.moe_router_topk_f32);
+                b.arg(rw).arg(&ld).arg(xb).arg(&da);
+                b.arg(&ne).arg(&ka).arg(&gating);
+                b.arg(bias);
+                b.arg(&norm).arg(&scale).arg(&mut logits);
+                b.arg(&self.router_counts).arg(&mut ids).arg(&mut wts);
+                let cfg = LaunchConfig {
+                    grid_dim: (ne.div_ceil(ROUTER_WARPS), nt, 1),
+                    block_dim: (32 * ROUTER_WARPS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: moe_router_topk_f32(const float* w, uint64_t ld, const float* x,
+                // uint32_t d, uint32_t n_exp, uint32_t k, uint32_t gating, const float* bias (or
+                // null), uint32_t norm_topk, float scale, float* logits, uint32_t* counts,
+                // uint32_t* ids, float* weights), grid (ceil(n_exp / 4), n), 128 threads: w is
+                // the router's f32 image of n_exp rows of ld >= d floats, 16-byte aligned rows
+                // (f32_rows); x holds n * d floats (checked), d a multiple of 4 (checked);
+                // logits n * n_exp, ids and weights n * k; counts holds
+                // MOE_ROUTED_MAX_TOKENS >= n zeros (allocated zeroed, and every launch's last
+                // block of a token sets its counter back to zero); n_exp <= 512 and k <= 32
+                // (warp), bias n_exp.
+                unsafe { b.launch(cfg) }.map_err(dev_err)?;
+            }
+            _ => {
+                self.matmul_dev(router, xb, n, &mut logits)?;
+                let smem = u32_arg(OP, "experts", (n_exp * 9).div_ceil(4) * 4)?;
+                if smem > 48 * 1024 {
+                    return Err(BackendError::Unsupported {
+                        op: OP,
+                        what: format!(
+                            "{n_exp} experts (routing table over 48 KiB of shared memory)"
+                        ),
+                    });
+                }
+                // one warp per token where the scores fit its registers
+                let f = match warp {
+                    true => &self.k.moe_topk_warp_f32,
+                    false => &self.k.moe_topk_f32,
+                };
+                let mut b = self.stream.kernel(f);
+                b.arg(&logits).arg(&ne).arg(&ka).arg(&gating);
+                b.arg(bias);
+                b.arg(&norm).arg(&scale).arg(&mut ids).arg(&mut wts);
+                let cfg = LaunchConfig {
+                    grid_dim: (nt, 1, 1),
+                    block_dim: (if warp { 32 } else { row_threads(n_exp) }, 1, 1),
+                    shared_mem_bytes: if warp { 0 } else { smem },
+                };
+                // SAFETY: moe_topk_f32 / moe_topk_warp_f32(const float* logits, uint32_t n_exp,
+                // uint32_t k, uint32_t gating, const float* bias (or null), uint32_t norm_topk,
+                // float scale, uint32_t* ids, float* weights), one block per token (the block
+                // kernel with n_exp * 9 bytes of dynamic shared memory; the warp kernel 32
+                // threads, n_exp <= 32 * TOPK_VPL and k <= 32): logits hold n * n_exp floats,
+                // bias n_exp, ids and weights n * k entries, k <= n_exp.
+                unsafe { b.launch(cfg) }.map_err(dev_err)?;
+            }
         }
         // expert inputs (projected into the latent space when there is one)
         let x_lat = match &latent {
@@ -639,18 +706,46 @@ impl CudaBackend {
             None => None,
         };
         let xe = x_lat.as_ref().unwrap_or(xb);
-        let mut ye = self.scratch::<f32>(n * k * de)?;
+        // the shared expert rides in the routed launches (its rows after the pairs' in ye)
+        // where it is a twin of the routed experts: same activation, sizes and formats
+        let fold = match (&routed, &shared) {
+            (Some(m), Some((s, s_ff, s_act))) if small && latent.is_none() && shared_fold_on() => {
+                let same = |a: &Mat<'_>, b: &Mat<'_>| {
+                    a.w.dtype() == b.w.dtype() && b.w.n_experts() == 1 && b.w.gemv_ok()
+                };
+                let gates = match (&m.gate, &s.gate) {
+                    (Some(a), Some(b)) => same(a, b),
+                    (None, None) => true,
+                    _ => false,
+                };
+                (*s_act == w.act && *s_ff == w.n_ff && gates && same(&m.up, &s.up))
+                    && same(&m.down, &s.down)
+            }
+            _ => false,
+        };
+        let n_sh = if fold { n } else { 0 };
+        let mut ye = self.scratch::<f32>((n * k + n_sh) * de)?;
         match &routed {
             Some(m) if small => {
                 let ids_v = ids.slice(0..n * k);
-                let route = |x_div| GemvRoute {
+                let route = |x_div, x0| GemvRoute {
                     ids: &ids_v,
                     n_pairs: n * k,
                     x_div,
                     tiles: false,
+                    shared: fold.then_some(SharedPairs {
+                        tokens: n,
+                        x0,
+                        twins: &[],
+                    }),
                 };
                 let io = (xe, &mut ye);
-                self.moe_experts(m, w.act, w.n_ff, n * k, io, &route(k), &route(1))?
+                let sh_mats = match (fold, &shared) {
+                    (true, Some((s, _, _))) => Some(s),
+                    _ => None,
+                };
+                let (r_in, r_down) = (route(k, 0), route(1, n * k));
+                self.moe_experts(m, w.act, w.n_ff, n * k, io, &r_in, &r_down, sh_mats)?
             }
             Some(m) => self.moe_tiled(m, w.act, w.n_ff, n, k, xe, &ids, &mut ye)?,
             None => self.moe_grouped(&grouped, w.act, w.n_ff, n, k, xe, &ids, &mut ye)?,
@@ -658,18 +753,23 @@ impl CudaBackend {
 
         // the shared expert's output (gated per token by the final kernel)
         let sh = match &shared {
-            Some((m, n_ff, act)) => {
+            Some((m, n_ff, act)) if !fold => {
                 let mut sh = self.scratch::<f32>(n * d)?;
                 self.mlp_dev(m, *act, *n_ff, n, xb, &mut sh)?;
                 Some(sh)
             }
-            None => None,
+            _ => None,
+        };
+        let sh_view = match (&sh, fold) {
+            (Some(sh), _) => Some(sh.as_view()),
+            (None, true) => Some(ye.slice(n * k * de..)),
+            (None, false) => None,
         };
         let Some((_, up, _)) = &latent else {
             // weighted sum in top-k order, the gated shared expert and the residual add in
             // one kernel
             let fin = MoeFinish {
-                sh: sh.as_ref(),
+                sh: sh_view.as_ref(),
                 x: xb,
                 gate: sgate,
                 accumulate,
@@ -791,6 +891,9 @@ impl CudaBackend {
     /// `r_down` (x_div 1) routing its hidden row q through the down projection. `m` is any
     /// expert's matrices of stacks that [`Self::routed_mats`] accepted (the kernel adds
     /// `expert * rows per expert`). Device buffers; with tiles `xe` holds 7 rows more.
+    /// `shared` (with `r_in.shared` and `r_down.shared` of `tokens` pairs, `x0` 0 and `rows`):
+    /// the shared expert's matrices, twins of `m`'s, run for every token in the same
+    /// launches into `ye` rows `rows ..  rows + tokens` (`ye` holds them).
     #[allow(clippy::too_many_arguments)]
     fn moe_experts(
         &self,
@@ -801,40 +904,81 @@ impl CudaBackend {
         (xe, ye): (&CudaSlice<f32>, &mut CudaSlice<f32>),
         r_in: &GemvRoute<'_>,
         r_down: &GemvRoute<'_>,
+        shared: Option<&ExpertMats<'_>>,
     ) -> Result<()> {
         const OP: &str = "moe";
-        let np = rows;
+        // the shared expert's pairs ride after the routed ones (r_in.shared gives their count)
+        let n_sh = r_in.shared.map_or(0, |s| s.tokens);
+        let np = rows + n_sh;
         // the tiles read 7 hidden rows past the last one (their results dropped)
         let pad = if r_down.tiles { 7 } else { 0 };
         let mut h = self.scratch::<f32>((np + pad) * n_ff)?;
         let mut u = self.scratch::<f32>((np + pad) * n_ff)?;
+        // the shared expert's matrices: the twins of the routed products
+        let sh_gate = shared.and_then(|s| s.gate.as_ref()).map(|x| x.w);
+        let sh_up = shared.map(|s| s.up.w);
+        let sh_down = shared.map(|s| s.down.w);
+        // one routed launch; the route's shared pairs run the twins of its products
         let launch = |ps: &[(&CudaWeight, usize, usize)],
                       ys: Vec<&mut CudaSlice<f32>>,
                       x: &CudaSlice<f32>,
                       route: &GemvRoute<'_>,
-                      glu: bool| self.routed_launch(ps, ys, x, route, glu);
+                      twins: &[Option<&CudaWeight>],
+                      glu: bool|
+         -> Result<()> {
+            let tw: Vec<&CudaWeight> = twins.iter().flatten().copied().collect();
+            let mut r = GemvRoute {
+                ids: route.ids,
+                n_pairs: route.n_pairs,
+                x_div: route.x_div,
+                tiles: route.tiles,
+                shared: None,
+            };
+            if let Some(s) = route.shared {
+                if tw.len() != ps.len() {
+                    return shape_err(OP, "a shared expert without a twin of every product");
+                }
+                r.shared = Some(SharedPairs { twins: &tw, ..s });
+            }
+            self.routed_launch(ps, ys, x, &r, glu)
+        };
         let per_token = r_in;
         match (act, &m.gate) {
             (Act::SwiGlu, Some(gate)) => {
                 let (g, up) = (part(gate, n_ff), part(&m.up, n_ff));
                 if gate.w.dtype() == m.up.w.dtype() && fuse_on() {
                     // gate and up in one launch, silu(gate) * up in its epilogue
-                    launch(&[g, up], vec![&mut h, &mut u], xe, per_token, true)?;
+                    let tw = [sh_gate, sh_up];
+                    launch(&[g, up], vec![&mut h, &mut u], xe, per_token, &tw, true)?;
                 } else {
-                    launch(&[g], vec![&mut h], xe, per_token, false)?;
-                    launch(&[up], vec![&mut u], xe, per_token, false)?;
+                    launch(&[g], vec![&mut h], xe, per_token, &[sh_gate], false)?;
+                    launch(&[up], vec![&mut u], xe, per_token, &[sh_up], false)?;
                     self.silu_mul_dev(&mut h, &u, np * n_ff)?;
                 }
             }
             (Act::Relu2, None) => {
-                launch(&[part(&m.up, n_ff)], vec![&mut h], xe, per_token, false)?;
+                launch(
+                    &[part(&m.up, n_ff)],
+                    vec![&mut h],
+                    xe,
+                    per_token,
+                    &[sh_up],
+                    false,
+                )?;
                 self.relu2_dev(&mut h, np * n_ff)?;
             }
             (Act::SwiGlu, None) => return shape_err(OP, "a SwiGLU expert without a gate"),
             (Act::Relu2, Some(_)) => return shape_err(OP, "a squared-ReLU expert with a gate"),
         }
         let de = m.down.rows.len();
-        launch(&[part(&m.down, de)], vec![ye], &h, r_down, false)
+        launch(
+            &[part(&m.down, de)],
+            vec![ye],
+            &h,
+            r_down,
+            &[sh_down],
+            false,
+        )
     }
 
     /// One `gemv_id` launch of the products `ps` (weight, first row within an expert, rows)
@@ -947,8 +1091,9 @@ impl CudaBackend {
             n_pairs: n_tiles,
             x_div: 1,
             tiles: true,
+            shared: None,
         };
-        self.moe_experts(m, act, n_ff, np, (&xg, &mut yg), &route, &route)?;
+        self.moe_experts(m, act, n_ff, np, (&xg, &mut yg), &route, &route, None)?;
         self.scatter_rows_dev(&yg, &order_d, np, de, ye, np)
     }
 
@@ -1128,7 +1273,7 @@ fn part<'a>(mat: &Mat<'a>, n_rows: usize) -> (&'a CudaWeight, usize, usize) {
 /// The tail of [`CudaBackend::moe_finish`]: the shared expert's output `[n, d]` and its gate
 /// (`[d]`, over the block input `x [n, d]`), and whether to add into the output.
 struct MoeFinish<'a> {
-    sh: Option<&'a CudaSlice<f32>>,
+    sh: Option<&'a CudaView<'a, f32>>,
     x: &'a CudaSlice<f32>,
     gate: Option<&'a CudaSlice<f32>>,
     accumulate: bool,
@@ -1164,6 +1309,27 @@ fn mma_tile() -> Option<usize> {
 
 /// Most experts the one-warp top-k takes (kernels/ffn.cu `32 * TOPK_VPL`).
 const TOPK_WARP_MAX_EXPERTS: usize = 512;
+
+/// Expert rows per block of the fused router (kernels/ffn.cu `ROUTER_WARPS`).
+const ROUTER_WARPS: u32 = 4;
+
+/// Per-token counters of the fused router's blocks (kernels/ffn.cu `moe_router_topk_f32`):
+/// one per token of a routed launch.
+pub(crate) const ROUTER_COUNTERS: usize = MOE_ROUTED_MAX_TOKENS;
+
+env_switch! {
+    /// Whether a shared expert that is a twin of the routed ones (activation, sizes,
+    /// formats) runs in the routed launches for up to [`MOE_ROUTED_MAX_TOKENS`] tokens
+    /// (`KAPITSA_MOE_SHARED_FOLD=0`: its own MLP launches, for measurements).
+    fn shared_fold_on = "KAPITSA_MOE_SHARED_FOLD"
+}
+
+env_switch! {
+    /// Whether an f32 router's product and the routing run in one launch for up to
+    /// [`MOE_ROUTED_MAX_TOKENS`] tokens (`KAPITSA_MOE_ROUTER_FUSED=0`: the router GEMV and
+    /// the top-k kernel, for measurements).
+    fn router_fused_on = "KAPITSA_MOE_ROUTER_FUSED"
+}
 
 env_switch! {
     /// Whether routing may take the one-warp top-k (`KAPITSA_TOPK_WARP=0`: the block kernel

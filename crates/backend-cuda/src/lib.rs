@@ -153,6 +153,9 @@ mod imp {
         /// Page-locked host memory that large reads (logits rows) are copied through; grown on
         /// demand (src/buffers.rs `read_f32_impl`).
         pub(crate) staging: std::sync::Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
+        /// Zeroed per-token block counters of the fused MoE router (src/ffn.rs
+        /// `ROUTER_COUNTERS`); each launch leaves them zero again.
+        pub(crate) router_counts: cudarc::driver::CudaSlice<u32>,
     }
 
     impl Drop for CudaBackend {
@@ -198,6 +201,9 @@ mod imp {
                 true => Some(crate::prof::Prof::new(&stream)?),
                 false => None,
             };
+            let router_counts = stream
+                .alloc_zeros::<u32>(crate::ffn::ROUTER_COUNTERS)
+                .map_err(dev_err)?;
             Ok(CudaBackend {
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 info,
@@ -209,6 +215,7 @@ mod imp {
                 prof,
                 pool,
                 staging: std::sync::Mutex::new(None),
+                router_counts,
             })
         }
     }

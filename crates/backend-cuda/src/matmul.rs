@@ -52,7 +52,7 @@ use crate::launch::KernelLaunch;
 mod gemm_grp;
 mod gemv;
 pub(crate) use gemm_grp::GEMM_GRP_TILES;
-pub(crate) use gemv::{fuse_on, GemvPart, GemvRoute, GEMV_MAX_PARTS};
+pub(crate) use gemv::{fuse_on, GemvPart, GemvRoute, SharedPairs, GEMV_MAX_PARTS};
 
 /// The GEMV kernels' epilogue: a bias added to every row, accumulation into `y`.
 #[derive(Clone, Copy, Default)]
@@ -258,6 +258,13 @@ impl CudaWeight {
     /// Elements per row (input features).
     pub(crate) fn n_in(&self) -> usize {
         self.n_in
+    }
+
+    /// An F32 matrix's device image (the GGUF rows unchanged, `[rows, n_in]`) and its row
+    /// stride in floats, when every row starts 16-byte aligned; `None` for other formats.
+    pub(crate) fn f32_rows(&self) -> Option<(&CudaSlice<u8>, u64)> {
+        (self.fmt == Fmt::F32 && self.stride.is_multiple_of(16))
+            .then_some((&self.buf, self.stride / 4))
     }
 }
 

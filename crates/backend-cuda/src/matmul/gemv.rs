@@ -33,7 +33,7 @@ use crate::device::{dev_err, grid_yz};
 use crate::launch::{KernelArg, KernelLaunch, Launch};
 
 /// Most products of one launch (kernels/matmul.cu `GEMV_MAX_PARTS`).
-pub(crate) const GEMV_MAX_PARTS: usize = 3;
+pub(crate) const GEMV_MAX_PARTS: usize = 4;
 
 /// kernels/matmul.cu `GEMV_PREFETCH`, `GEMV_GLU`.
 const FLAG_PREFETCH: i32 = 1;
@@ -163,6 +163,10 @@ struct GemvIdArgs {
     rpe: [u64; GEMV_MAX_PARTS],
     x_div: i32,
     n_exp: i32,
+    n_routed: i32,
+    shared_part: i32,
+    shared_x0: i32,
+    unused: i32,
 }
 
 impl<'a> KernelArg<'a> for &'a GemvIdArgs {
@@ -212,6 +216,22 @@ pub(crate) struct GemvRoute<'a> {
     /// sorted by expert, and tile i = `ids[3i .. 3i + 3]` = (expert, first row, count <= 8)
     /// runs that expert on those rows; x holds 7 rows past the last tile's.
     pub(crate) tiles: bool,
+    /// A shared expert riding in the launch (not with `tiles`): `tokens` more pairs after
+    /// the routed ones, pair `n_pairs + t` running the twins of the parts on x row `x0 + t`
+    /// into the parts' y at row `n_pairs + t`.
+    pub(crate) shared: Option<SharedPairs<'a>>,
+}
+
+/// The shared-expert pairs of a routed launch ([`GemvRoute::shared`]).
+#[derive(Clone, Copy)]
+pub(crate) struct SharedPairs<'a> {
+    /// Pairs (one per token).
+    pub(crate) tokens: usize,
+    /// The x row of the first one.
+    pub(crate) x0: usize,
+    /// One 2-D matrix per part (same format and width as the parts, at least their rows),
+    /// its rows from 0.
+    pub(crate) twins: &'a [&'a CudaWeight],
 }
 
 impl MatmulKernels {
@@ -257,7 +277,9 @@ impl MatmulKernels {
     /// (or, with `glu`, `silu(gate) * up` into part 0's y). `parts` as in
     /// [`Self::gemv_parts`], each y `[n_pairs, n_rows]`, its weight a stack of experts
     /// (`n_experts() > 1` or not: rows per expert are its `n_out`), all of one expert count;
-    /// no epilogues. x `[n_pairs / x_div (rounded up), n_in]`, 16-byte aligned. Views checked
+    /// no epilogues. x `[n_pairs / x_div (rounded up), n_in]`, 16-byte aligned. With
+    /// `route.shared`, the shared expert's pairs follow (see [`GemvRoute::shared`]): each y
+    /// then holds `n_pairs + tokens` rows and x row `x0 + tokens - 1` exists. Views checked
     /// by the caller.
     pub(crate) fn gemv_id(
         &self,
@@ -272,10 +294,22 @@ impl MatmulKernels {
             return Ok(());
         };
         let (fmt, n_in, n_exp) = (first.w.fmt, first.w.n_in, first.w.n_exp);
-        if parts.len() > GEMV_MAX_PARTS
+        let twins: &[&CudaWeight] = route.shared.map_or(&[], |s| s.twins);
+        let twins_ok = route.shared.is_none()
+            || (!route.tiles
+                && twins.len() == parts.len()
+                && twins
+                    .iter()
+                    .zip(parts.iter())
+                    .all(|(t, p)| t.n_exp == 1 && t.n_out >= p.n_rows && t.gemv_ok()));
+        if parts.len() + twins.len() > GEMV_MAX_PARTS
+            || !twins_ok
             || parts
                 .iter()
-                .any(|p| p.w.fmt != fmt || p.w.n_in != n_in || p.w.n_exp != n_exp || !p.w.gemv_ok())
+                .map(|p| p.w)
+                .chain(twins.iter().copied())
+                .any(|w| w.fmt != fmt || w.n_in != n_in)
+            || parts.iter().any(|p| p.w.n_exp != n_exp || !p.w.gemv_ok())
             || (glu && (parts.len() != 2 || parts[0].n_rows != parts[1].n_rows))
             || parts.iter().any(|p| p.ep.bias.is_some() || p.ep.accumulate)
         {
@@ -284,7 +318,8 @@ impl MatmulKernels {
                 "routed GEMV parts of different formats, widths or expert counts",
             );
         }
-        if route.n_pairs == 0 {
+        let n_shared = route.shared.map_or(0, |s| s.tokens);
+        if route.n_pairs + n_shared == 0 {
             return Ok(());
         }
         let per_row = if route.tiles { 3 } else { 1 };
@@ -299,20 +334,23 @@ impl MatmulKernels {
             return shape_err(OP, "x must start 16-byte aligned for the GEMV kernels");
         }
         let n_chunks = n_in / fmt.chunk();
+        let grid_pairs = route.n_pairs + n_shared;
+        // the routed parts' row groups (their twins take the same blocks)
         let groups: Vec<usize> = parts.iter().map(|p| p.n_rows.div_ceil(GEMV_ROWS)).collect();
         // the split as for one token's launch; the pairs multiply the grid
         let (g, per_block) = if glu {
-            let g = ksplit(groups[0] * route.n_pairs, n_chunks, self.sms, 16, 2);
+            let g = ksplit(groups[0] * grid_pairs, n_chunks, self.sms, 16, 2);
             (g, GEMV_WARPS / 2 / g)
         } else {
             let total: usize = groups.iter().sum();
-            let g = ksplit(total * route.n_pairs, n_chunks, self.sms, 16, GEMV_WARPS);
+            let g = ksplit(total * grid_pairs, n_chunks, self.sms, 16, GEMV_WARPS);
             (g, GEMV_WARPS / g)
         };
         // int8 activations: the x rows the pairs read, quantised
         let x8 = match &self.gemv_id_x8[fmt.id()] {
             Some(f) if x8_on() && !route.tiles => {
-                let rows = route.n_pairs.div_ceil(route.x_div);
+                let shared_rows = route.shared.map_or(0, |s| s.x0 + s.tokens);
+                let rows = route.n_pairs.div_ceil(route.x_div).max(shared_rows);
                 Some((f, self.quantize_x8(stream, x, rows, n_in)?))
             }
             _ => None,
@@ -331,6 +369,12 @@ impl MatmulKernels {
             ids: ids_p,
             x_div: i32_arg(OP, "top_k", route.x_div)?,
             n_exp: i32_arg(OP, "experts", n_exp)?,
+            n_routed: match route.shared {
+                Some(_) => i32_arg(OP, "routed pairs", route.n_pairs)?,
+                None => i32::MAX,
+            },
+            shared_part: parts.len() as i32,
+            shared_x0: i32_arg(OP, "shared x row", route.shared.map_or(0, |s| s.x0))?,
             ..GemvIdArgs::default()
         };
         let mut blocks = 0usize;
@@ -341,6 +385,19 @@ impl MatmulKernels {
                 blocks += groups[i].div_ceil(per_block);
             }
         }
+        // the shared twins: their part's rows and y, their own weight; never picked by block
+        // (block0 past the grid), by pair instead
+        for (i, t) in twins.iter().enumerate() {
+            let mut pa = args.part[i];
+            pa.w = t.buf.device_ptr(stream).0;
+            (pa.off1, pa.off2, pa.off3) = (t.off[0], t.off[1], t.off[2]);
+            pa.stride = t.stride;
+            pa.row0 = 0;
+            pa.block0 = i32_arg(OP, "blocks", blocks)?;
+            args.part[parts.len() + i] = pa;
+            ida.rpe[parts.len() + i] = t.n_out as u64;
+        }
+        args.n_parts = (parts.len() + twins.len()) as i32;
         args.vblocks = i32_arg(OP, "blocks", blocks)?;
         let cfg = LaunchConfig {
             grid_dim: (
@@ -348,7 +405,7 @@ impl MatmulKernels {
                     op: OP,
                     msg: format!("{blocks} GEMV blocks"),
                 })?,
-                grid_yz(OP, "routed pairs or tiles", route.n_pairs)?,
+                grid_yz(OP, "routed pairs or tiles", grid_pairs)?,
                 1,
             ),
             block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
@@ -369,7 +426,10 @@ impl MatmulKernels {
         // each y holds n_pairs * n_rows floats, x holds the rows q / x_div < n_pairs / x_div
         // rounded up (the caller's contract), 16-byte aligned (checked), n_in a multiple of the
         // chunk (checked); ids hold n_pairs u32 (checked); no bias, no accumulate (checked);
-        // grid (blocks, n_pairs) and ksplit follow the kernel's launch contract.
+        // grid (blocks, n_pairs + shared pairs) and ksplit follow the kernel's launch
+        // contract. Shared pairs (route.shared): each twin is a 2-D matrix of the parts'
+        // format and width with at least their rows (checked), y holds n_pairs + tokens rows
+        // and x the rows x0 .. x0 + tokens (the caller's contract).
         unsafe { b.launch(cfg) }.map_err(dev_err)?;
         Ok(())
     }

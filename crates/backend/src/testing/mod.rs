@@ -996,16 +996,18 @@ fn matmul(s: &mut Suite<'_>, ty: GgmlType) -> R<()> {
     Ok(())
 }
 
-/// Several matrices of mixed types sharing one input.
+/// Several matrices of mixed types sharing one input (up to 6, of two types: a GPU launches
+/// the products of one type together, up to 4 a launch).
 fn matmul_many(s: &mut Suite<'_>) -> R<()> {
     for _ in 0..s.cases {
         let n_in = 256 * s.rng.range(1, 2);
         let n_tok = s.rng.pick(&[1, 2, 3, 4, 6, 11]);
-        let count = s.rng.range(1, 4);
+        let count = s.rng.range(1, 6);
+        let tys = [s.rng.pick(&WEIGHT_TYPES), s.rng.pick(&WEIGHT_TYPES)];
         let mut ws = Vec::new();
         let mut ys = Vec::new();
         for _ in 0..count {
-            let ty = s.rng.pick(&WEIGHT_TYPES);
+            let ty = s.rng.pick(&tys);
             let n_out = s.rng.range(1, 50);
             ws.push(s.rand_weight("w", ty, vec![n_out, n_in], 0.5)?);
             ys.push(s.alloc(DType::F32, n_tok * n_out)?);
@@ -1166,8 +1168,9 @@ fn zip2<A, B>([a0, a1]: Two<A>, [b0, b1]: Two<B>) -> Two<(A, B)> {
 
 /// Mixture-of-experts blocks: top-k of 8 or 70 experts (k 1..=4), softmax or sigmoid gating (with
 /// or without a selection bias), stacked, fused or per-expert weights, SwiGLU or squared ReLU
-/// experts, an optional (optionally gated) shared expert and an optional latent space; 1 to 12
-/// tokens (experts meeting 1, 2-4 and more (token, slot) pairs).
+/// experts, an optional (optionally gated) shared expert (half of them the routed experts'
+/// twin) and an optional latent space; 1 to 150 tokens (experts meeting 1, 2-4 and more
+/// (token, slot) pairs).
 fn moe(s: &mut Suite<'_>, sigmoid: bool) -> R<()> {
     let name = if sigmoid {
         "moe sigmoid"
@@ -1251,8 +1254,16 @@ fn moe(s: &mut Suite<'_>, sigmoid: bool) -> R<()> {
         };
         let shared = match s.rng.coin() {
             true => {
-                let sh_ff = rand_width(&mut s.rng, ty);
-                let sact = if s.rng.coin() {
+                // half of them twins of the routed experts (same sizes and activation: a GPU
+                // runs those in the routed launches)
+                let twin = s.rng.coin();
+                let sh_ff = match twin {
+                    true => n_ff,
+                    false => rand_width(&mut s.rng, ty),
+                };
+                let sact = if twin {
+                    act
+                } else if s.rng.coin() {
                     Act::SwiGlu
                 } else {
                     Act::Relu2
