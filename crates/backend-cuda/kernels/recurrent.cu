@@ -273,6 +273,169 @@ extern "C" __global__ void __launch_bounds__(32 * GDN_MAX_WARPS)
   }
 }
 
+// The whole Gated DeltaNet mixer of value head blockIdx.x of sequence blockIdx.y, token by token
+// (Backend::gdn_mixer: gdn_preamble_f32, gdn_recurrent_f32 and gated_rms_norm_f32 in one
+// launch, for decode and short prompts): per token the causal conv with SiLU of the head's
+// channels (its k head's q and k channels, its own v channels; windows in shared memory),
+// q/k L2 norms (q also times qscale), the gates from the raw projections b and a
+// (beta = sigmoid(b), g = a_neg * softplus(a + dt_bias)), the recurrence as
+// gdn_recurrent_f32, and out = (o * f) * nw * silu(z) with f = 1 / sqrt(mean(o^2) + eps) over
+// the head's dv outputs. qkv `[n_tokens, C]` (C = 2 nk dk + nv dv), z and out
+// `[n_tokens, nv dv]`, b, a `[n_tokens, nv]` (read only), conv weights `[C, K]`, conv state
+// `[n_slots, K - 1, C]`, state `[n_slots, nv, dk, dv]`, nw `[dv]`.
+// Warps: RG = ceil(dk / 32) row groups times CG = ceil(dv / 32) column groups, warp w holds
+// rows 32 (w % RG) .. of columns 32 (w / RG) .. (lane = column). Dynamic shared memory:
+// gdn_fused_smem floats (src/recurrent.rs `gdn_fused_smem`).
+// The conv state of the v channels belongs to this block; that of the q/k channels is shared
+// by the nv / nk blocks of the k head's value heads: each counts itself in
+// counts[seq * nk + kh] once it has read it, and the last to count writes it back at the end
+// (and sets the counter back to zero), after every reader has read the old one.
+#define GDN_FUSED_MAX_WARPS 16
+__host__ __device__ __forceinline__ uint32_t gdn_fused_smem(uint32_t dk, uint32_t dv, uint32_t K) {
+  const uint32_t rg = (dk + 31) / 32, cg = (dv + 31) / 32;
+  return (K - 1) * (2 * dk + dv) + 2 * dk + dv + 2 * rg * cg * 32 + 64;
+}
+extern "C" __global__ void __launch_bounds__(32 * GDN_FUSED_MAX_WARPS)
+    gdn_fused_f32(const float* __restrict__ qkv, const float* __restrict__ z, const float* __restrict__ braw,
+                  const float* __restrict__ araw, const float* __restrict__ cw, const float* __restrict__ dt_bias,
+                  const float* __restrict__ a_neg, const float* __restrict__ nw, float* __restrict__ conv_state,
+                  float* __restrict__ state, float* __restrict__ out, uint32_t* __restrict__ counts,
+                  const uint32_t* __restrict__ seqs, uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv, uint32_t K,
+                  uint32_t order, float l2_eps, float qscale, float eps, uint32_t n_slots) {
+  pdl_enter();
+  extern __shared__ float gf_smem[];
+  __shared__ float sc[2];
+  __shared__ bool last_reader;
+  const uint32_t h = blockIdx.x;
+  const uint32_t* seq = seqs + blockIdx.y * SEQ_FIELDS;
+  const uint32_t slot = seq[SEQ_SLOT], start = seq[SEQ_START], len = seq[SEQ_LEN];
+  if (slot >= n_slots || len == 0) return;  // uniform over the k head's blocks
+  const uint32_t RG = (dk + 31) / 32, CG = (dv + 31) / 32;
+  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t rg = warp % RG, cg = warp / RG;
+  const uint32_t kh = order == 0 ? h / (nv / nk) : h % nk;
+  const uint32_t kd = nk * dk, C = 2 * kd + nv * dv;
+  const uint32_t HC = 2 * dk + dv;  // this head's channels: q, k, v
+  const uint32_t hw = K - 1;
+  float* win = gf_smem;             // [hw][HC]
+  float* qs = win + hw * HC;        // [dk]
+  float* ks = qs + dk;              // [dk]
+  float* vs = ks + dk;              // [dv]
+  float* red = vs + dv;             // [2][RG][CG * 32]
+  float* scr = red + 2 * RG * CG * 32;  // [32]
+  // channel c of the head -> column of qkv
+  auto col = [&](uint32_t c) -> uint32_t {
+    return c < dk ? kh * dk + c : c < 2 * dk ? kd + kh * dk + (c - dk) : 2 * kd + h * dv + (c - 2 * dk);
+  };
+  float* cst = conv_state + (uint64_t)slot * hw * C;
+  for (uint32_t c = threadIdx.x; c < HC; c += blockDim.x) {
+    const uint32_t cc = col(c);
+    for (uint32_t j = 0; j < hw; ++j) win[j * HC + c] = cst[(uint64_t)j * C + cc];
+  }
+  // the old q/k conv state is read: count this block among its readers
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t readers = nv / nk;
+    uint32_t* cnt = counts + (uint64_t)blockIdx.y * nk + kh;
+    last_reader = atomicAdd(cnt, 1u) == readers - 1;
+    if (last_reader) *cnt = 0;
+  }
+  const uint32_t j = cg * 32 + lane;
+  const bool col_ok = j < dv;
+  float* sh = state + ((uint64_t)slot * nv + h) * dk * dv;
+  float s[32];
+#pragma unroll
+  for (int r = 0; r < 32; ++r) {
+    const uint32_t i = rg * 32 + r;
+    s[r] = (col_ok && i < dk) ? sh[(uint64_t)i * dv + j] : 0.0f;
+  }
+  const float an = a_neg[h], dtb = dt_bias[h];
+  for (uint32_t tt = 0; tt < len; ++tt) {
+    const uint64_t tok = start + tt;
+    // conv + SiLU of the head's channels (each channel one thread's; same tap order as
+    // ConvChannel::step)
+    for (uint32_t c = threadIdx.x; c < HC; c += blockDim.x) {
+      const uint32_t cc = col(c);
+      const float xc = qkv[tok * C + cc];
+      float acc = 0.0f;
+      for (uint32_t t2 = 0; t2 < hw; ++t2) acc += cw[(uint64_t)cc * K + t2] * win[t2 * HC + c];
+      acc += cw[(uint64_t)cc * K + hw] * xc;
+      for (uint32_t t2 = 0; t2 + 1 < hw; ++t2) win[t2 * HC + c] = win[(t2 + 1) * HC + c];
+      if (hw > 0) win[(hw - 1) * HC + c] = xc;
+      const float y = silu_f(acc);
+      if (c < dk) qs[c] = y;
+      else if (c < 2 * dk) ks[c - dk] = y;
+      else vs[c - 2 * dk] = y;
+    }
+    __syncthreads();
+    // the q and k L2 norms: warp 0 q, warp 1 k (one warp: both)
+    for (uint32_t which = warp; which < 2; which += blockDim.x >> 5) {
+      const float* src = which == 0 ? qs : ks;
+      float ss = 0.0f;
+      for (uint32_t i = lane; i < dk; i += 32) ss += src[i] * src[i];
+      ss = warp_sum(ss);
+      if (lane == 0) sc[which] = (1.0f / sqrtf(ss + l2_eps)) * (which == 0 ? qscale : 1.0f);
+    }
+    __syncthreads();
+    const float fq = sc[0], fk = sc[1];
+    const float b = sigmoid_f(braw[tok * nv + h]);
+    const float decay = expf(an * softplus_f(araw[tok * nv + h] + dtb));
+    const float vj = col_ok ? vs[j] : 0.0f;
+    float part = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 32; ++r) {
+      const uint32_t i = rg * 32 + r;
+      const float kr = i < dk ? ks[i] * fk : 0.0f;
+      s[r] *= decay;
+      part += s[r] * kr;
+    }
+    red[(0 * RG + rg) * CG * 32 + j] = part;
+    __syncthreads();
+    float kv = 0.0f;
+    for (uint32_t w = 0; w < RG; ++w) kv += red[(0 * RG + w) * CG * 32 + j];
+    const float d = b * (vj - kv);
+    float po = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 32; ++r) {
+      const uint32_t i = rg * 32 + r;
+      const float kr = i < dk ? ks[i] * fk : 0.0f;
+      const float qr = i < dk ? qs[i] * fq : 0.0f;
+      s[r] += kr * d;
+      po += s[r] * qr;
+    }
+    red[(1 * RG + rg) * CG * 32 + j] = po;
+    __syncthreads();
+    // the gated norm over the head's outputs (row group 0's warps hold one column each)
+    float o = 0.0f;
+    if (rg == 0) {
+      for (uint32_t w = 0; w < RG; ++w) o += red[(1 * RG + w) * CG * 32 + j];
+      if (!col_ok) o = 0.0f;
+    }
+    const float ss = block_sum(rg == 0 ? o * o : 0.0f, scr);
+    if (rg == 0 && col_ok) {
+      const float f = 1.0f / sqrtf(ss / (float)dv + eps);
+      const uint64_t oi = tok * nv * dv + (uint64_t)h * dv + j;
+      out[oi] = (o * f) * nw[j] * silu_f(z[oi]);
+    }
+    // qs/ks/vs, red and sc are rewritten only after the next token's first barrier, which
+    // every thread reaches after its reads of them here
+  }
+#pragma unroll
+  for (int r = 0; r < 32; ++r) {
+    const uint32_t i = rg * 32 + r;
+    if (col_ok && i < dk) sh[(uint64_t)i * dv + j] = s[r];
+  }
+  // the conv state: the last K - 1 inputs (the windows), v channels always, q/k channels by
+  // the k head's last reader
+  __syncthreads();
+  for (uint32_t c = threadIdx.x; c < HC; c += blockDim.x) {
+    if (c < 2 * dk && !last_reader) continue;
+    const uint32_t cc = col(c);
+    for (uint32_t t2 = 0; t2 < hw; ++t2) cst[(uint64_t)t2 * C + cc] = win[t2 * HC + c];
+  }
+}
+
 // ---- Gated DeltaNet, chunked (prefill) -----------------------------------------------------------
 //
 // The chunked form of gdn_recurrent_f32 for long sequences: the WY algorithm of

@@ -396,7 +396,8 @@ kernel_table! {
         attn_mma_f16_64, attn_mma_f16_128, attn_mma_f16_256,
     ],
     "recurrent" => [
-        conv1d_causal_f32, gdn_preamble_f32, gdn_recurrent_f32, gdn_chunk_prep_f32, gdn_chunk_state_f32,
+        conv1d_causal_f32, gdn_preamble_f32, gdn_recurrent_f32, gdn_fused_f32, gdn_chunk_prep_f32,
+        gdn_chunk_state_f32,
         gdn_chunk_out_f32, mamba2_preamble_f32, mamba2_recurrent_f32, mamba2_chunk_prep_f32,
         mamba2_chunk_state_f32, mamba2_chunk_out_f32,
     ],

@@ -125,8 +125,8 @@ mod imp {
     use cudarc::driver::{CudaContext, CudaStream};
     use kapitsa_backend::{
         AttnShape, Backend, BackendError, Batch, BatchDesc, DType, Device, DeviceMemory, Epilogue,
-        GdnConv, GdnShape, HostWeight, KvLayer, Mamba2Conv, Mamba2Shape, MlpWeights, MoeWeights,
-        Recording, Result, RopeDesc, Tensor, Weight,
+        GdnConv, GdnMixerIo, GdnShape, HostWeight, KvLayer, Mamba2Conv, Mamba2Shape, MlpWeights,
+        MoeWeights, Recording, Result, RopeDesc, Tensor, Weight,
     };
 
     use crate::device::{self, dev_err, DeviceInfo, Kernels, KERNELS};
@@ -156,6 +156,9 @@ mod imp {
         /// Zeroed per-token block counters of the fused MoE router (src/ffn.rs
         /// `ROUTER_COUNTERS`); each launch leaves them zero again.
         pub(crate) router_counts: cudarc::driver::CudaSlice<u32>,
+        /// Zeroed per-(sequence, k head) counters of the fused Gated DeltaNet mixer
+        /// (src/recurrent.rs `GDN_COUNTERS`); each launch leaves them zero again.
+        pub(crate) gdn_counts: cudarc::driver::CudaSlice<u32>,
     }
 
     impl Drop for CudaBackend {
@@ -204,6 +207,9 @@ mod imp {
             let router_counts = stream
                 .alloc_zeros::<u32>(crate::ffn::ROUTER_COUNTERS)
                 .map_err(dev_err)?;
+            let gdn_counts = stream
+                .alloc_zeros::<u32>(crate::recurrent::GDN_COUNTERS)
+                .map_err(dev_err)?;
             Ok(CudaBackend {
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 info,
@@ -216,6 +222,7 @@ mod imp {
                 pool,
                 staging: std::sync::Mutex::new(None),
                 router_counts,
+                gdn_counts,
             })
         }
     }
@@ -571,6 +578,17 @@ mod imp {
             qkv_out: [&mut Tensor; 3],
         ) -> Result<()> {
             self.gdn_preamble_impl(shape, w, qkv, conv_state, batch, beta, g, qkv_out)
+        }
+
+        fn gdn_mixer(
+            &self,
+            shape: GdnShape,
+            w: &GdnConv<'_>,
+            norm: (&Tensor, f32),
+            io: GdnMixerIo<'_>,
+            batch: &Batch,
+        ) -> Result<()> {
+            self.gdn_mixer_impl(shape, w, norm, io, batch)
         }
 
         fn gdn(

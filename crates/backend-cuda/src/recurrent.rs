@@ -13,7 +13,8 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use kapitsa_backend::{
-    shape_err, Batch, GdnConv, GdnShape, HeadOrder, Mamba2Conv, Mamba2Shape, Result, Tensor,
+    shape_err, Batch, GdnConv, GdnMixerIo, GdnShape, HeadOrder, Mamba2Conv, Mamba2Shape, Result,
+    Tensor,
 };
 
 use crate::batch::{BatchMeta, DevBatch};
@@ -33,6 +34,27 @@ const GDN_CD: usize = 128;
 /// Mamba2 scan (`KAPITSA_GDN_CHUNK_MIN` and `KAPITSA_MAMBA2_CHUNK_MIN` override it; 0 turns
 /// the chunked form off).
 pub(crate) const CHUNK_MIN: usize = 64;
+/// Most warps of the fused Gated DeltaNet mixer (kernels/recurrent.cu
+/// `GDN_FUSED_MAX_WARPS`): ceil(dk / 32) * ceil(dv / 32).
+const GDN_FUSED_MAX_WARPS: usize = 16;
+/// Per-(sequence, k head) counters of the fused mixer's conv-state readers.
+pub(crate) const GDN_COUNTERS: usize = 4096;
+
+/// Floats of dynamic shared memory of the fused mixer (kernels/recurrent.cu
+/// `gdn_fused_smem`: the conv windows, q, k and v of a token, the two partial-sum arrays and
+/// a reduction scratch).
+fn gdn_fused_smem(dk: usize, dv: usize, k: usize) -> usize {
+    let (rg, cg) = (dk.div_ceil(32), dv.div_ceil(32));
+    (k - 1) * (2 * dk + dv) + 2 * dk + dv + 2 * rg * cg * 32 + 64
+}
+
+env_switch! {
+    /// Whether the Gated DeltaNet mixer runs as one launch where it can
+    /// (`KAPITSA_GDN_FUSED=0`: the preamble, the recurrence and the gated norm, for
+    /// measurements).
+    fn gdn_fused_on = "KAPITSA_GDN_FUSED"
+}
+
 /// Warps (head dims) per block of the Mamba2 kernel (kernels/recurrent.cu `M2_WARPS`).
 const M2_WARPS: usize = 4;
 /// Largest Mamba2 state size (8 per lane).
@@ -305,6 +327,109 @@ impl CudaBackend {
         // n_slots * (K - 1) * C, q and k n_tokens * nk * dk, v n_tokens * nv * dv, beta and g
         // n_tokens * nv, dt_bias and a_neg nv (all checked); K <= CONV_MAXK; the sequences
         // tile the tokens (prepare_batch) and slots are checked on host and device.
+        unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        Ok(())
+    }
+
+    /// [`kapitsa_backend::Backend::gdn_mixer`]: the preamble, the recurrence and the gated
+    /// norm in one launch (kernels/recurrent.cu `gdn_fused_f32`, one block per value head
+    /// and sequence) where the batch takes the token-sequential form and the heads fit
+    /// [`GDN_FUSED_MAX_WARPS`] warps; otherwise the three ops.
+    pub(crate) fn gdn_mixer_impl(
+        &self,
+        shape: GdnShape,
+        w: &GdnConv<'_>,
+        (norm, eps): (&Tensor, f32),
+        io: GdnMixerIo<'_>,
+        batch: &Batch,
+    ) -> Result<()> {
+        const OP: &str = "gdn_mixer";
+        let db = self.dev_batch(batch, OP)?;
+        let GdnShape {
+            n_k_heads: nk,
+            n_v_heads: nv,
+            dk,
+            dv,
+            order,
+        } = shape;
+        let warps = dk.div_ceil(32) * dv.div_ceil(32);
+        let smem = 4 * gdn_fused_smem(dk, dv, w.k);
+        let fused = gdn_fused_on()
+            && nk > 0
+            && nv.is_multiple_of(nk)
+            && dk > 0
+            && dv > 0
+            && warps <= GDN_FUSED_MAX_WARPS
+            && (1..=CONV_MAXK).contains(&w.k)
+            && smem <= 48 * 1024
+            && db.n_seqs * nk <= GDN_COUNTERS
+            && !(dk <= GDN_CD && dv <= GDN_CD && gdn_chunked(db));
+        if !fused {
+            return kapitsa_backend::gdn_mixer_composed(self, shape, w, (norm, eps), io, batch);
+        }
+        let n = db.n_tokens;
+        let (kd, vd) = (nk * dk, nv * dv);
+        let c = 2 * kd + vd;
+        let xb = self.f32_len(io.qkv, n * c, OP, "qkv")?;
+        let zb = self.f32_len(io.z, n * vd, OP, "z")?;
+        let bb = self.f32_len(io.beta, n * nv, OP, "beta")?;
+        let gb = self.f32_len(io.g, n * nv, OP, "g")?;
+        let wb = self.f32_len(w.w, c * w.k, OP, "conv weights")?;
+        let dtb = self.f32_len(w.dt_bias, nv, OP, "dt_bias")?;
+        let anb = self.f32_len(w.a_neg, nv, OP, "a_neg")?;
+        let nwb = self.f32_len(norm, dv, OP, "norm")?;
+        let conv_slots = n_slots(OP, io.conv_state, (w.k - 1) * c, db)?;
+        let state_slots = n_slots(OP, io.state, shape.state_len(), db)?;
+        let csb = self.buf_mut::<f32>(io.conv_state, OP, "conv_state")?;
+        let sb = self.buf_mut::<f32>(io.state, OP, "state")?;
+        let ob = self.f32_len_mut(io.out, n * vd, OP, "out")?;
+        if n == 0 || nv == 0 || db.n_seqs == 0 {
+            return Ok(());
+        }
+        let (nka, nva, dka, dva, kk, ns, nseq) = (
+            u32_arg(OP, "k heads", nk)?,
+            u32_arg(OP, "v heads", nv)?,
+            u32_arg(OP, "dk", dk)?,
+            u32_arg(OP, "dv", dv)?,
+            u32_arg(OP, "k", w.k)?,
+            u32_arg(OP, "slots", conv_slots.min(state_slots))?,
+            grid_yz(OP, "sequences", db.n_seqs)?,
+        );
+        u32_arg(OP, "channels", c)?;
+        let ord = match order {
+            HeadOrder::Grouped => 0u32,
+            HeadOrder::Tiled => 1u32,
+        };
+        let (qscale, l2_eps) = (1.0 / (dk as f32).sqrt(), w.l2_eps);
+        let seqs = db.seqs();
+        let mut b = self.stream.kernel(&self.k.gdn_fused_f32);
+        b.arg(xb)
+            .arg(zb)
+            .arg(bb)
+            .arg(gb)
+            .arg(wb)
+            .arg(dtb)
+            .arg(anb)
+            .arg(nwb);
+        b.arg(csb).arg(sb).arg(ob).arg(&self.gdn_counts).arg(&seqs);
+        b.arg(&nka).arg(&nva).arg(&dka).arg(&dva).arg(&kk).arg(&ord);
+        b.arg(&l2_eps).arg(&qscale).arg(&eps).arg(&ns);
+        let cfg = LaunchConfig {
+            grid_dim: (nva, nseq, 1),
+            block_dim: (32 * warps as u32, 1, 1),
+            shared_mem_bytes: u32_arg(OP, "shared memory", smem)?,
+        };
+        // SAFETY: gdn_fused_f32(const float* qkv, z, b, a, conv weights, dt_bias, a_neg, norm,
+        // float* conv_state, float* state, float* out, uint32_t* counts, const uint32_t* seqs,
+        // uint32_t nk, nv, dk, dv, K, order, float l2_eps, qscale, eps, uint32_t n_slots),
+        // grid (nv, sequences), 32 * ceil(dk / 32) * ceil(dv / 32) <= 512 threads,
+        // gdn_fused_smem floats of dynamic shared memory (<= 48 KiB): qkv holds n_tokens * C
+        // floats (C = 2 nk dk + nv dv), z and out n_tokens * nv * dv, b and a n_tokens * nv,
+        // the conv weights C * K, dt_bias and a_neg nv, norm dv, the conv state and the state
+        // at least n_slots slots (all checked); nk divides nv, K <= CONV_MAXK; counts holds
+        // GDN_COUNTERS >= sequences * nk zeros (allocated zeroed; each launch's last reader
+        // of a k head sets its counter back to zero); the sequences tile the tokens
+        // (prepare_batch) and slots are checked on host and device.
         unsafe { b.launch(cfg) }.map_err(dev_err)?;
         Ok(())
     }

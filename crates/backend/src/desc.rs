@@ -75,6 +75,26 @@ pub struct GdnConv<'a> {
     pub l2_eps: f32,
 }
 
+/// The tensors a Gated DeltaNet mixer ([`crate::Backend::gdn_mixer`]) reads and writes, all
+/// on the backend's device (kd = n_k_heads * dk, vd = n_v_heads * dv).
+#[derive(Debug)]
+pub struct GdnMixerIo<'a> {
+    /// The input projection's q | k | v columns `[n_tokens, 2 kd + vd]`.
+    pub qkv: &'a crate::Tensor,
+    /// The output gate's projection `[n_tokens, vd]`.
+    pub z: &'a crate::Tensor,
+    /// The projection `b` `[n_tokens, n_v_heads]` on entry; unspecified after.
+    pub beta: &'a mut crate::Tensor,
+    /// The projection `a` `[n_tokens, n_v_heads]` on entry; unspecified after.
+    pub g: &'a mut crate::Tensor,
+    /// Conv windows `[n_slots, k - 1, 2 kd + vd]`, read and updated.
+    pub conv_state: &'a mut crate::Tensor,
+    /// Recurrent states `[n_slots, n_v_heads, dk, dv]`, read and updated.
+    pub state: &'a mut crate::Tensor,
+    /// The gated-normed output `[n_tokens, vd]`.
+    pub out: &'a mut crate::Tensor,
+}
+
 /// The weights of a Mamba2 layer's per-token preamble ([`crate::Backend::mamba2_preamble`]),
 /// device tensors.
 #[derive(Clone, Copy, Debug)]

@@ -30,12 +30,52 @@ pub mod tensor;
 pub mod testing;
 
 pub use desc::{
-    Act, AttnShape, Batch, BatchDesc, Epilogue, Experts, Gating, GdnConv, GdnShape, HeadOrder,
-    KvLayer, Latent, Mamba2Conv, Mamba2Shape, MlpWeights, MoeWeights, Recording, RopeDesc, SeqDesc,
+    Act, AttnShape, Batch, BatchDesc, Epilogue, Experts, Gating, GdnConv, GdnMixerIo, GdnShape,
+    HeadOrder, KvLayer, Latent, Mamba2Conv, Mamba2Shape, MlpWeights, MoeWeights, Recording,
+    RopeDesc, SeqDesc,
 };
 pub use device::{gib, Device, DeviceChoice, DeviceMemory};
 pub use error::{check_len, shape_err, BackendError, Result};
 pub use tensor::{DType, HostBytes, HostWeight, Tensor, Weight, Q8_0_BLOCK, Q8_0_BYTES};
+
+/// [`Backend::gdn_mixer`] as its definition composes it: `gdn_preamble`, `gdn`,
+/// `gated_rms_norm`. The trait's default, and the fallback of a backend whose fused path does
+/// not take a shape or batch.
+pub fn gdn_mixer_composed<B: Backend + ?Sized>(
+    be: &B,
+    shape: GdnShape,
+    w: &GdnConv<'_>,
+    (norm, eps): (&Tensor, f32),
+    io: GdnMixerIo<'_>,
+    batch: &Batch,
+) -> Result<()> {
+    let (kd, vd) = (shape.n_k_heads * shape.dk, shape.n_v_heads * shape.dv);
+    let n = batch.desc().n_tokens();
+    let mut q = be.alloc_scratch(DType::F32, n * kd)?;
+    let mut k = be.alloc_scratch(DType::F32, n * kd)?;
+    let mut v = be.alloc_scratch(DType::F32, n * vd)?;
+    let GdnMixerIo {
+        qkv,
+        z,
+        beta,
+        g,
+        conv_state,
+        state,
+        out,
+    } = io;
+    be.gdn_preamble(
+        shape,
+        w,
+        qkv,
+        conv_state,
+        batch,
+        beta,
+        g,
+        [&mut q, &mut k, &mut v],
+    )?;
+    be.gdn(shape, &q, &k, &v, g, beta, state, batch, out)?;
+    be.gated_rms_norm(out, z, shape.dv, norm, eps)
+}
 
 /// [`Backend::matmul_with`] as its definition composes it: `matmul`, then `add_bias`, then
 /// `add` (through scratch when accumulating). The trait's default, and the fallback of a
@@ -552,6 +592,22 @@ pub trait Backend: Send + Sync {
         self.split_cols(&conv, n, &[kd, kd, vd], &mut [&mut *q, &mut *k, &mut *v])?;
         self.l2_norm(q, shape.dk, w.l2_eps, 1.0 / (shape.dk as f32).sqrt())?;
         self.l2_norm(k, shape.dk, w.l2_eps, 1.0)
+    }
+
+    /// A Gated DeltaNet layer's mixer, between its input projections and its output
+    /// projection: [`Backend::gdn_preamble`] (conv weights and gate parameters `w`),
+    /// [`Backend::gdn`], then [`Backend::gated_rms_norm`] of the output over each head's `dv`
+    /// values with `z`, weights `norm [dv]` and `eps`. Tensors in `io` (shapes there). The
+    /// default is those three ops, which defines the result; a device backend fuses them.
+    fn gdn_mixer(
+        &self,
+        shape: GdnShape,
+        w: &GdnConv<'_>,
+        norm: (&Tensor, f32),
+        io: GdnMixerIo<'_>,
+        batch: &Batch,
+    ) -> Result<()> {
+        gdn_mixer_composed(self, shape, w, norm, io, batch)
     }
 
     /// A Mamba2 layer's per-token preamble, between its input projection and

@@ -209,6 +209,78 @@ pub(super) fn gdn_preamble(s: &mut Suite<'_>) -> R<()> {
     Ok(())
 }
 
+/// `gdn_mixer` (a device backend's one-launch preamble + recurrence + gated norm against the
+/// reference's composition of those ops): the production heads (16 k heads of 128 shared by
+/// pairs of value heads, tiled) first, then odd widths, orders and head ratios; sequences of
+/// up to 17 tokens (the token-sequential form).
+pub(super) fn gdn_mixer(s: &mut Suite<'_>) -> R<()> {
+    const SLOTS: usize = 4;
+    for case in 0..s.cases {
+        let (n_k_heads, ratio, dk, dv, order) = match case {
+            0 => (4, 2, 128, 128, HeadOrder::Tiled),
+            _ => (
+                s.rng.range(1, 3),
+                s.rng.range(1, 3),
+                s.rng.range(2, 130),
+                s.rng.range(2, 130),
+                match s.rng.coin() {
+                    true => HeadOrder::Grouped,
+                    false => HeadOrder::Tiled,
+                },
+            ),
+        };
+        let n_v_heads = n_k_heads * ratio;
+        let shape = GdnShape {
+            n_k_heads,
+            n_v_heads,
+            dk,
+            dv,
+            order,
+        };
+        let k = s.rng.range(1, 4);
+        let (kd, vd) = (n_k_heads * dk, n_v_heads * dv);
+        let c = 2 * kd + vd;
+        let max_len = s.rng.pick(&[1, 1, 3, 17]);
+        let d = state_batch(s, SLOTS, max_len);
+        let b = s.batch(&d)?;
+        let nt = d.n_tokens();
+        let qkv = s.rand(nt * c, 1.0)?;
+        let z = s.rand(nt * vd, 1.5)?;
+        let w = s.rand(c * k, 0.7)?;
+        let dt_bias = s.rand(n_v_heads, 0.5)?;
+        let a_neg: Vec<f32> = (0..n_v_heads).map(|_| -(0.1 + s.rng.unit())).collect();
+        let a_neg = s.up(&a_neg)?;
+        let norm: Vec<f32> = (0..dv).map(|_| 0.5 + s.rng.unit()).collect();
+        let norm = s.up(&norm)?;
+        let mut g = s.rand(nt * n_v_heads, 3.0)?;
+        let mut beta = s.rand(nt * n_v_heads, 3.0)?;
+        let mut cst = s.rand(SLOTS * (k - 1) * c, 1.0)?;
+        let mut st = s.rand(SLOTS * shape.state_len(), 0.3)?;
+        let mut out = s.alloc(DType::F32, nt * vd)?;
+        s.both("gdn_mixer", |be, i| {
+            let conv = GdnConv {
+                k,
+                w: &w[i],
+                dt_bias: &dt_bias[i],
+                a_neg: &a_neg[i],
+                l2_eps: 1e-6,
+            };
+            let io = GdnMixerIo {
+                qkv: &qkv[i],
+                z: &z[i],
+                beta: &mut beta[i],
+                g: &mut g[i],
+                conv_state: &mut cst[i],
+                state: &mut st[i],
+                out: &mut out[i],
+            };
+            be.gdn_mixer(shape, &conv, (&norm[i], 1e-6), io, &b[i])
+        })?;
+        s.cmp_all("gdn_mixer", s.tol.scan, &[&out, &cst, &st])?;
+    }
+    Ok(())
+}
+
 /// Unit-norm rows of `w` values (times `scale`), as the model's L2 norm leaves q and k.
 fn unit_rows(rng: &mut Rng, n: usize, w: usize, scale: f32) -> Vec<f32> {
     let mut v = rng.vals(n * w, 1.0);

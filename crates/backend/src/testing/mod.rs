@@ -28,9 +28,9 @@ use std::fmt;
 use kapitsa_base::GgmlType;
 
 use crate::{
-    Act, AttnShape, Backend, Batch, BatchDesc, DType, Experts, Gating, GdnConv, GdnShape,
-    HeadOrder, HostBytes, HostWeight, KvLayer, Latent, Mamba2Conv, Mamba2Shape, MlpWeights,
-    MoeWeights, RopeDesc, SeqDesc, Tensor, Weight,
+    Act, AttnShape, Backend, Batch, BatchDesc, DType, Experts, Gating, GdnConv, GdnMixerIo,
+    GdnShape, HeadOrder, HostBytes, HostWeight, KvLayer, Latent, Mamba2Conv, Mamba2Shape,
+    MlpWeights, MoeWeights, RopeDesc, SeqDesc, Tensor, Weight,
 };
 
 mod mixers;
@@ -300,6 +300,7 @@ pub fn check_ops_with(
     mixers::conv1d(&mut s)?;
     mixers::gdn_preamble(&mut s)?;
     mixers::gdn(&mut s)?;
+    mixers::gdn_mixer(&mut s)?;
     mixers::mamba2_preamble(&mut s)?;
     mixers::mamba2(&mut s)?;
     mixers::vision(&mut s)?;

@@ -12,7 +12,7 @@
 //!
 //! References: transformers `Qwen3_5MoeGatedDeltaNet`; llama.cpp `build_layer_attn_linear`.
 
-use kapitsa_backend::{Backend, Epilogue, GdnConv, GdnShape, HeadOrder, Tensor};
+use kapitsa_backend::{Backend, Epilogue, GdnConv, GdnMixerIo, GdnShape, HeadOrder, Tensor};
 
 use crate::layers::{check_matrix, check_vec, tensor, ForwardCtx};
 use crate::{ModelError, RecurrentShape, Result, Weight};
@@ -166,12 +166,9 @@ impl DeviceGdn {
             n,
             &mut [&mut qkv, &mut z, &mut beta, &mut g],
         )?;
-        // conv + SiLU, split, q/k L2 norms, and the gates beta = sigmoid(b),
-        // g = -exp(A_log) * softplus(a + dt_bias), in one op
+        // conv + SiLU, split, q/k L2 norms, the gates beta = sigmoid(b),
+        // g = -exp(A_log) * softplus(a + dt_bias), the recurrence and the gated norm, in one op
         let (conv_state, state) = cx.cache.recurrent_tensors_mut(layer)?;
-        let mut q = tensor(be, n * kd)?;
-        let mut k = tensor(be, n * kd)?;
-        let mut v = tensor(be, n * vd)?;
         let conv = GdnConv {
             k: self.conv_k,
             w: &self.conv_w,
@@ -179,19 +176,17 @@ impl DeviceGdn {
             a_neg: &self.a_neg,
             l2_eps: self.l2_eps,
         };
-        be.gdn_preamble(
-            *s,
-            &conv,
-            &qkv,
-            conv_state,
-            cx.dev_batch,
-            &mut beta,
-            &mut g,
-            [&mut q, &mut k, &mut v],
-        )?;
         let mut o = tensor(be, n * vd)?;
-        be.gdn(*s, &q, &k, &v, &g, &beta, state, cx.dev_batch, &mut o)?;
-        be.gated_rms_norm(&mut o, &z, s.dv, &self.norm, self.eps)?;
+        let io = GdnMixerIo {
+            qkv: &qkv,
+            z: &z,
+            beta: &mut beta,
+            g: &mut g,
+            conv_state,
+            state,
+            out: &mut o,
+        };
+        be.gdn_mixer(*s, &conv, (&self.norm, self.eps), io, cx.dev_batch)?;
         // the residual connection in the output projection's epilogue
         let ep = Epilogue {
             bias: None,
