@@ -9,11 +9,13 @@
 //   (non-null, `[n_rows]`) v += bias[r]; with `acc` y += v, else y = v.
 //   Launch: one `GemvArgs` by value (several products or a gate/up pair, see there); blockDim
 //   128 (4 warps); `ksplit` G in {1, 2, 4} warps share a row group and split its chunks; a
-//   block holds 4/G row groups of R = 4 rows (`GemvTune::R`, mirrored in src/matmul.rs
-//   `GEMV_ROWS`); vblocks = sum over parts of ceil(ceil(n_rows / R) / (4 / G)) = grid.x.
-//   Per lane: chunks j = 32 ks + lane + k 32G of R rows at once, so every activation value read
-//   from L1 serves R rows; the loads of U chunks are issued before any is used. Lane sums are
-//   reduced with warp shuffles, then across the G warps in shared memory.
+//   warp holds S = 32 / lpr row groups of R = 4 rows (`GemvTune::R`, mirrored in src/matmul.rs
+//   `GEMV_ROWS`; `GemvArgs::lpr` lanes each, 32 unless rows have few chunks), a block 4 S / G
+//   of them; vblocks = sum over parts of ceil(ceil(n_rows / R) / (4 S / G)) = grid.x.
+//   Per lane: chunks j = lpr ks + (lane % lpr) + k lpr G of R rows at once, so every
+//   activation value read from L1 serves R rows; the loads of U chunks are issued before any
+//   is used. Lane sums are reduced with shuffles within the lpr lanes, then across the G
+//   warps in shared memory.
 // - `gemv_<ty>_1xs`: the one-token GEMV with x staged in shared memory (dynamic, 4 * (n_in +
 //   4 * ceil(n_in / 64)) bytes) and a grid of at most the resident blocks looping over the
 //   `vblocks` row-group blocks; same contract otherwise.
@@ -230,11 +232,13 @@ struct GemvPart {
   int n_rows, ldy, accumulate, block0;
 };
 
+// lpr: lanes per row group (a power of two, NT * R ..= 32; 0 means 32): a warp holds 32 / lpr
+// row groups whose lanes split the chunks, so rows of few chunks keep every lane busy.
 struct GemvArgs {
   GemvPart part[GEMV_MAX_PARTS];
   const float* x;
   int n_parts, n_in, ksplit, flags;
-  int vblocks, unused;  // row-group blocks of all parts (grid-stride over them), padding
+  int vblocks, lpr;  // row-group blocks of all parts (grid-stride over them), lanes per row group
 };
 
 // The routing of `gemv_id_<ty>` (mirrored by src/matmul/gemv.rs `GemvIdArgs`): expert ids
@@ -267,7 +271,7 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
   static_assert(!ID || (NT == 1 && !XS), "routed: one pair per grid row, unstaged");
   static_assert(!X8 || (NT == 1 && !XS), "int8 activations: one token, unstaged");
   static_assert(!GRP || (!XS && !ID && !X8), "grouped: f32 x, unstaged");
-  __shared__ float red[GEMV_WARPS][NT * R];
+  __shared__ float red[GEMV_WARPS][32];  // per warp: its sub-groups' NT * R sums
   extern __shared__ float4 gemv_xs[];
 
   const bool glu = (a.flags & GEMV_GLU) != 0;
@@ -277,7 +281,10 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
   const int mi = warp / wpm, wm = warp - mi * wpm;
   const int rg = wm / G, ks = wm - rg * G;
   const int n_chunks = a.n_in / F::CE;
-  const int step = 32 * G;
+  // lanes per row group: the warp's sub-group `sub` of `lpr` lanes holds row group sub
+  const int lpr = a.lpr > 0 ? a.lpr : 32;
+  const int sub = lane / lpr, ll = lane - sub * lpr, subs = 32 / lpr;
+  const int step = lpr * G;
   const int n_in = a.n_in;
   // routed: the pair's expert (written by an earlier kernel: read after the PDL wait), its x
   // row and y offset
@@ -313,7 +320,7 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
 
   int vb = blockIdx.x;
   // the part of block vb (plain launches); with GLU the matrix of this warp
-  int p = 0, pm = 0, n_rows = 0, r_first = 0;
+  int p = 0, pm = 0, n_rows = 0, r_first = 0, r_base = 0;
   KqMat m;
   uint64_t rows[R];
   typename F::Raw raw[U][R];
@@ -328,12 +335,13 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
     }                                                                                      \
     pm = (glu ? mi : p) + sp;                                                              \
     n_rows = a.part[pm].n_rows;                                                            \
-    r_first = ((vb - a.part[p].block0) * (wpm / G) + rg) * R;                              \
+    r_base = ((vb - a.part[p].block0) * (wpm / G) + rg) * subs * R;                        \
+    r_first = r_base + sub * R;                                                            \
     m = KqMat{a.part[pm].w, a.part[pm].off1, a.part[pm].off2, a.part[pm].off3, a.part[pm].stride}; \
     const uint64_t row_base = a.part[pm].row0 + (ID || GRP ? e * ida.rpe[pm] : 0);         \
     _Pragma("unroll") for (int i = 0; i < R; i++) rows[i] =                                \
         row_base + (uint64_t)min(r_first + i, n_rows - 1);                                  \
-    j0 = ks * 32 + lane;                                                                   \
+    j0 = ks * lpr + ll;                                                                    \
   }
   // the loads of chunks j0 + u * step
 #define GEMV_LOAD_CHUNKS                                                \
@@ -375,21 +383,22 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
       GEMV_LOAD_CHUNKS
     }
 
+    // each sub-group's sums (red[warp][sub * NT * R + t * R + i]; subs * NT * R <= 32)
 #pragma unroll
     for (int t = 0; t < NT; t++)
 #pragma unroll
       for (int i = 0; i < R; i++) {
         float v = acc[t][i];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0) red[warp][t * R + i] = v;
+        for (int o = lpr >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (ll == 0) red[warp][sub * NT * R + t * R + i] = v;
       }
     __syncthreads();
-    if (mi == 0 && ks == 0 && lane < NT * R) {
+    if (mi == 0 && ks == 0 && lane < subs * NT * R) {
       float v = red[warp][lane];
       for (int k = 1; k < G; k++) v += red[warp + k][lane];
-      const int t = lane / R, i = lane - t * R;
-      const int r = r_first + i;
+      const int sw = lane / (NT * R), ti = lane - sw * NT * R;
+      const int t = ti / R, i = ti - t * R;
+      const int r = r_base + sw * R + i;
       if (r < n_rows && (!GRP || t < n_tok)) {
         const GemvPart& P = a.part[p + sp];
         float* yp = P.y + (ID ? y_pair : GRP ? y_pair + t : (size_t)t) * P.ldy + r;

@@ -10,6 +10,9 @@
 //! - The parts of one launch share the format and `n_in` (the callers check it and fall back to
 //!   one launch per product otherwise). Results are the same as one launch per product up to
 //!   the order of the final f32 additions (the K split may differ).
+//! - Rows of fewer than 32 chunks (an MoE's down projections) give each row group fewer lanes
+//!   and a warp several row groups (`GemvArgs::lpr`), so no lane idles
+//!   (`KAPITSA_GEMV_LPR=0`: 32 lanes a row group always).
 //! - `KAPITSA_GEMV_PREFETCH=0` issues the weight loads after the PDL wait instead of before,
 //!   `KAPITSA_GEMV_FUSE=0` turns the multi-product and gate/up launches off, and
 //!   `KAPITSA_GEMV_XS=0` the one-token kernels with x staged in shared memory (`2`: for every
@@ -146,7 +149,7 @@ pub(crate) struct GemvArgs {
     ksplit: i32,
     flags: i32,
     vblocks: i32,
-    unused: i32,
+    lpr: i32,
 }
 
 impl<'a> KernelArg<'a> for &'a GemvArgs {
@@ -201,6 +204,24 @@ pub(super) fn ksplit(
         g *= 2;
     }
     g
+}
+
+/// Lanes per row group (kernels/matmul.cu `GemvArgs::lpr`) for rows of `n_chunks` chunks
+/// against `nt` tokens: 32 where rows have that many chunks, else the power of two that
+/// covers them (at least the `nt * GEMV_ROWS` sums a sub-group keeps), so no lane idles.
+fn lanes_per_row(n_chunks: usize, nt: usize) -> usize {
+    if !lpr_on() {
+        return 32;
+    }
+    n_chunks
+        .next_power_of_two()
+        .clamp((nt * GEMV_ROWS).next_power_of_two(), 32)
+}
+
+env_switch! {
+    /// Whether rows of few chunks share a warp ([`lanes_per_row`]; `KAPITSA_GEMV_LPR=0`:
+    /// one row group a warp always, for measurements).
+    fn lpr_on = "KAPITSA_GEMV_LPR"
 }
 
 /// The routing of an expert-routed GEMV ([`MatmulKernels::gemv_id`]).
@@ -338,7 +359,7 @@ impl MatmulKernels {
         // the routed parts' row groups (their twins take the same blocks)
         let groups: Vec<usize> = parts.iter().map(|p| p.n_rows.div_ceil(GEMV_ROWS)).collect();
         // the split as for one token's launch; the pairs multiply the grid
-        let (g, per_block) = if glu {
+        let (g, warp_groups) = if glu {
             let g = ksplit(groups[0] * grid_pairs, n_chunks, self.sms, 16, 2);
             (g, GEMV_WARPS / 2 / g)
         } else {
@@ -346,6 +367,13 @@ impl MatmulKernels {
             let g = ksplit(total * grid_pairs, n_chunks, self.sms, 16, GEMV_WARPS);
             (g, GEMV_WARPS / g)
         };
+        // lanes per row group: every lane busy on rows of few chunks (the down projections)
+        let lpr = if route.tiles || g > 1 {
+            32
+        } else {
+            lanes_per_row(n_chunks, 1)
+        };
+        let per_block = warp_groups * (32 / lpr);
         // int8 activations: the x rows the pairs read, quantised
         let x8 = match &self.gemv_id_x8[fmt.id()] {
             Some(f) if x8_on() && !route.tiles => {
@@ -362,6 +390,7 @@ impl MatmulKernels {
             ksplit: g as i32,
             flags: if glu { FLAG_GLU } else { 0 },
             x: xq.unwrap_or(xp),
+            lpr: lpr as i32,
             ..GemvArgs::default()
         };
         let (ids_p, _ids_sync) = route.ids.device_ptr(stream);
@@ -472,7 +501,7 @@ impl MatmulKernels {
             let groups: Vec<usize> = parts.iter().map(|p| p.n_rows.div_ceil(GEMV_ROWS)).collect();
             // the K split (from one matrix's row groups for the gate/up pair, so each matrix
             // gets the split a launch of its own would), and the row groups one block holds
-            let (g, per_block) = if glu {
+            let (g, warp_groups) = if glu {
                 let g = ksplit(groups[0], n_chunks, self.sms, 16, 2);
                 (g, GEMV_WARPS / 2 / g)
             } else {
@@ -480,12 +509,20 @@ impl MatmulKernels {
                 let g = ksplit(total, n_chunks, self.sms, 16, GEMV_WARPS);
                 (g, GEMV_WARPS / g)
             };
+            // rows of few chunks: several row groups a warp, every lane busy
+            let lpr = if g == 1 {
+                lanes_per_row(n_chunks, nt)
+            } else {
+                32
+            };
+            let per_block = warp_groups * (32 / lpr);
             let mut args = GemvArgs {
                 n_parts: parts.len() as i32,
                 n_in: i32_arg(OP, "n_in", n_in)?,
                 ksplit: g as i32,
                 flags,
                 x: xp + (t0 * n_in * 4) as u64,
+                lpr: lpr as i32,
                 ..GemvArgs::default()
             };
             let mut blocks = 0usize;
