@@ -283,12 +283,17 @@ extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
 // sh `[n, d]` is given, v += g * sh[t, c] with g = sigmoid(x[t, :] . gate) (x `[n, dx]`) when
 // gate is given, else 1; out `[n, d]` = v, or out += v with accumulate (Backend::moe_add).
 // Rounded as the weighted sum, moe_shared_add_f32 and add_f32 one after the other would.
+// With hout `[n, d]` (Backend::moe_add_norm): the last block of token t to finish (counted in
+// counts[t], zero before the launch and zero again after it) writes the next block's pre-norm
+// hout[t, :] = rms_norm(out[t, :]) * nw (rms_norm_f32's formula; nw `[d]`).
 extern "C" __global__ void moe_finish_f32(const float* __restrict__ ye, const float* __restrict__ w, uint32_t k,
                                           uint32_t d, const float* __restrict__ sh, const float* __restrict__ x,
                                           const float* __restrict__ gate, uint32_t dx, uint32_t accumulate,
-                                          float* __restrict__ out) {
+                                          float* out, const float* __restrict__ nw, float eps,
+                                          float* __restrict__ hout, uint32_t* counts) {
   pdl_enter();
   __shared__ float scratch[32];
+  __shared__ bool last;
   const uint64_t t = blockIdx.y;
   float g = 1.0f;
   if (sh && gate) {
@@ -298,12 +303,31 @@ extern "C" __global__ void moe_finish_f32(const float* __restrict__ ye, const fl
     g = sigmoid_f(acc);
   }
   const uint32_t c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= d) return;
-  float v = 0.0f;
-  for (uint32_t j = 0; j < k; ++j) v += w[t * k + j] * ye[(t * k + j) * d + c];
-  if (sh) v += g * sh[t * d + c];
-  float* o = out + t * d + c;
-  *o = accumulate ? *o + v : v;
+  if (c < d) {
+    float v = 0.0f;
+    for (uint32_t j = 0; j < k; ++j) v += w[t * k + j] * ye[(t * k + j) * d + c];
+    if (sh) v += g * sh[t * d + c];
+    float* o = out + t * d + c;
+    *o = accumulate ? *o + v : v;
+  }
+  if (hout == nullptr) return;
+  // make this block's columns visible, then count it; the last one normalises the row
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counts + t, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const float* row = out + t * d;
+  float ss = 0.0f;
+  for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) {
+    const float v = __ldcg(row + i);
+    ss += v * v;
+  }
+  ss = block_sum(ss, scratch);
+  const float scale = 1.0f / sqrtf(ss / (float)d + eps);
+  for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) hout[t * d + i] = (__ldcg(row + i) * scale) * nw[i];
+  if (threadIdx.x == 0) counts[t] = 0;
 }
 
 // Shared expert of token blockIdx.x: out[t, :] += g * sh[t, :], g = sigmoid(x[t, :] . gate)

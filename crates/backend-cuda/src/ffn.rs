@@ -550,6 +550,45 @@ impl CudaBackend {
         out: &mut Tensor,
         accumulate: bool,
     ) -> Result<()> {
+        self.moe_norm_impl(w, x, n, out, accumulate, None)
+    }
+
+    /// [`kapitsa_backend::Backend::moe_add_norm`]: `moe_add`, then the next block's pre-norm
+    /// of the result into `h`, in the MoE's last kernel where it can (no latent space, up to
+    /// [`MOE_NORM_MAX_TOKENS`] tokens), else by `rms_norm_to`.
+    pub(crate) fn moe_add_norm_impl(
+        &self,
+        w: &MoeWeights,
+        x: &Tensor,
+        n: usize,
+        y: &mut Tensor,
+        (norm, eps): (&Tensor, f32),
+        h: &mut Tensor,
+    ) -> Result<()> {
+        const OP: &str = "moe_add_norm";
+        let d = norm.len();
+        let fused = w.latent.is_none() && n <= MOE_NORM_MAX_TOKENS && moe_norm_on();
+        if !fused {
+            self.moe_impl(w, x, n, y, true)?;
+            return self.rms_norm_to_impl(y, h, d, norm, eps);
+        }
+        let nb = self.f32_len(norm, d, OP, "norm")?;
+        let hb = self.f32_len_mut(h, n * d, OP, "h")?;
+        self.moe_norm_impl(w, x, n, y, true, Some((nb, eps, hb)))
+    }
+
+    /// `out = moe(x)` (or `+=` with `accumulate`), and with `norm` = (weights `[d]`, eps, h
+    /// `[n, d]`) the pre-norm of `out` into h by the last kernel (no latent space, n <=
+    /// [`MOE_NORM_MAX_TOKENS`]: the caller's contract).
+    fn moe_norm_impl(
+        &self,
+        w: &MoeWeights,
+        x: &Tensor,
+        n: usize,
+        out: &mut Tensor,
+        accumulate: bool,
+        pre_norm: Option<(&CudaSlice<f32>, f32, &mut CudaSlice<f32>)>,
+    ) -> Result<()> {
         const OP: &str = "moe";
         let (n_exp, d) = w.router.dims2(OP)?;
         let k = w.top_k;
@@ -774,7 +813,7 @@ impl CudaBackend {
                 gate: sgate,
                 accumulate,
             };
-            return self.moe_finish(&ye, &wts, n, k, d, &fin, ob);
+            return self.moe_finish(&ye, &wts, n, k, d, &fin, ob, pre_norm);
         };
         // the weighted sum in the latent space, projected back up; then the shared expert
         let mut routed_lat = self.scratch::<f32>(n * de)?;
@@ -784,7 +823,10 @@ impl CudaBackend {
             gate: None,
             accumulate: false,
         };
-        self.moe_finish(&ye, &wts, n, k, de, &plain, &mut routed_lat)?;
+        if pre_norm.is_some() {
+            return shape_err(OP, "a fused pre-norm after a latent MoE");
+        }
+        self.moe_finish(&ye, &wts, n, k, de, &plain, &mut routed_lat, None)?;
         let mut sum = if accumulate {
             Some(self.scratch::<f32>(n * d)?)
         } else {
@@ -829,11 +871,19 @@ impl CudaBackend {
         d: usize,
         fin: &MoeFinish<'_>,
         out: &mut CudaSlice<f32>,
+        norm: Option<(&CudaSlice<f32>, f32, &mut CudaSlice<f32>)>,
     ) -> Result<()> {
         const OP: &str = "moe";
         if n == 0 || d == 0 {
             return Ok(());
         }
+        if norm.is_some() && n > MOE_NORM_MAX_TOKENS {
+            return shape_err(OP, format!("a fused pre-norm over {n} tokens"));
+        }
+        let (nw, eps, hout) = match norm {
+            Some((nw, eps, h)) => (Some(nw), eps, Some(h)),
+            None => (None, 0.0f32, None),
+        };
         const THREADS: usize = 256;
         let (ka, da, acc) = (
             u32_arg(OP, "top_k", k)?,
@@ -846,6 +896,7 @@ impl CudaBackend {
         b.arg(fin.x);
         b.arg(fin.gate);
         b.arg(&da).arg(&acc).arg(out);
+        b.arg(nw).arg(&eps).arg(hout).arg(&self.finish_counts);
         let cfg = LaunchConfig {
             grid_dim: (
                 u32_arg(OP, "column blocks", d.div_ceil(THREADS))?,
@@ -857,10 +908,13 @@ impl CudaBackend {
         };
         // SAFETY: moe_finish_f32(const float* ye, const float* w, uint32_t k, uint32_t d,
         // const float* sh (or null), const float* x, const float* gate (or null), uint32_t dx,
-        // uint32_t accumulate, float* out), grid (ceil(d / 256), n): ye holds n * k * d floats
-        // (every pair's row written by the expert products), w n * k, sh and out n * d, x
-        // n * d (dx = d: the shared expert's input is the block's input), gate d (callers'
-        // buffers of those sizes).
+        // uint32_t accumulate, float* out, const float* nw, float eps, float* hout (or null),
+        // uint32_t* counts), grid (ceil(d / 256), n): ye holds n * k * d floats (every pair's
+        // row written by the expert products), w n * k, sh and out n * d, x n * d (dx = d: the
+        // shared expert's input is the block's input), gate d (callers' buffers of those
+        // sizes); with hout (n * d) nw holds d floats and counts MOE_NORM_MAX_TOKENS >= n
+        // zeros (allocated zeroed; each launch's last block of a token sets its counter back
+        // to zero).
         unsafe { b.launch(cfg) }.map_err(dev_err)?;
         Ok(())
     }
@@ -1312,6 +1366,16 @@ const TOPK_WARP_MAX_EXPERTS: usize = 512;
 
 /// Expert rows per block of the fused router (kernels/ffn.cu `ROUTER_WARPS`).
 const ROUTER_WARPS: u32 = 4;
+
+/// Most tokens whose MoE writes the next block's pre-norm in its last kernel
+/// (`Backend::moe_add_norm`; the size of the finish kernel's counters).
+pub(crate) const MOE_NORM_MAX_TOKENS: usize = MOE_ROUTED_MAX_TOKENS;
+
+env_switch! {
+    /// Whether `moe_add_norm` fuses the norm into the MoE's last kernel
+    /// (`KAPITSA_MOE_NORM=0`: `moe_add`, then `rms_norm_to`, for measurements).
+    fn moe_norm_on = "KAPITSA_MOE_NORM"
+}
 
 /// Per-token counters of the fused router's blocks (kernels/ffn.cu `moe_router_topk_f32`):
 /// one per token of a routed launch.

@@ -159,6 +159,9 @@ mod imp {
         /// Zeroed per-(sequence, k head) counters of the fused Gated DeltaNet mixer
         /// (src/recurrent.rs `GDN_COUNTERS`); each launch leaves them zero again.
         pub(crate) gdn_counts: cudarc::driver::CudaSlice<u32>,
+        /// Zeroed per-token block counters of the MoE finish kernel's fused pre-norm
+        /// (src/ffn.rs `MOE_NORM_MAX_TOKENS`); each launch leaves them zero again.
+        pub(crate) finish_counts: cudarc::driver::CudaSlice<u32>,
     }
 
     impl Drop for CudaBackend {
@@ -210,6 +213,9 @@ mod imp {
             let gdn_counts = stream
                 .alloc_zeros::<u32>(crate::recurrent::GDN_COUNTERS)
                 .map_err(dev_err)?;
+            let finish_counts = stream
+                .alloc_zeros::<u32>(crate::ffn::MOE_NORM_MAX_TOKENS)
+                .map_err(dev_err)?;
             Ok(CudaBackend {
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 info,
@@ -223,6 +229,7 @@ mod imp {
                 staging: std::sync::Mutex::new(None),
                 router_counts,
                 gdn_counts,
+                finish_counts,
             })
         }
     }
@@ -385,6 +392,18 @@ mod imp {
 
         fn moe_add(&self, w: &MoeWeights, x: &Tensor, n: usize, y: &mut Tensor) -> Result<()> {
             self.moe_impl(w, x, n, y, true)
+        }
+
+        fn moe_add_norm(
+            &self,
+            w: &MoeWeights,
+            x: &Tensor,
+            n: usize,
+            y: &mut Tensor,
+            norm: (&Tensor, f32),
+            h: &mut Tensor,
+        ) -> Result<()> {
+            self.moe_add_norm_impl(w, x, n, y, norm, h)
         }
 
         fn moe_reads_back(&self, w: &MoeWeights, n: usize) -> bool {

@@ -362,6 +362,23 @@ pub trait Backend: Send + Sync {
         self.add(y, &t)
     }
 
+    /// [`Backend::moe_add`], then the next block's pre-norm of its result:
+    /// `y += moe(x)`, then `h = rms_norm(y)` with weights `norm.0 [d]` and eps `norm.1`
+    /// (as [`Backend::rms_norm_to`]; `h` as long as `y`). The default is those two ops, which
+    /// defines the result; a device backend fuses the norm into the MoE's last kernel.
+    fn moe_add_norm(
+        &self,
+        w: &MoeWeights,
+        x: &Tensor,
+        n: usize,
+        y: &mut Tensor,
+        (norm, eps): (&Tensor, f32),
+        h: &mut Tensor,
+    ) -> Result<()> {
+        self.moe_add(w, x, n, y)?;
+        self.rms_norm_to(y, h, norm.len(), norm, eps)
+    }
+
     /// Whether [`Backend::moe`] of `w` over `n` tokens reads results back to the host mid-op
     /// (routing grouped there); a step containing such an op cannot be recorded. Backends
     /// that do not record never need to say.

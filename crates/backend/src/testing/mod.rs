@@ -1314,6 +1314,13 @@ fn moe(s: &mut Suite<'_>, sigmoid: bool) -> R<()> {
         let mut y = s.rand(n * d, 1.0)?;
         s.both("moe_add", |be, i| be.moe_add(&w[i], &x[i], n, &mut y[i]))?;
         s.cmp(&format!("{name} add"), s.tol.ffn, &y)?;
+        // with the next block's pre-norm: y += moe(x), h = rms_norm(y)
+        let norm = s.rand(d, 1.0)?;
+        let mut h = s.alloc(DType::F32, n * d)?;
+        s.both("moe_add_norm", |be, i| {
+            be.moe_add_norm(&w[i], &x[i], n, &mut y[i], (&norm[i], 1e-6), &mut h[i])
+        })?;
+        s.cmp_all(&format!("{name} add norm"), s.tol.ffn, &[&y, &h])?;
     }
     Ok(())
 }

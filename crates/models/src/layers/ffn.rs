@@ -325,6 +325,28 @@ impl DeviceFfn {
         Ok(())
     }
 
+    /// `y[n, d] += ffn(h[n, d])`, then the next block's pre-norm `h_next = rms_norm(y)` with
+    /// `norm` = (weights `[d]`, eps) ([`Backend::moe_add_norm`] for an MoE: a device backend
+    /// fuses the norm into its last kernel).
+    pub fn forward_add_norm(
+        &self,
+        be: &dyn Backend,
+        h: &Tensor,
+        n: usize,
+        y: &mut Tensor,
+        norm: (&Tensor, f32),
+        h_next: &mut Tensor,
+    ) -> Result<()> {
+        match self {
+            DeviceFfn::Mlp(m) => {
+                be.mlp_add(m, h, n, y)?;
+                be.rms_norm_to(y, h_next, norm.0.len(), norm.0, norm.1)?;
+            }
+            DeviceFfn::Moe(m) => be.moe_add_norm(m, h, n, y, norm, h_next)?,
+        }
+        Ok(())
+    }
+
     /// `y[n, d] += ffn(h[n, d])` (the residual stream).
     pub fn forward_add(
         &self,
