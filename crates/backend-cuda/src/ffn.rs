@@ -554,8 +554,8 @@ impl CudaBackend {
     }
 
     /// [`kapitsa_backend::Backend::moe_add_norm`]: `moe_add`, then the next block's pre-norm
-    /// of the result into `h`, in the MoE's last kernel where it can (no latent space, up to
-    /// [`MOE_NORM_MAX_TOKENS`] tokens), else by `rms_norm_to`.
+    /// of the result into `h`: in the MoE's last kernel where it can and `KAPITSA_MOE_NORM=1`
+    /// (no latent space, up to [`MOE_NORM_MAX_TOKENS`] tokens), else by `rms_norm_to`.
     pub(crate) fn moe_add_norm_impl(
         &self,
         w: &MoeWeights,
@@ -1371,10 +1371,12 @@ const ROUTER_WARPS: u32 = 4;
 /// (`Backend::moe_add_norm`; the size of the finish kernel's counters).
 pub(crate) const MOE_NORM_MAX_TOKENS: usize = MOE_ROUTED_MAX_TOKENS;
 
-env_switch! {
-    /// Whether `moe_add_norm` fuses the norm into the MoE's last kernel
-    /// (`KAPITSA_MOE_NORM=0`: `moe_add`, then `rms_norm_to`, for measurements).
-    fn moe_norm_on = "KAPITSA_MOE_NORM"
+/// Whether `moe_add_norm` fuses the norm into the MoE's last kernel (`KAPITSA_MOE_NORM=1`;
+/// off by default: measured slower on an H100, the finish kernel's last-block tail cost more
+/// than the `rms_norm_to` launch it saves; BENCHMARKS.md).
+fn moe_norm_on() -> bool {
+    static CELL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CELL.get_or_init(|| std::env::var("KAPITSA_MOE_NORM").is_ok_and(|v| v == "1"))
 }
 
 /// Per-token counters of the fused router's blocks (kernels/ffn.cu `moe_router_topk_f32`):
