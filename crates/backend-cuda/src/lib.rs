@@ -363,18 +363,6 @@ mod imp {
             self.matmul_with_impl(w, x, n_tok, y, ep)
         }
 
-        fn matmul_many(
-            &self,
-            ws: &[&Weight],
-            x: &Tensor,
-            n_tok: usize,
-            ys: &mut [&mut Tensor],
-        ) -> Result<()> {
-            // the products of one format in shared launches (no epilogues)
-            let eps = vec![Epilogue::default(); ws.len()];
-            self.matmul_many_with_impl(ws, x, n_tok, ys, &eps)
-        }
-
         fn matmul_many_with(
             &self,
             ws: &[&Weight],
