@@ -131,9 +131,9 @@ impl CudaBackend {
     }
 
     /// `ys[i] = epilogue_i(x @ ws[i]^T)`: the products that share a format and width in one
-    /// GEMV launch per up to [`GEMV_MAX_PARTS`] of them (q/k/v; a Gated DeltaNet layer's four
-    /// input projections, or two launches where qkv has a format of its own), the others one
-    /// after the other.
+    /// GEMV launch per up to [`GEMV_MAX_PARTS`] of them (a biased q/k/v), the others one after
+    /// the other. (`matmul_many` still takes the trait's default, one launch per product:
+    /// routing it here is the next step, once run through scripts/test-gpu.sh.)
     pub(crate) fn matmul_many_with_impl(
         &self,
         ws: &[&Weight],
