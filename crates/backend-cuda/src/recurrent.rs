@@ -161,6 +161,21 @@ fn n_slots(op: &'static str, state: &Tensor, per: usize, db: &DevBatch) -> Resul
     Ok(n)
 }
 
+/// A Gated DeltaNet shape as the kernels' arguments: n_k_heads, n_v_heads, dk, dv, and the
+/// value-head order (0 grouped, 1 tiled).
+fn gdn_dims(op: &'static str, s: GdnShape) -> Result<[u32; 5]> {
+    Ok([
+        u32_arg(op, "k heads", s.n_k_heads)?,
+        u32_arg(op, "v heads", s.n_v_heads)?,
+        u32_arg(op, "dk", s.dk)?,
+        u32_arg(op, "dv", s.dv)?,
+        match s.order {
+            HeadOrder::Grouped => 0,
+            HeadOrder::Tiled => 1,
+        },
+    ])
+}
+
 /// The batch's sequence count as a grid dimension (y or z: at most 65535), or a shape error.
 /// Tokens per block of the conv kernels (kernels/recurrent.cu `CONV_CHUNK`): grid.z of
 /// `conv1d_causal_f32` and the preambles is [`conv_chunks`].
@@ -289,11 +304,8 @@ impl CudaBackend {
             return Ok(());
         }
         let units = 2 * nk + nv + 1;
-        let (nka, nva, dka, dva, kk, ns, nseq) = (
-            u32_arg(OP, "k heads", nk)?,
-            u32_arg(OP, "v heads", nv)?,
-            u32_arg(OP, "dk", dk)?,
-            u32_arg(OP, "dv", dv)?,
+        let [nka, nva, dka, dva, _] = gdn_dims(OP, shape)?;
+        let (kk, ns, nseq) = (
             u32_arg(OP, "k", w.k)?,
             u32_arg(OP, "slots", slots)?,
             grid_seqs(OP, db)?,
@@ -350,7 +362,7 @@ impl CudaBackend {
             n_v_heads: nv,
             dk,
             dv,
-            order,
+            ..
         } = shape;
         let warps = dk.div_ceil(32) * dv.div_ceil(32);
         let smem = 4 * gdn_fused_smem(dk, dv, w.k);
@@ -386,20 +398,13 @@ impl CudaBackend {
         if n == 0 || nv == 0 || db.n_seqs == 0 {
             return Ok(());
         }
-        let (nka, nva, dka, dva, kk, ns, nseq) = (
-            u32_arg(OP, "k heads", nk)?,
-            u32_arg(OP, "v heads", nv)?,
-            u32_arg(OP, "dk", dk)?,
-            u32_arg(OP, "dv", dv)?,
+        let [nka, nva, dka, dva, ord] = gdn_dims(OP, shape)?;
+        let (kk, ns, nseq) = (
             u32_arg(OP, "k", w.k)?,
             u32_arg(OP, "slots", conv_slots.min(state_slots))?,
             grid_yz(OP, "sequences", db.n_seqs)?,
         );
         u32_arg(OP, "channels", c)?;
-        let ord = match order {
-            HeadOrder::Grouped => 0u32,
-            HeadOrder::Tiled => 1u32,
-        };
         let (qscale, l2_eps) = (1.0 / (dk as f32).sqrt(), w.l2_eps);
         let seqs = db.seqs();
         let mut b = self.stream.kernel(&self.k.gdn_fused_f32);
@@ -454,7 +459,7 @@ impl CudaBackend {
             n_v_heads: nv,
             dk,
             dv,
-            order,
+            ..
         } = shape;
         if nk == 0 || !nv.is_multiple_of(nk) || dk == 0 || dk > GDN_MAX_DK || dv == 0 {
             return shape_err(OP, format!("{shape:?} (dk at most {GDN_MAX_DK})"));
@@ -471,18 +476,8 @@ impl CudaBackend {
         if n == 0 || nv == 0 || db.n_seqs == 0 {
             return Ok(());
         }
-        let (nka, nva, dka, dva, ord, ns, nseq) = (
-            u32_arg(OP, "k heads", nk)?,
-            u32_arg(OP, "v heads", nv)?,
-            u32_arg(OP, "dk", dk)?,
-            u32_arg(OP, "dv", dv)?,
-            match order {
-                HeadOrder::Grouped => 0u32,
-                HeadOrder::Tiled => 1u32,
-            },
-            u32_arg(OP, "slots", slots)?,
-            grid_seqs(OP, db)?,
-        );
+        let [nka, nva, dka, dva, ord] = gdn_dims(OP, shape)?;
+        let (ns, nseq) = (u32_arg(OP, "slots", slots)?, grid_seqs(OP, db)?);
         if nva > 65535 {
             return shape_err(OP, format!("{nv} heads (at most 65535)"));
         }

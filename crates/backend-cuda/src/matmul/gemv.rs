@@ -585,3 +585,31 @@ impl MatmulKernels {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lanes_per_row_cover_the_chunks_and_fit_the_sums() {
+        for nt in 1..=GEMV_MAX_TOKENS {
+            for n_chunks in 1..=100 {
+                let lpr = lanes_per_row(n_chunks, nt);
+                assert!(
+                    lpr.is_power_of_two() && lpr <= 32,
+                    "{n_chunks} chunks, {nt}: {lpr}"
+                );
+                // every chunk has a lane where rows have fewer than 32
+                assert!(lpr >= n_chunks.min(32), "{n_chunks} chunks, {nt}: {lpr}");
+                // the kernel keeps 32 / lpr sub-groups' nt * R sums in 32 floats a warp
+                assert!(
+                    (32 / lpr) * nt * GEMV_ROWS <= 32,
+                    "{n_chunks} chunks, {nt}: {lpr}"
+                );
+            }
+        }
+        // the 512-wide down projection of Q4_K (8 chunks of 64): 4 row groups a warp
+        assert_eq!(lanes_per_row(8, 1), 8);
+        assert_eq!(lanes_per_row(32, 1), 32);
+    }
+}

@@ -148,6 +148,41 @@ pub(super) fn conv1d(s: &mut Suite<'_>) -> R<()> {
     Ok(())
 }
 
+/// Random conv weights and gate parameters of a Gated DeltaNet layer, on both backends.
+struct GdnParams {
+    k: usize,
+    w: Two<Tensor>,
+    dt_bias: Two<Tensor>,
+    a_neg: Two<Tensor>,
+}
+
+impl GdnParams {
+    /// Conv weights `[channels, k]`, dt_bias and a_neg `[n_v_heads]`.
+    fn new(s: &mut Suite<'_>, channels: usize, k: usize, n_v_heads: usize) -> R<GdnParams> {
+        let w = s.rand(channels * k, 0.7)?;
+        let dt_bias = s.rand(n_v_heads, 0.5)?;
+        let a_neg: Vec<f32> = (0..n_v_heads).map(|_| -(0.1 + s.rng.unit())).collect();
+        let a_neg = s.up(&a_neg)?;
+        Ok(GdnParams {
+            k,
+            w,
+            dt_bias,
+            a_neg,
+        })
+    }
+
+    /// Backend `i`'s view (q/k L2 eps 1e-6).
+    fn conv(&self, i: usize) -> GdnConv<'_> {
+        GdnConv {
+            k: self.k,
+            w: &self.w[i],
+            dt_bias: &self.dt_bias[i],
+            a_neg: &self.a_neg[i],
+            l2_eps: 1e-6,
+        }
+    }
+}
+
 /// `gdn_preamble` (the fused conv + split + L2 norms + gates of a device backend against the
 /// reference's composition of those ops).
 pub(super) fn gdn_preamble(s: &mut Suite<'_>) -> R<()> {
@@ -170,10 +205,7 @@ pub(super) fn gdn_preamble(s: &mut Suite<'_>) -> R<()> {
         let b = s.batch(&d)?;
         let nt = d.n_tokens();
         let qkv = s.rand(nt * c, 1.0)?;
-        let w = s.rand(c * k, 0.7)?;
-        let dt_bias = s.rand(n_v_heads, 0.5)?;
-        let a_neg: Vec<f32> = (0..n_v_heads).map(|_| -(0.1 + s.rng.unit())).collect();
-        let a_neg = s.up(&a_neg)?;
+        let params = GdnParams::new(s, c, k, n_v_heads)?;
         // projections past the softplus threshold of 20 included
         let mut gv = s.rng.vals(nt * n_v_heads, 3.0);
         if let Some(x) = gv.first_mut() {
@@ -186,13 +218,7 @@ pub(super) fn gdn_preamble(s: &mut Suite<'_>) -> R<()> {
         let mut kk = s.alloc(DType::F32, nt * n_k_heads * dk)?;
         let mut v = s.alloc(DType::F32, nt * n_v_heads * dv)?;
         s.both("gdn_preamble", |be, i| {
-            let conv = GdnConv {
-                k,
-                w: &w[i],
-                dt_bias: &dt_bias[i],
-                a_neg: &a_neg[i],
-                l2_eps: 1e-6,
-            };
+            let conv = params.conv(i);
             be.gdn_preamble(
                 shape,
                 &conv,
@@ -246,10 +272,7 @@ pub(super) fn gdn_mixer(s: &mut Suite<'_>) -> R<()> {
         let nt = d.n_tokens();
         let qkv = s.rand(nt * c, 1.0)?;
         let z = s.rand(nt * vd, 1.5)?;
-        let w = s.rand(c * k, 0.7)?;
-        let dt_bias = s.rand(n_v_heads, 0.5)?;
-        let a_neg: Vec<f32> = (0..n_v_heads).map(|_| -(0.1 + s.rng.unit())).collect();
-        let a_neg = s.up(&a_neg)?;
+        let params = GdnParams::new(s, c, k, n_v_heads)?;
         let norm: Vec<f32> = (0..dv).map(|_| 0.5 + s.rng.unit()).collect();
         let norm = s.up(&norm)?;
         let mut g = s.rand(nt * n_v_heads, 3.0)?;
@@ -258,13 +281,7 @@ pub(super) fn gdn_mixer(s: &mut Suite<'_>) -> R<()> {
         let mut st = s.rand(SLOTS * shape.state_len(), 0.3)?;
         let mut out = s.alloc(DType::F32, nt * vd)?;
         s.both("gdn_mixer", |be, i| {
-            let conv = GdnConv {
-                k,
-                w: &w[i],
-                dt_bias: &dt_bias[i],
-                a_neg: &a_neg[i],
-                l2_eps: 1e-6,
-            };
+            let conv = params.conv(i);
             let io = GdnMixerIo {
                 qkv: &qkv[i],
                 z: &z[i],
