@@ -109,6 +109,20 @@ mod imp {
     const PF_FAR: usize = 6144;
     const PF_NEAR: usize = 1024;
 
+    /// Whether the 32-element formats' dot kernels prefetch their weights ([`prefetch_ahead`]):
+    /// not on AMD Zen 4 (`CpuFeatures::zen4`), where it made them slower: decode of the synthetic Nemotron 3 Nano (Q8_0 head, Q5_0
+    /// experts) on a 2-core EPYC went from 34.5-35.1 to 46.0-46.7 t/s without it, while the K
+    /// formats' kernels there still gain from theirs (BENCHMARKS.md). `KAPITSA_Q8_PREFETCH=1`
+    /// or `0` overrides. A hint only: results are the same either way.
+    pub(in crate::quant) fn q8_prefetch() -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| match std::env::var("KAPITSA_Q8_PREFETCH").as_deref() {
+            Ok("1") => true,
+            Ok("0") => false,
+            _ => !kapitsa_base::CpuFeatures::get().zen4,
+        })
+    }
+
     /// Prefetches each cache line that starts within `PF_FAR..PF_FAR + len` bytes after `p`
     /// into L2, and the line `PF_FAR - PF_NEAR` bytes before each into L1: called once per
     /// `len` bytes of a weight stream, this asks for every line exactly once at each level.
@@ -401,9 +415,12 @@ mod imp {
                     let idx: [__m512i; 4] = std::array::from_fn(|j| {
                         join(_mm256_set1_epi32(2 * j as i32), _mm256_set1_epi32(2 * j as i32 + 1))
                     });
+                    let prefetch = q8_prefetch();
                     let mut i = 0;
                     while i + 8 <= nb {
-                        prefetch_ahead(w[i * ts..].as_ptr(), 8 * ts);
+                        if prefetch {
+                            prefetch_ahead(w[i * ts..].as_ptr(), 8 * ts);
+                        }
                         let dw = scales8(&w[i * ts..(i + 8) * ts]);
                         // (explicit loops, not `array::from_fn`: its closure is not always inlined
                         // into this target-feature function)
