@@ -42,6 +42,24 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// Counts this block among the `n` blocks that arrive at the counter `*cnt` (zero before the
+// first arrives) and tells every thread whether it was the last to arrive. Each block's global
+// writes (and reads) before the call are ordered before its arrival, so the last block sees
+// every other block's writes; the last one sets the counter back to zero for the next launch.
+// Call from every thread of the block (it synchronises the block).
+__device__ __forceinline__ bool block_arrive_last(uint32_t* cnt, uint32_t n) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(cnt, 1u) == n - 1;
+    if (last) *cnt = 0;
+  }
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
 // Sum over the block; every thread gets the result. `scratch`: >= 32 floats of shared memory.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

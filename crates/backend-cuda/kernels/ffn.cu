@@ -1,7 +1,7 @@
 // Mixture-of-experts helpers: the routing (scores, top-k, weights) and the weighted
 // combination of the expert outputs. CUDA twins of the routing and combination steps of the
-// CPU backend's src/ffn.rs; the expert MLPs themselves are matmuls (src/matmul.rs) plus the
-// activations of ops.cu.
+// CPU backend's src/ffn.rs (host side: src/moe.rs); the expert MLPs themselves are matmuls
+// (src/matmul.rs) plus the activations of ops.cu.
 //
 // Semantics (kapitsa_backend::MoeWeights): scores = softmax(logits) or sigmoid(logits);
 // selection by score (+ bias for sigmoid gating), top_k experts, ties to the lower index;
@@ -221,20 +221,23 @@ extern "C" __global__ void __launch_bounds__(32)
 // ROUTER_PF float4 per lane loaded before the PDL wait. The last block of token t to finish
 // (counted in counts[t], zero before the launch and zero again after it) runs
 // moe_topk_warp_f32's routing of the token on the logits. n_exp <= 32 * TOPK_VPL, k <= 32.
-// Launch: grid (ceil(n_exp / ROUTER_WARPS), n), ROUTER_WARPS * 32 threads.
+// With sgate (a shared expert's gate `[d]`, 16-byte aligned), row e = n_exp is that vector and
+// gout[t] = sigmoid(x[t, :] . sgate) (moe_finish_f32's gate, for matmul.cu
+// `gemv_id_sum_<ty>`).
+// Launch: grid (ceil((n_exp + (sgate ? 1 : 0)) / ROUTER_WARPS), n), ROUTER_WARPS * 32 threads.
 #define ROUTER_WARPS 4
 #define ROUTER_PF 16
 extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
     moe_router_topk_f32(const float* __restrict__ w, uint64_t ld, const float* __restrict__ x, uint32_t d,
                         uint32_t n_exp, uint32_t k, uint32_t gating, const float* __restrict__ bias,
                         uint32_t norm_topk, float scale, float* logits, uint32_t* counts, uint32_t* __restrict__ ids,
-                        float* __restrict__ weights) {
-  __shared__ bool last;
+                        float* __restrict__ weights, const float* __restrict__ sgate, float* __restrict__ gout) {
   const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const uint32_t e = blockIdx.x * ROUTER_WARPS + warp;
   const uint64_t t = blockIdx.y;
   const uint32_t n4 = d / 4;
-  const float4* wr = reinterpret_cast<const float4*>(w + (uint64_t)min(e, n_exp - 1) * ld);
+  const bool gate_row = e == n_exp && sgate != nullptr;
+  const float4* wr = reinterpret_cast<const float4*>(gate_row ? sgate : w + (uint64_t)min(e, n_exp - 1) * ld);
   float4 pf[ROUTER_PF];
 #pragma unroll
   for (int u = 0; u < ROUTER_PF; u++) {
@@ -264,18 +267,12 @@ extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
   }
   acc = warp_sum(acc);
   if (lane == 0 && e < n_exp) logits[t * n_exp + e] = acc;
-  // make this block's logits visible, then count it; the last one routes the token
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(counts + t, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  if (warp == 0) {
+  if (lane == 0 && gate_row) gout[t] = sigmoid_f(acc);
+  // the last block of the token to write its logits routes it
+  if (!block_arrive_last(counts + t, gridDim.x)) return;
+  if (warp == 0)
     topk_warp_row<true>(logits + t * n_exp, n_exp, k, gating, bias, norm_topk, scale, ids + t * k,
                         weights + t * k);
-    if (lane == 0) counts[t] = 0;
-  }
 }
 
 // The end of an MoE block for token blockIdx.y, columns blockIdx.x * blockDim.x + threadIdx.x:
@@ -293,7 +290,6 @@ extern "C" __global__ void moe_finish_f32(const float* __restrict__ ye, const fl
                                           float* __restrict__ hout, uint32_t* counts) {
   pdl_enter();
   __shared__ float scratch[32];
-  __shared__ bool last;
   const uint64_t t = blockIdx.y;
   float g = 1.0f;
   if (sh && gate) {
@@ -311,13 +307,8 @@ extern "C" __global__ void moe_finish_f32(const float* __restrict__ ye, const fl
     *o = accumulate ? *o + v : v;
   }
   if (hout == nullptr) return;
-  // make this block's columns visible, then count it; the last one normalises the row
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(counts + t, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  // the last block of the token to write its columns normalises the row
+  if (!block_arrive_last(counts + t, gridDim.x)) return;
   const float* row = out + t * d;
   float ss = 0.0f;
   for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) {
@@ -327,7 +318,6 @@ extern "C" __global__ void moe_finish_f32(const float* __restrict__ ye, const fl
   ss = block_sum(ss, scratch);
   const float scale = 1.0f / sqrtf(ss / (float)d + eps);
   for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) hout[t * d + i] = (__ldcg(row + i) * scale) * nw[i];
-  if (threadIdx.x == 0) counts[t] = 0;
 }
 
 // Shared expert of token blockIdx.x: out[t, :] += g * sh[t, :], g = sigmoid(x[t, :] . gate)

@@ -27,6 +27,16 @@
 //   `n_routed` on run a shared expert instead (see `GemvIdArgs`), so an MoE's shared expert
 //   rides in its routed launches. Launch: one `GemvArgs` and one `GemvIdArgs` by value, grid
 //   (vblocks, pairs).
+// - `gemv_id_sum_<ty>`: an MoE's routed down projections and their combination in one launch
+//   (decode; replaces `gemv_id_<ty>` on the down projections plus ffn.cu `moe_finish_f32`):
+//   token t = blockIdx.y, out[t, r] (= or +=) sum_j w[t, j] (x[t k + j] . W[ids[t k + j] rpe
+//   + row0 + r]) + g[t] (x[shared_x0 + t] . W_shared[r]) + g[t] sh[t, r], over the block's
+//   rows r, the shared terms where given (see `GemvSumArgs`). Launch: `GemvArgs` (part 0 the
+//   routed stack, y = out, its ldy and accumulate; part `shared_part` the shared twin),
+//   `GemvIdArgs`, `GemvSumArgs` by value; grid (ceil(n_rows / (GEMV_SUM_R * 32 / lpr)),
+//   n_tok), GEMV_SUM_WARPS warps: warp w runs
+//   pairs w, w + GEMV_SUM_WARPS, ... on all the block's rows and the warps' sums are added in
+//   warp order.
 // - `gemv_grp_<ty>`: the expert-grouped GEMV of a prompt's MoE (every used expert in one
 //   launch; the f32 form of `gemm_grp_<ty>_<bn>`): the rows of x are the (token, slot) pairs
 //   sorted by expert, and grid.y runs over tiles of up to 8 pairs of one expert. Tile i is
@@ -53,6 +63,7 @@
 //   element (any n_in): `out[r * n_in + k] = float(W[row0 + ids[r], k])`. Any 1-D grid.
 // - `cvt_f32_f16`, `cvt_f32_bf16`: `out[i] = round_to_nearest_even(x[i])` for i < n. Any 1-D
 //   grid.
+#include "common.cuh"
 #include "quant.cuh"
 
 // ---- GEMV -------------------------------------------------------------------------------------
@@ -423,6 +434,117 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
 #undef GEMV_SETUP_BLOCK
 }
 
+// ---- the routed down projections with the MoE's weighted sum (`gemv_id_sum_<ty>`) ---------
+
+#define GEMV_SUM_WARPS 8
+
+// `gemv_id5_q4_k`: `gemv_id_q4_k` with registers for 5 blocks per SM (<= 96 registers, some
+// spilled) instead of 4, so a decode's gate/up launch of 9 pairs (576 blocks of 2048-wide
+// rows) fits the 132 SMs of an H100 in one wave (the default for Q4_K; `KAPITSA_GEMV_ID5=0`
+// takes `gemv_id_q4_k`).
+#define GEMV_ID5_MIN_BLOCKS 5
+
+// The combination of `gemv_id_sum_<ty>` (mirrored by src/matmul/gemv.rs `GemvSumArgs`):
+// routing weights w `[n_tok, k]`; the shared expert's gate g `[n_tok]` (null: 1; ffn.cu
+// `moe_router_topk_f32` computes it); `shared` != 0: a shared twin pair per token (part
+// `shared_part`, x row `shared_x0 + t`); sh (non-null): a shared expert's output `[n_tok, ldy]`
+// computed apart, added times g.
+struct GemvSumArgs {
+  const float* w;
+  const float* g;
+  const float* sh;
+  int k, shared;
+};
+
+// Rows per lane group of `gemv_id_sum_<ty>`: one, so the (short) launch spreads its chains over
+// as many warps as it can (a chunk of a row per lane).
+#define GEMV_SUM_R 1
+
+template <int T>
+__device__ __forceinline__ void gemv_sum_impl(const GemvArgs& a, const GemvIdArgs& ida, const GemvSumArgs& s) {
+  using F = KqFmt<T>;
+  constexpr int R = GEMV_SUM_R;
+  __shared__ float red[2][GEMV_SUM_WARPS][32];  // per warp: the routed sums, the shared dots
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int lpr = a.lpr > 0 ? a.lpr : 32;
+  const int sub = lane / lpr, ll = lane - sub * lpr, subs = 32 / lpr;
+  const int n_chunks = a.n_in / F::CE;
+  const uint64_t t = blockIdx.y;
+  const int k = s.k, np = k + (s.shared ? 1 : 0);
+  const int r_base = blockIdx.x * subs * R;
+  const int r_first = r_base + sub * R;
+  const int n_rows = a.part[0].n_rows;
+  pdl_enter();
+  float tot[R], shd[R];
+#pragma unroll
+  for (int i = 0; i < R; i++) tot[i] = shd[i] = 0.0f;
+  for (int j = warp; j < np; j += GEMV_SUM_WARPS) {
+    const bool shp = j == k;
+    uint64_t e = 0;
+    float wj = 0.0f;
+    if (!shp) {
+      e = ida.ids[t * k + j];
+      if (e >= (uint64_t)ida.n_exp) continue;  // uniform over the warp
+      wj = s.w[t * k + j];
+    }
+    const GemvPart& P = a.part[shp ? ida.shared_part : 0];
+    const KqMat m{P.w, P.off1, P.off2, P.off3, P.stride};
+    const uint64_t row_base = P.row0 + (shp ? 0 : e * ida.rpe[0]);
+    uint64_t rows[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) rows[i] = row_base + (uint64_t)min(r_first + i, n_rows - 1);
+    const float* __restrict__ x = a.x + (shp ? (uint64_t)ida.shared_x0 + t : t * k + j) * a.n_in;
+    float acc[1][R];
+#pragma unroll
+    for (int i = 0; i < R; i++) acc[0][i] = 0.0f;
+    for (int jc = ll; jc < n_chunks; jc += lpr) {
+      typename F::Raw raw[R];
+#pragma unroll
+      for (int i = 0; i < R; i++) raw[i] = F::load(m, rows[i], jc);
+      gemv_chunk<T, 1, R, false>(raw, jc, x, a.n_in, acc);
+    }
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+      if (shp) {
+        shd[i] += acc[0][i];
+      } else {
+        tot[i] = fmaf(wj, acc[0][i], tot[i]);
+      }
+    }
+  }
+  // each sub-group's sums over its lanes, then over the warps in warp order
+#pragma unroll
+  for (int i = 0; i < R; i++) {
+    float v = tot[i], u = shd[i];
+    for (int o = lpr >> 1; o > 0; o >>= 1) {
+      v += __shfl_xor_sync(0xffffffffu, v, o);
+      u += __shfl_xor_sync(0xffffffffu, u, o);
+    }
+    if (ll == 0) {
+      red[0][warp][sub * R + i] = v;
+      red[1][warp][sub * R + i] = u;
+    }
+  }
+  const float g = s.g != nullptr ? s.g[t] : 1.0f;
+  __syncthreads();
+  if ((int)threadIdx.x < subs * R) {
+    const int r = r_base + threadIdx.x;
+    if (r < n_rows) {
+      float v = 0.0f, u = 0.0f;
+#pragma unroll
+      for (int w = 0; w < GEMV_SUM_WARPS; w++) {
+        v += red[0][w][threadIdx.x];
+        u += red[1][w][threadIdx.x];
+      }
+      if (s.shared) v = fmaf(g, u, v);
+      const GemvPart& P = a.part[0];
+      if (s.sh != nullptr) v = fmaf(g, s.sh[t * P.ldy + r], v);
+      float* yp = P.y + t * P.ldy + r;
+      *yp = P.accumulate ? *yp + v : v;
+    }
+  }
+}
+
 #define GEMV_KERNEL_V(NAME, T, NT, XS, SUFFIX)                                                        \
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GemvTune<T, NT>::MIN_BLOCKS)            \
       gemv_##NAME##_##NT##SUFFIX(const __grid_constant__ GemvArgs a) {                                \
@@ -431,6 +553,11 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
 #define GEMV_KERNEL(NAME, T, NT) GEMV_KERNEL_V(NAME, T, NT, false, )
 
 #define GEMV_ALL_NT(NAME, T) \
+  extern "C" __global__ void __launch_bounds__(GEMV_SUM_WARPS * 32, 4)                              \
+      gemv_id_sum_##NAME(const __grid_constant__ GemvArgs a, const __grid_constant__ GemvIdArgs ida, \
+                         const __grid_constant__ GemvSumArgs sa) {                                   \
+    gemv_sum_impl<T>(a, ida, sa);                                                                    \
+  }                                                                                                  \
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GemvTune<T, 1>::MIN_BLOCKS)           \
       gemv_id_##NAME(const __grid_constant__ GemvArgs a, const __grid_constant__ GemvIdArgs ida) {  \
     gemv_impl<T, 1, false, true>(a, ida);                                                            \
@@ -461,6 +588,11 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
   }
 
 GEMV_X8(q4_k, KQ_Q4_K)
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_ID5_MIN_BLOCKS)
+    gemv_id5_q4_k(const __grid_constant__ GemvArgs a, const __grid_constant__ GemvIdArgs ida) {
+  gemv_impl<KQ_Q4_K, 1, false, true>(a, ida);
+}
 GEMV_X8(q6_k, KQ_Q6_K)
 
 // x [n_tok, n_in] f32 -> n_tok x8 rows (`gemv_chunk_x8`'s layout, row stride

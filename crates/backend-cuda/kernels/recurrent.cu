@@ -305,7 +305,6 @@ extern "C" __global__ void __launch_bounds__(32 * GDN_FUSED_MAX_WARPS)
   pdl_enter();
   extern __shared__ float gf_smem[];
   __shared__ float sc[2];
-  __shared__ bool last_reader;
   const uint32_t h = blockIdx.x;
   const uint32_t* seq = seqs + blockIdx.y * SEQ_FIELDS;
   const uint32_t slot = seq[SEQ_SLOT], start = seq[SEQ_START], len = seq[SEQ_LEN];
@@ -333,14 +332,7 @@ extern "C" __global__ void __launch_bounds__(32 * GDN_FUSED_MAX_WARPS)
     for (uint32_t j = 0; j < hw; ++j) win[j * HC + c] = cst[(uint64_t)j * C + cc];
   }
   // the old q/k conv state is read: count this block among its readers
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const uint32_t readers = nv / nk;
-    uint32_t* cnt = counts + (uint64_t)blockIdx.y * nk + kh;
-    last_reader = atomicAdd(cnt, 1u) == readers - 1;
-    if (last_reader) *cnt = 0;
-  }
+  const bool last_reader = block_arrive_last(counts + (uint64_t)blockIdx.y * nk + kh, nv / nk);
   const uint32_t j = cg * 32 + lane;
   const bool col_ok = j < dv;
   float* sh = state + ((uint64_t)slot * nv + h) * dk * dv;

@@ -62,6 +62,8 @@ mod launch;
 #[cfg(feature = "cuda")]
 mod matmul;
 #[cfg(feature = "cuda")]
+mod moe;
+#[cfg(feature = "cuda")]
 mod ops;
 #[cfg(feature = "cuda")]
 mod prof;
@@ -153,14 +155,14 @@ mod imp {
         /// Page-locked host memory that large reads (logits rows) are copied through; grown on
         /// demand (src/buffers.rs `read_f32_impl`).
         pub(crate) staging: std::sync::Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
-        /// Zeroed per-token block counters of the fused MoE router (src/ffn.rs
+        /// Zeroed per-token block counters of the fused MoE router (src/moe.rs
         /// `ROUTER_COUNTERS`); each launch leaves them zero again.
         pub(crate) router_counts: cudarc::driver::CudaSlice<u32>,
         /// Zeroed per-(sequence, k head) counters of the fused Gated DeltaNet mixer
         /// (src/recurrent.rs `GDN_COUNTERS`); each launch leaves them zero again.
         pub(crate) gdn_counts: cudarc::driver::CudaSlice<u32>,
         /// Zeroed per-token block counters of the MoE finish kernel's fused pre-norm
-        /// (src/ffn.rs `MOE_NORM_MAX_TOKENS`); each launch leaves them zero again.
+        /// (src/moe.rs `MOE_NORM_MAX_TOKENS`); each launch leaves them zero again.
         pub(crate) finish_counts: cudarc::driver::CudaSlice<u32>,
     }
 
@@ -208,13 +210,13 @@ mod imp {
                 false => None,
             };
             let router_counts = stream
-                .alloc_zeros::<u32>(crate::ffn::ROUTER_COUNTERS)
+                .alloc_zeros::<u32>(crate::moe::ROUTER_COUNTERS)
                 .map_err(dev_err)?;
             let gdn_counts = stream
                 .alloc_zeros::<u32>(crate::recurrent::GDN_COUNTERS)
                 .map_err(dev_err)?;
             let finish_counts = stream
-                .alloc_zeros::<u32>(crate::ffn::MOE_NORM_MAX_TOKENS)
+                .alloc_zeros::<u32>(crate::moe::MOE_NORM_MAX_TOKENS)
                 .map_err(dev_err)?;
             Ok(CudaBackend {
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
@@ -361,6 +363,24 @@ mod imp {
             ep: Epilogue<'_>,
         ) -> Result<()> {
             self.matmul_with_impl(w, x, n_tok, y, ep)
+        }
+
+        fn matmul_many(
+            &self,
+            ws: &[&Weight],
+            x: &Tensor,
+            n_tok: usize,
+            ys: &mut [&mut Tensor],
+        ) -> Result<()> {
+            // the products of one format in shared launches (no epilogues)
+            let eps = vec![Epilogue::default(); ws.len()];
+            if !crate::ffn::matmul_many_on() && ws.len() == ys.len() {
+                for ((w, y), ep) in ws.iter().zip(ys.iter_mut()).zip(&eps) {
+                    self.matmul_with_impl(w, x, n_tok, y, *ep)?;
+                }
+                return Ok(());
+            }
+            self.matmul_many_with_impl(ws, x, n_tok, ys, &eps)
         }
 
         fn matmul_many_with(

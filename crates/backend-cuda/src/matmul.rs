@@ -52,7 +52,7 @@ use crate::launch::KernelLaunch;
 mod gemm_grp;
 mod gemv;
 pub(crate) use gemm_grp::GEMM_GRP_TILES;
-pub(crate) use gemv::{fuse_on, GemvPart, GemvRoute, SharedPairs, GEMV_MAX_PARTS};
+pub(crate) use gemv::{fuse_on, GemvPart, GemvRoute, MoeSum, SharedPairs, GEMV_MAX_PARTS};
 
 /// The GEMV kernels' epilogue: a bias added to every row, accumulation into `y`.
 #[derive(Clone, Copy, Default)]
@@ -280,6 +280,14 @@ impl CudaWeight {
         self.n_in.is_multiple_of(self.fmt.chunk())
     }
 
+    /// Whether this expert stack's down projection pays as `gemv_id_sum_<ty>` (kernels/
+    /// matmul.cu): rows of at most 8 chunks, so a block holds 4 rows (one per 8 lanes) and a
+    /// decode's grid stays near one wave. Measured on an H100: Qwen3.6's 512-wide rows (8
+    /// chunks) gain 2%, Qwen3-30B-A3B's 768-wide rows (12 chunks, 2 rows a block) lose 4%.
+    pub(crate) fn id_sum_pays(&self) -> bool {
+        self.gemv_ok() && self.n_in / self.fmt.chunk() <= 8
+    }
+
     /// Whether products of `ws` over `n_tok` tokens can share one GEMV launch
     /// ([`MatmulKernels::gemv_parts`]): fusing on, 1 ..= [`GEMV_SPLIT_MAX_TOKENS`] tokens,
     /// at most [`GEMV_MAX_PARTS`] matrices of one format and width, rows of whole chunks.
@@ -351,6 +359,11 @@ pub(crate) struct MatmulKernels {
     gemv_xs: Vec<CudaFunction>,
     /// `gemv_id_<fmt>` (expert-routed) by `fmt.id()`.
     gemv_id: Vec<CudaFunction>,
+    /// `gemv_id_sum_<fmt>` (routed down projections and the MoE's weighted sum) by `fmt.id()`.
+    gemv_id_sum: Vec<CudaFunction>,
+    /// `gemv_id5_q4_k`: `gemv_id_q4_k` compiled for 5 blocks per SM (the default;
+    /// `KAPITSA_GEMV_ID5=0`: `gemv_id_q4_k`).
+    gemv_id5_q4_k: CudaFunction,
     /// `gemv_grp_<fmt>` (expert-grouped, tiles of up to 8 sorted pairs) by `fmt.id()`.
     gemv_grp: Vec<CudaFunction>,
     /// `gemm_grp_<fmt>_16` / `_64` (expert-grouped on tensor cores) by `fmt.id()` (`None`
@@ -400,6 +413,7 @@ impl MatmulKernels {
         let mut gemv = Vec::with_capacity(Fmt::ALL.len() * GEMV_MAX_TOKENS);
         let mut gemv_xs = Vec::with_capacity(Fmt::ALL.len());
         let mut gemv_id = Vec::with_capacity(Fmt::ALL.len());
+        let mut gemv_id_sum = Vec::with_capacity(Fmt::ALL.len());
         let mut gemv_grp = Vec::with_capacity(Fmt::ALL.len());
         let mut gemm_grp = Vec::with_capacity(Fmt::ALL.len());
         let mut gemv_x8 = Vec::with_capacity(Fmt::ALL.len());
@@ -418,6 +432,7 @@ impl MatmulKernels {
             .map_err(|e| BackendError::Unavailable(format!("{MODULE} kernel attribute: {e}")))?;
             gemv_xs.push(xs);
             gemv_id.push(f(&format!("gemv_id_{}", fmt.name()))?);
+            gemv_id_sum.push(f(&format!("gemv_id_sum_{}", fmt.name()))?);
             gemv_grp.push(f(&format!("gemv_grp_{}", fmt.name()))?);
             if fmt.x8() {
                 gemv_x8.push(Some(f(&format!("gemv_x8_{}", fmt.name()))?));
@@ -447,6 +462,8 @@ impl MatmulKernels {
             gemv,
             gemv_xs,
             gemv_id,
+            gemv_id_sum,
+            gemv_id5_q4_k: f("gemv_id5_q4_k")?,
             gemv_grp,
             gemm_grp,
             gemv_x8,

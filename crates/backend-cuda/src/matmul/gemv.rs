@@ -30,7 +30,7 @@ use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
 use kapitsa_backend::{shape_err, Result};
 
 use super::{
-    i32_arg, CudaWeight, GemvEpilogue, MatmulKernels, GEMV_MAX_TOKENS, GEMV_ROWS, GEMV_WARPS,
+    i32_arg, CudaWeight, Fmt, GemvEpilogue, MatmulKernels, GEMV_MAX_TOKENS, GEMV_ROWS, GEMV_WARPS,
 };
 use crate::device::{dev_err, grid_yz};
 use crate::launch::{KernelArg, KernelLaunch, Launch};
@@ -79,6 +79,15 @@ fn xs_bytes(n_in: usize) -> usize {
 fn x8_on() -> bool {
     static CELL: OnceLock<bool> = OnceLock::new();
     *CELL.get_or_init(|| std::env::var("KAPITSA_GEMV_X8").is_ok_and(|v| v == "1"))
+}
+
+env_switch! {
+    /// Whether routed Q4_K launches whose grid fits the GPU in one wave at 5 blocks per SM but
+    /// not at 4 take `gemv_id5_q4_k` (registers for 5 blocks per SM, a few spilled: a decode's
+    /// 9 pairs of Qwen3.6's 2048-wide rows; tg128 +1-4% on an H100; on Qwen3-30B-A3B's
+    /// 768-block launches, two waves either way, it lost 3%, so those keep `gemv_id_q4_k`).
+    /// `KAPITSA_GEMV_ID5=0`: `gemv_id_q4_k` always.
+    fn id5_on = "KAPITSA_GEMV_ID5"
 }
 
 /// Bytes of one activation row of `n_in` elements in the int8 layout of kernels/matmul.cu
@@ -176,6 +185,45 @@ impl<'a> KernelArg<'a> for &'a GemvIdArgs {
     fn push_to(self, l: &mut Launch<'a>) {
         l.push_host((self as *const GemvIdArgs).cast());
     }
+}
+
+/// kernels/matmul.cu `GemvSumArgs`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct GemvSumArgs {
+    w: u64,
+    g: u64,
+    sh: u64,
+    k: i32,
+    shared: i32,
+}
+
+impl<'a> KernelArg<'a> for &'a GemvSumArgs {
+    fn push_to(self, l: &mut Launch<'a>) {
+        l.push_host((self as *const GemvSumArgs).cast());
+    }
+}
+
+/// Threads of a `gemv_id_sum_<ty>` block (kernels/matmul.cu `GEMV_SUM_WARPS` warps) and
+/// rows per lane group (`GEMV_SUM_R`).
+const GEMV_SUM_THREADS: u32 = 8 * 32;
+const GEMV_SUM_ROWS: usize = 1;
+
+/// The combination [`MatmulKernels::gemv_id_sum`] applies (all device buffers).
+pub(crate) struct MoeSum<'a> {
+    /// Tokens.
+    pub(crate) n_tok: usize,
+    /// Routed experts per token: pair `t * top_k + j` is token t's slot j.
+    pub(crate) top_k: usize,
+    /// The routing weights `[n_tok, top_k]`.
+    pub(crate) weights: &'a CudaView<'a, f32>,
+    /// The shared expert's gate per token `[n_tok]` (1 without).
+    pub(crate) gate: Option<&'a CudaView<'a, f32>>,
+    /// The shared expert's down projection riding in the launch: a 2-D twin of the routed
+    /// stack (format, width, at least its rows) whose pair for token t reads x row `x0 + t`.
+    pub(crate) twin: Option<(&'a CudaWeight, usize)>,
+    /// A shared expert's output computed apart, `[n_tok, n_rows]`, added times g.
+    pub(crate) sh: Option<&'a CudaView<'a, f32>>,
 }
 
 /// One product of a launch: rows `row0 .. row0 + n_rows` of `w` (global row index, experts
@@ -440,8 +488,13 @@ impl MatmulKernels {
             block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
+        // the 5-blocks-per-SM Q4_K kernel where that fits the grid in one wave and 4 do not
+        // (a decode's 9 pairs of Qwen3.6's 2048-wide rows); its spills cost more elsewhere
+        let grid = blocks * grid_pairs;
+        let one_wave_at_5 = grid > 4 * self.sms && grid <= 5 * self.sms;
         let plain = match route.tiles {
             true => &self.gemv_grp[fmt.id()],
+            false if fmt == Fmt::Q4K && one_wave_at_5 && id5_on() => &self.gemv_id5_q4_k,
             false => &self.gemv_id[fmt.id()],
         };
         let mut b = stream.kernel(x8.as_ref().map_or(plain, |(f, _)| *f));
@@ -459,6 +512,132 @@ impl MatmulKernels {
         // contract. Shared pairs (route.shared): each twin is a 2-D matrix of the parts'
         // format and width with at least their rows (checked), y holds n_pairs + tokens rows
         // and x the rows x0 .. x0 + tokens (the caller's contract).
+        unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        Ok(())
+    }
+
+    /// An MoE's routed down projections and their weighted sum in one launch
+    /// (kernels/matmul.cu `gemv_id_sum_<ty>`): `down.y[t, r]` (= or +=, `down.ep.accumulate`)
+    /// `sum_j weights[t, j] (x[t k + j, :] . W[ids[t k + j] * rows per expert + row0 + r, :])`
+    /// plus the shared expert's terms of `sum` (see [`MoeSum`]), for t < `sum.n_tok`,
+    /// r < `down.n_rows`. `down.w` is the experts' stack (rows per expert: its `n_out`), its y
+    /// `[n_tok, n_rows]`; x `[rows, n_in]` f32 (the pairs' hidden rows, then the shared
+    /// ones), 16-byte aligned; ids `[n_tok * top_k]`. Ids `>= n_exp` add nothing.
+    pub(crate) fn gemv_id_sum(
+        &self,
+        stream: &Arc<CudaStream>,
+        down: &mut GemvPart<'_, '_>,
+        x: &CudaView<'_, f32>,
+        ids: &CudaView<'_, u32>,
+        sum: &MoeSum<'_>,
+    ) -> Result<()> {
+        const OP: &str = "moe";
+        let w = down.w;
+        let (n, k) = (sum.n_tok, sum.top_k);
+        if n == 0 {
+            return Ok(());
+        }
+        let pairs = n * k;
+        let x_rows = match sum.twin {
+            Some((_, x0)) => pairs.max(x0 + n),
+            None => pairs,
+        };
+        let twin_ok = sum.twin.is_none_or(|(t, _)| {
+            t.fmt == w.fmt && t.n_in == w.n_in && t.n_exp == 1 && t.n_out >= down.n_rows
+        });
+        let gate_ok = sum.gate.is_none_or(|g| g.len() >= n);
+        if !w.gemv_ok()
+            || !twin_ok
+            || !gate_ok
+            || down.ep.bias.is_some()
+            || down.row0 + down.n_rows > w.n_out
+            || ids.len() < pairs
+            || sum.weights.len() < pairs
+            || x.len() < x_rows * w.n_in
+            || down.y.len() < n * down.n_rows
+            || sum.sh.is_some_and(|sh| sh.len() < n * down.n_rows)
+        {
+            return shape_err(
+                OP,
+                "routed down projection and sum: operands of other formats or sizes",
+            );
+        }
+        let (xp, _sync) = x.device_ptr(stream);
+        if xp % 16 != 0 {
+            return shape_err(OP, "x must start 16-byte aligned for the GEMV kernels");
+        }
+        let lpr = lanes_per_row(w.n_in / w.fmt.chunk(), 1);
+        let rows_per_block = (32 / lpr) * GEMV_SUM_ROWS;
+        let blocks = down.n_rows.div_ceil(rows_per_block);
+        let mut args = GemvArgs {
+            n_parts: 1 + i32::from(sum.twin.is_some()),
+            n_in: i32_arg(OP, "n_in", w.n_in)?,
+            ksplit: 1,
+            x: xp,
+            vblocks: i32_arg(OP, "blocks", blocks)?,
+            lpr: lpr as i32,
+            ..GemvArgs::default()
+        };
+        args.part[0] = PartArgs::of(OP, stream, down, 0, 0)?;
+        let (ids_p, _ids_sync) = ids.device_ptr(stream);
+        let mut ida = GemvIdArgs {
+            ids: ids_p,
+            x_div: 1,
+            n_exp: i32_arg(OP, "experts", w.n_exp)?,
+            n_routed: i32_arg(OP, "routed pairs", pairs)?,
+            shared_part: 1,
+            ..GemvIdArgs::default()
+        };
+        ida.rpe[0] = w.n_out as u64;
+        if let Some((t, x0)) = sum.twin {
+            let mut pa = args.part[0];
+            pa.w = t.buf.device_ptr(stream).0;
+            (pa.off1, pa.off2, pa.off3) = (t.off[0], t.off[1], t.off[2]);
+            pa.stride = t.stride;
+            pa.row0 = 0;
+            args.part[1] = pa;
+            ida.rpe[1] = t.n_out as u64;
+            ida.shared_x0 = i32_arg(OP, "shared x row", x0)?;
+        }
+        let (wp, _w_sync) = sum.weights.device_ptr(stream);
+        let mut sa = GemvSumArgs {
+            w: wp,
+            k: i32_arg(OP, "top_k", k)?,
+            shared: i32::from(sum.twin.is_some()),
+            ..GemvSumArgs::default()
+        };
+        let _gate_sync = sum.gate.map(|g| {
+            let (p, s) = g.device_ptr(stream);
+            sa.g = p;
+            s
+        });
+        let _sh_sync = sum.sh.map(|sh| {
+            let (p, s) = sh.device_ptr(stream);
+            sa.sh = p;
+            s
+        });
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(blocks).map_err(|_| kapitsa_backend::BackendError::Shape {
+                    op: OP,
+                    msg: format!("{blocks} GEMV blocks"),
+                })?,
+                grid_yz(OP, "tokens", n)?,
+                1,
+            ),
+            block_dim: (GEMV_SUM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.kernel(&self.gemv_id_sum[w.fmt.id()]);
+        b.arg(&args).arg(&ida).arg(&sa);
+        // SAFETY: gemv_id_sum_<ty>(GemvArgs, GemvIdArgs, GemvSumArgs), grid (blocks, n), 256
+        // threads: the stack's and the twin's images, plane offsets and strides come from
+        // `upload`; rows e * n_out + row0 + r (e < n_exp: the kernel skips other ids, r <
+        // n_rows, row0 + n_rows <= n_out checked) and the twin's rows r < n_rows <= its n_out
+        // (checked) exist; x holds the x_rows rows the pairs read (checked), 16-byte aligned
+        // (checked), n_in a multiple of the chunk (gemv_ok); ids and weights hold n * k
+        // entries, y and sh n * n_rows floats, g n (checked); blocks cover n_rows with
+        // rows_per_block = 32 / lpr row groups of GEMV_SUM_ROWS, as the kernel maps them.
         unsafe { b.launch(cfg) }.map_err(dev_err)?;
         Ok(())
     }
