@@ -64,16 +64,20 @@ pub(crate) trait KernelArg<'a> {
     fn push_to(self, l: &mut Launch<'a>);
 }
 
-macro_rules! scalar_arg {
+/// `KernelArg` for values passed by value (copied at launch): scalars, and the `#[repr(C)]`
+/// argument structs of the GEMV kernels (the kernels' `__grid_constant__` structs).
+macro_rules! host_arg {
     ($($t:ty),*) => {$(
-        impl<'a> KernelArg<'a> for &'a $t {
-            fn push_to(self, l: &mut Launch<'a>) {
-                l.slots.push(Slot::Host((self as *const $t).cast()));
+        impl<'a> $crate::launch::KernelArg<'a> for &'a $t {
+            fn push_to(self, l: &mut $crate::launch::Launch<'a>) {
+                l.push_host((self as *const $t).cast());
             }
         }
     )*};
 }
-scalar_arg!(u32, i32, u64, f32);
+pub(crate) use host_arg;
+
+host_arg!(u32, i32, u64, f32);
 
 impl<'a, T> KernelArg<'a> for &'a CudaSlice<T> {
     fn push_to(self, l: &mut Launch<'a>) {

@@ -19,7 +19,7 @@ use kapitsa_backend::{shape_err, BackendError, Result};
 
 use super::{i32_arg, GemvPart, MatmulKernels};
 use crate::device::{dev_err, grid_yz};
-use crate::launch::{KernelArg, KernelLaunch, Launch};
+use crate::launch::{host_arg, KernelLaunch};
 
 /// Weight rows per block (kernels/matmul.cu `GEMM_BM`).
 const GEMM_BM: usize = 64;
@@ -60,11 +60,7 @@ struct GemmGrpArgs {
     unused: i32,
 }
 
-impl<'a> KernelArg<'a> for &'a GemmGrpArgs {
-    fn push_to(self, l: &mut Launch<'a>) {
-        l.push_host((self as *const GemmGrpArgs).cast());
-    }
-}
+host_arg!(GemmGrpArgs);
 
 impl MatmulKernels {
     /// Whether the grouped tensor-core GEMM takes stacks of `w`'s format.

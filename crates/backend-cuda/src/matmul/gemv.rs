@@ -33,7 +33,7 @@ use super::{
     i32_arg, CudaWeight, Fmt, GemvEpilogue, MatmulKernels, GEMV_MAX_TOKENS, GEMV_ROWS, GEMV_WARPS,
 };
 use crate::device::{dev_err, grid_yz};
-use crate::launch::{KernelArg, KernelLaunch, Launch};
+use crate::launch::{host_arg, KernelLaunch};
 
 /// Most products of one launch (kernels/matmul.cu `GEMV_MAX_PARTS`).
 pub(crate) const GEMV_MAX_PARTS: usize = 4;
@@ -79,6 +79,12 @@ fn xs_bytes(n_in: usize) -> usize {
 fn x8_on() -> bool {
     static CELL: OnceLock<bool> = OnceLock::new();
     *CELL.get_or_init(|| std::env::var("KAPITSA_GEMV_X8").is_ok_and(|v| v == "1"))
+}
+
+/// Whether a grid of `blocks` 128-thread blocks fits `sms` multiprocessors in one wave at 5
+/// blocks per SM but not at 4 (where `gemv_id5_q4_k` pays).
+fn one_wave_at_5_only(blocks: usize, sms: usize) -> bool {
+    blocks > 4 * sms && blocks <= 5 * sms
 }
 
 env_switch! {
@@ -161,11 +167,7 @@ pub(crate) struct GemvArgs {
     lpr: i32,
 }
 
-impl<'a> KernelArg<'a> for &'a GemvArgs {
-    fn push_to(self, l: &mut Launch<'a>) {
-        l.push_host((self as *const GemvArgs).cast());
-    }
-}
+host_arg!(GemvArgs);
 
 /// kernels/matmul.cu `GemvIdArgs`.
 #[repr(C)]
@@ -181,11 +183,7 @@ struct GemvIdArgs {
     unused: i32,
 }
 
-impl<'a> KernelArg<'a> for &'a GemvIdArgs {
-    fn push_to(self, l: &mut Launch<'a>) {
-        l.push_host((self as *const GemvIdArgs).cast());
-    }
-}
+host_arg!(GemvIdArgs);
 
 /// kernels/matmul.cu `GemvSumArgs`.
 #[repr(C)]
@@ -198,11 +196,7 @@ struct GemvSumArgs {
     shared: i32,
 }
 
-impl<'a> KernelArg<'a> for &'a GemvSumArgs {
-    fn push_to(self, l: &mut Launch<'a>) {
-        l.push_host((self as *const GemvSumArgs).cast());
-    }
-}
+host_arg!(GemvSumArgs);
 
 /// Threads of a `gemv_id_sum_<ty>` block (kernels/matmul.cu `GEMV_SUM_WARPS` warps) and
 /// rows per lane group (`GEMV_SUM_R`).
@@ -490,11 +484,10 @@ impl MatmulKernels {
         };
         // the 5-blocks-per-SM Q4_K kernel where that fits the grid in one wave and 4 do not
         // (a decode's 9 pairs of Qwen3.6's 2048-wide rows); its spills cost more elsewhere
-        let grid = blocks * grid_pairs;
-        let one_wave_at_5 = grid > 4 * self.sms && grid <= 5 * self.sms;
+        let one_wave = one_wave_at_5_only(blocks * grid_pairs, self.sms);
         let plain = match route.tiles {
             true => &self.gemv_grp[fmt.id()],
-            false if fmt == Fmt::Q4K && one_wave_at_5 && id5_on() => &self.gemv_id5_q4_k,
+            false if fmt == Fmt::Q4K && one_wave && id5_on() => &self.gemv_id5_q4_k,
             false => &self.gemv_id[fmt.id()],
         };
         let mut b = stream.kernel(x8.as_ref().map_or(plain, |(f, _)| *f));
@@ -790,5 +783,16 @@ mod tests {
         // the 512-wide down projection of Q4_K (8 chunks of 64): 4 row groups a warp
         assert_eq!(lanes_per_row(8, 1), 8);
         assert_eq!(lanes_per_row(32, 1), 32);
+    }
+
+    #[test]
+    fn the_five_block_routed_kernel_only_where_it_makes_one_wave() {
+        // an H100: Qwen3.6's decode gate/up (9 pairs x 64 blocks) fits at 5 an SM, not at 4
+        assert!(one_wave_at_5_only(576, 132));
+        // fits at 4 already; two waves either way (Qwen3-30B-A3B: 8 pairs x 96 blocks)
+        assert!(!one_wave_at_5_only(528, 132));
+        assert!(!one_wave_at_5_only(768, 132));
+        assert!(one_wave_at_5_only(660, 132));
+        assert!(!one_wave_at_5_only(661, 132));
     }
 }
