@@ -34,9 +34,9 @@
 //   rows r, the shared terms where given (see `GemvSumArgs`). Launch: `GemvArgs` (part 0 the
 //   routed stack, y = out, its ldy and accumulate; part `shared_part` the shared twin),
 //   `GemvIdArgs`, `GemvSumArgs` by value; grid (ceil(n_rows / (GEMV_SUM_R * 32 / lpr)),
-//   n_tok), GEMV_SUM_WARPS warps: warp w runs
-//   pairs w, w + GEMV_SUM_WARPS, ... on all the block's rows and the warps' sums are added in
-//   warp order.
+//   n_tok), GEMV_SUM_WARPS warps: warp w runs pairs w, w + GEMV_SUM_WARPS, ... on all the
+//   block's rows and the warps' sums are added in warp order.
+// - `gemv_id5_q4_k`: `gemv_id_q4_k` compiled for 5 blocks per SM (see `GEMV_ID5_MIN_BLOCKS`).
 // - `gemv_grp_<ty>`: the expert-grouped GEMV of a prompt's MoE (every used expert in one
 //   launch; the f32 form of `gemm_grp_<ty>_<bn>`): the rows of x are the (token, slot) pairs
 //   sorted by expert, and grid.y runs over tiles of up to 8 pairs of one expert. Tile i is
@@ -440,8 +440,9 @@ __device__ __forceinline__ void gemv_impl(const GemvArgs& a, const GemvIdArgs& i
 
 // `gemv_id5_q4_k`: `gemv_id_q4_k` with registers for 5 blocks per SM (<= 96 registers, some
 // spilled) instead of 4, so a decode's gate/up launch of 9 pairs (576 blocks of 2048-wide
-// rows) fits the 132 SMs of an H100 in one wave (the default for Q4_K; `KAPITSA_GEMV_ID5=0`
-// takes `gemv_id_q4_k`).
+// rows) fits the 132 SMs of an H100 in one wave. The host takes it for launches that fit one
+// wave at 5 blocks per SM and not at 4 (src/matmul/gemv.rs `one_wave_at_5_only`;
+// `KAPITSA_GEMV_ID5=0`: never).
 #define GEMV_ID5_MIN_BLOCKS 5
 
 // The combination of `gemv_id_sum_<ty>` (mirrored by src/matmul/gemv.rs `GemvSumArgs`):
@@ -588,12 +589,12 @@ __device__ __forceinline__ void gemv_sum_impl(const GemvArgs& a, const GemvIdArg
   }
 
 GEMV_X8(q4_k, KQ_Q4_K)
+GEMV_X8(q6_k, KQ_Q6_K)
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_ID5_MIN_BLOCKS)
     gemv_id5_q4_k(const __grid_constant__ GemvArgs a, const __grid_constant__ GemvIdArgs ida) {
   gemv_impl<KQ_Q4_K, 1, false, true>(a, ida);
 }
-GEMV_X8(q6_k, KQ_Q6_K)
 
 // x [n_tok, n_in] f32 -> n_tok x8 rows (`gemv_chunk_x8`'s layout, row stride
 // gemv_x8_row_bytes(n_in)): per 32 elements dx = max|x| / 127, q = round(x / dx) (0 where
