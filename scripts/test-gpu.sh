@@ -18,8 +18,8 @@
 #      Nemotron with the chunked scans for every sequence, decode steps too
 #      (`KAPITSA_GDN_CHUNK_MIN=1 KAPITSA_MAMBA2_CHUNK_MIN=1`; by default only sequences of 64
 #      tokens or more take them); then the
-#      ops, one fixture and the synthetic files with the int8-activation GEMVs
-#      (`KAPITSA_GEMV_X8=1`).
+#      ops, one fixture and the synthetic files with the int8-activation GEMVs on every
+#      one-token launch (`KAPITSA_GEMV_X8=1`; by default only on rows a pre-norm wrote).
 #   2. `--gpu-memory`: a budget below the synthetic Qwen3.6 file fails before loading with a
 #      clear error; one that fits runs it with the reported peak within the budget.
 #   3. `kapitsa serve --device cuda --gpu-memory 4GiB` answering the same HTTP checks as on

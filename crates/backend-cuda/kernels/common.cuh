@@ -96,6 +96,56 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   return warp_max(r);
 }
 
+// ---- int8 activation rows (matmul.cu `gemv_x8_<ty>`) -----------------------------------------
+// x8 row layout (n_in a multiple of 32): the quants q (i8) at 0, the scales dx (f32, one per 32
+// elements) at n_in, the sums of q per 16 elements (i32) at n_in + n_in / 8:
+// `gemv_x8_row_bytes(n_in)` = n_in * 11 / 8 bytes (src/matmul/gemv.rs `x8_row_bytes`).
+__host__ __device__ __forceinline__ int gemv_x8_row_bytes(int n_in) { return n_in + n_in / 8 + n_in / 4; }
+
+// Elements i[u] (u < U) of an activation row into its x8 row: called by all 32 lanes of a warp
+// together, lane l holding elements i[u] = 32 b_u + l; a warp whose i[u] >= n_in (all lanes
+// alike: n_in is a multiple of 32) takes part with v[u] = 0 and stores nothing for it. Per 32
+// elements dx = max|v| / 127, q = round(v * (127 / max|v|)) (0 where max|v| == 0; the fast
+// reciprocal, no IEEE division with its slow path per element: |q| <= 127 still), and the sums
+// of q per 16. The U reductions run side by side, one shuffle chain for all of them.
+template <int U>
+__device__ __forceinline__ void x8_store_n(const float (&v)[U], uint8_t* __restrict__ row, uint32_t n_in,
+                                           const uint32_t (&i)[U]) {
+  const uint32_t lane = threadIdx.x & 31;
+  float amax[U];
+  int q[U], sum[U];
+#pragma unroll
+  for (int u = 0; u < U; u++) amax[u] = fabsf(v[u]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+    for (int u = 0; u < U; u++) amax[u] = fmaxf(amax[u], __shfl_xor_sync(0xffffffffu, amax[u], o));
+#pragma unroll
+  for (int u = 0; u < U; u++) {
+    q[u] = amax[u] > 0.0f ? max(-127, min(127, __float2int_rn(v[u] * __fdividef(127.0f, amax[u])))) : 0;
+    sum[u] = q[u];
+  }
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1)  // per 16 lanes
+#pragma unroll
+    for (int u = 0; u < U; u++) sum[u] += __shfl_xor_sync(0xffffffffu, sum[u], o);
+#pragma unroll
+  for (int u = 0; u < U; u++) {
+    if (i[u] >= n_in) continue;
+    const uint32_t b = i[u] >> 5;
+    row[i[u]] = (uint8_t)(int8_t)q[u];
+    if (lane == 0) reinterpret_cast<float*>(row + n_in)[b] = amax[u] * (1.0f / 127.0f);
+    if ((lane & 15) == 0) reinterpret_cast<int*>(row + n_in + n_in / 8)[2 * b + (lane >> 4)] = sum[u];
+  }
+}
+
+// x8_store_n of one element per lane.
+__device__ __forceinline__ void x8_store(float v, uint8_t* __restrict__ row, uint32_t n_in, uint32_t i) {
+  const float vs[1] = {v};
+  const uint32_t is[1] = {i};
+  x8_store_n<1>(vs, row, n_in, is);
+}
+
 // ---- activations (as the CPU reference computes them) -----------------------------------
 
 // silu(x) = x / (1 + exp(-x)) (kernels-cpu ops.rs `silu`, vexp.rs `swiglu`).

@@ -215,6 +215,48 @@ extern "C" __global__ void __launch_bounds__(32)
   topk_warp_row<false>(logits + t * n_exp, n_exp, k, gating, bias, norm_topk, scale, ids + t * k, weights + t * k);
 }
 
+// The pre-norm scale 1 / sqrt(mean(x^2) + eps) of a row of d elements (d a multiple of 128, at
+// least 256) summed in exactly the order of ops.cu `rms_norm_row` at 256 threads, from a warp
+// that holds the row as float4s i = lane + 32 u (u ascending): thread t of that block sums
+// x[t + 256 u'] in u' order, then block_sum adds the 32 threads of each warp by an xor
+// butterfly and the 8 warps' sums by another. Element 4 i + c sits in float4 round u = i / 32,
+// so thread t = 4 l + c (t < 128) owns lane l's component c of the even rounds and thread
+// 128 + 4 l + c of the odd ones: `sq[u & 1][c]` accumulates them in order, and the
+// butterflies run on them (offsets 16, 8, 4 across lanes l ^ 4, l ^ 2, l ^ 1; 2 and 1 across
+// components). Every lane gets the scale, so h = (x * scale) * w matches rms_norm_to_f32 bit
+// for bit.
+__device__ __forceinline__ float router_norm_scale(const float4* __restrict__ xr, uint32_t n4, uint32_t d,
+                                                   float eps) {
+  const uint32_t lane = threadIdx.x & 31;
+  float sq[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+  for (uint32_t u = 0; 32 * u < n4; u += 2) {
+#pragma unroll
+    for (int p = 0; p < 2; p++) {
+      if (32 * (u + p) < n4) {
+        const float4 v = __ldg(xr + lane + 32 * (u + p));
+        sq[p][0] += v.x * v.x;
+        sq[p][1] += v.y * v.y;
+        sq[p][2] += v.z * v.z;
+        sq[p][3] += v.w * v.w;
+      }
+    }
+  }
+#pragma unroll
+  for (int p = 0; p < 2; p++) {
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1)
+#pragma unroll
+      for (int c = 0; c < 4; c++) sq[p][c] += __shfl_xor_sync(0xffffffffu, sq[p][c], o);
+    const float a = sq[p][0] + sq[p][2], b = sq[p][1] + sq[p][3];
+    sq[p][0] = a + b;
+  }
+  // block_sum's second butterfly: warp w's sum (held by lane 8 (w % 4), parity w / 4) at lane w
+  const float s0 = __shfl_sync(0xffffffffu, sq[0][0], 8 * (lane & 3));
+  const float s1 = __shfl_sync(0xffffffffu, sq[1][0], 8 * (lane & 3));
+  const float ss = warp_sum(lane < 4 ? s0 : lane < 8 ? s1 : 0.0f);
+  return 1.0f / sqrtf(ss / (float)d + eps);
+}
+
 // The router product and the routing in one launch (decode): token t = blockIdx.y, warp w of
 // block b computes expert row e = 4b + w: logits[t, e] = x[t, :] . W[e, :] (W `[n_exp, d]` f32,
 // row stride `ld` floats, 16-byte aligned rows; x `[n, d]`; d a multiple of 4), its first
@@ -224,6 +266,10 @@ extern "C" __global__ void __launch_bounds__(32)
 // With sgate (a shared expert's gate `[d]`, 16-byte aligned), row e = n_exp is that vector and
 // gout[t] = sigmoid(x[t, :] . sgate) (moe_finish_f32's gate, for matmul.cu
 // `gemv_id_sum_<ty>`).
+// With nw (Backend::norm_moe_add; d a multiple of 128, >= 256), x holds the block's residual
+// rows and the product takes their pre-norm h = rms_norm(x) * nw instead (router_norm_scale:
+// bit for bit rms_norm_to_f32's), which the warps also write, 32 elements each, into hout
+// `[n, d]` and, with h8, into h8's int8 rows (common.cuh `x8_store`) for the experts.
 // Launch: grid (ceil((n_exp + (sgate ? 1 : 0)) / ROUTER_WARPS), n), ROUTER_WARPS * 32 threads.
 #define ROUTER_WARPS 4
 #define ROUTER_PF 16
@@ -231,7 +277,9 @@ extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
     moe_router_topk_f32(const float* __restrict__ w, uint64_t ld, const float* __restrict__ x, uint32_t d,
                         uint32_t n_exp, uint32_t k, uint32_t gating, const float* __restrict__ bias,
                         uint32_t norm_topk, float scale, float* logits, uint32_t* counts, uint32_t* __restrict__ ids,
-                        float* __restrict__ weights, const float* __restrict__ sgate, float* __restrict__ gout) {
+                        float* __restrict__ weights, const float* __restrict__ sgate, float* __restrict__ gout,
+                        const float* __restrict__ nw, float eps, float* __restrict__ hout,
+                        uint8_t* __restrict__ h8) {
   const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const uint32_t e = blockIdx.x * ROUTER_WARPS + warp;
   const uint64_t t = blockIdx.y;
@@ -246,12 +294,23 @@ extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
   }
   pdl_enter();
   const float4* xr = reinterpret_cast<const float4*>(x + t * d);
+  const float4* nr = reinterpret_cast<const float4*>(nw);
+  const float hs = nw != nullptr ? router_norm_scale(xr, n4, d, eps) : 1.0f;
+  // the product's input element by element: x, or its pre-norm (rms_norm_row's arithmetic)
+  auto in4 = [&](uint32_t i) {
+    float4 v = __ldg(xr + i);
+    if (nw != nullptr) {
+      const float4 g = __ldg(nr + i);
+      v = make_float4((v.x * hs) * g.x, (v.y * hs) * g.y, (v.z * hs) * g.z, (v.w * hs) * g.w);
+    }
+    return v;
+  };
   float acc = 0.0f;
 #pragma unroll
   for (int u = 0; u < ROUTER_PF; u++) {
     const uint32_t i = lane + 32 * u;
     if (i < n4) {
-      const float4 xv = __ldg(xr + i);
+      const float4 xv = in4(i);
       acc = fmaf(pf[u].x, xv.x, acc);
       acc = fmaf(pf[u].y, xv.y, acc);
       acc = fmaf(pf[u].z, xv.z, acc);
@@ -259,7 +318,7 @@ extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
     }
   }
   for (uint32_t i = lane + 32 * ROUTER_PF; i < n4; i += 32) {
-    const float4 wv = __ldg(wr + i), xv = __ldg(xr + i);
+    const float4 wv = __ldg(wr + i), xv = in4(i);
     acc = fmaf(wv.x, xv.x, acc);
     acc = fmaf(wv.y, xv.y, acc);
     acc = fmaf(wv.z, xv.z, acc);
@@ -268,6 +327,16 @@ extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
   acc = warp_sum(acc);
   if (lane == 0 && e < n_exp) logits[t * n_exp + e] = acc;
   if (lane == 0 && gate_row) gout[t] = sigmoid_f(acc);
+  // the pre-norm's rows for the experts: 32 elements a warp
+  if (hout != nullptr) {
+    const uint32_t n_warps = gridDim.x * ROUTER_WARPS;
+    for (uint32_t j = blockIdx.x * ROUTER_WARPS + warp; 32 * j < d; j += n_warps) {
+      const uint32_t i = 32 * j + lane;
+      const float v = (x[t * d + i] * hs) * nw[i];
+      hout[t * d + i] = v;
+      if (h8 != nullptr) x8_store(v, h8 + t * (uint64_t)gemv_x8_row_bytes(d), d, i);
+    }
+  }
   // the last block of the token to write its logits routes it
   if (!block_arrive_last(counts + t, gridDim.x)) return;
   if (warp == 0)
@@ -280,14 +349,10 @@ extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
 // sh `[n, d]` is given, v += g * sh[t, c] with g = sigmoid(x[t, :] . gate) (x `[n, dx]`) when
 // gate is given, else 1; out `[n, d]` = v, or out += v with accumulate (Backend::moe_add).
 // Rounded as the weighted sum, moe_shared_add_f32 and add_f32 one after the other would.
-// With hout `[n, d]` (Backend::moe_add_norm): the last block of token t to finish (counted in
-// counts[t], zero before the launch and zero again after it) writes the next block's pre-norm
-// hout[t, :] = rms_norm(out[t, :]) * nw (rms_norm_f32's formula; nw `[d]`).
 extern "C" __global__ void moe_finish_f32(const float* __restrict__ ye, const float* __restrict__ w, uint32_t k,
                                           uint32_t d, const float* __restrict__ sh, const float* __restrict__ x,
                                           const float* __restrict__ gate, uint32_t dx, uint32_t accumulate,
-                                          float* out, const float* __restrict__ nw, float eps,
-                                          float* __restrict__ hout, uint32_t* counts) {
+                                          float* out) {
   pdl_enter();
   __shared__ float scratch[32];
   const uint64_t t = blockIdx.y;
@@ -306,18 +371,6 @@ extern "C" __global__ void moe_finish_f32(const float* __restrict__ ye, const fl
     float* o = out + t * d + c;
     *o = accumulate ? *o + v : v;
   }
-  if (hout == nullptr) return;
-  // the last block of the token to write its columns normalises the row
-  if (!block_arrive_last(counts + t, gridDim.x)) return;
-  const float* row = out + t * d;
-  float ss = 0.0f;
-  for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) {
-    const float v = __ldcg(row + i);
-    ss += v * v;
-  }
-  ss = block_sum(ss, scratch);
-  const float scale = 1.0f / sqrtf(ss / (float)d + eps);
-  for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) hout[t * d + i] = (__ldcg(row + i) * scale) * nw[i];
 }
 
 // Shared expert of token blockIdx.x: out[t, :] += g * sh[t, :], g = sigmoid(x[t, :] . gate)

@@ -33,10 +33,12 @@
 //   + row0 + r]) + g[t] (x[shared_x0 + t] . W_shared[r]) + g[t] sh[t, r], over the block's
 //   rows r, the shared terms where given (see `GemvSumArgs`). Launch: `GemvArgs` (part 0 the
 //   routed stack, y = out, its ldy and accumulate; part `shared_part` the shared twin),
-//   `GemvIdArgs`, `GemvSumArgs` by value; grid (ceil(n_rows / (GEMV_SUM_R * 32 / lpr)),
+//   `GemvIdArgs`, `GemvSumArgs` by value; grid (ceil(n_rows / (R * 32 / lpr)),
 //   n_tok), GEMV_SUM_WARPS warps: warp w runs pairs w, w + GEMV_SUM_WARPS, ... on all the
-//   block's rows and the warps' sums are added in warp order.
-// - `gemv_id5_q4_k`: `gemv_id_q4_k` compiled for 5 blocks per SM (see `GEMV_ID5_MIN_BLOCKS`).
+//   block's rows and the warps' sums are added in warp order. R = 1 row per lane group;
+//   `gemv_id_sum4_<ty>` (Q4_K, Q6_K): R = 4.
+// - `gemv_id5_q4_k`, `gemv_id5_x8_q4_k`: `gemv_id_q4_k` and `gemv_id_x8_q4_k` compiled for 5
+//   blocks per SM (see `GEMV_ID5_MIN_BLOCKS`).
 // - `gemv_grp_<ty>`: the expert-grouped GEMV of a prompt's MoE (every used expert in one
 //   launch; the f32 form of `gemm_grp_<ty>_<bn>`): the rows of x are the (token, slot) pairs
 //   sorted by expert, and grid.y runs over tiles of up to 8 pairs of one expert. Tile i is
@@ -47,7 +49,8 @@
 //   their results dropped: x must hold 7 rows past the last tile's. Launch: one `GemvArgs` and
 //   one `GemvIdArgs` (ids = the tiles) by value, grid (vblocks, n_tiles).
 // - `gemv_x8_<ty>`, `gemv_id_x8_<ty>` (Q4_K, Q6_K): the one-token GEMV and the routed
-//   one on int8 activations (`quantize_x8_f32`'s rows instead of f32 x; `__dp4a` per 4
+//   one on int8 activations (common.cuh `x8_store` rows, written by `quantize_x8_f32` or
+//   by ops.cu `rms_norm_to_x8_f32`, instead of f32 x; `__dp4a` per 4
 //   weights, ~1 instruction per weight instead of ~4), same arguments and epilogues.
 // - `quantize_x8_f32`: f32 activation rows to that int8 layout (see `gemv_chunk_x8`).
 // - `gemm_grp_<ty>_<bn>` (quantised types, bn = 16 or 64): `gemv_grp_<ty>` on tensor cores
@@ -180,13 +183,9 @@ __device__ __forceinline__ void gemv_chunk(const typename KqFmt<T>::Raw (&raw)[R
 }
 
 // The int8-activation form of `gemv_chunk` (one token; Q4_K, Q6_K): `xb` is one token's
-// row of the x8 layout below; per segment and row one `__dp4a` chain over the segment's
-// SEGLEN / 4 words, then acc += dx * (A * isum - B * qsum) (quant.cuh `iaffine`).
-// x8 row layout (`quantize_x8_f32`, n_in a multiple of 32): the quants q (i8) at 0, the
-// scales dx (f32, one per 32 elements) at n_in, the sums of q per 16 elements (i32) at
-// n_in + n_in / 8: `gemv_x8_row_bytes(n_in)` = n_in * 11 / 8 bytes.
-__host__ __device__ __forceinline__ int gemv_x8_row_bytes(int n_in) { return n_in + n_in / 8 + n_in / 4; }
-
+// row of the x8 layout (common.cuh `x8_store`); per segment and row one `__dp4a` chain over
+// the segment's SEGLEN / 4 words, then acc += dx * (A * isum - B * qsum) (quant.cuh
+// `iaffine`).
 template <int T, int R>
 __device__ __forceinline__ void gemv_chunk_x8(const typename KqFmt<T>::Raw (&raw)[R], int j, const uint8_t* __restrict__ xb,
                                               int n_in, float (&acc)[1][R]) {
@@ -457,14 +456,13 @@ struct GemvSumArgs {
   int k, shared;
 };
 
-// Rows per lane group of `gemv_id_sum_<ty>`: one, so the (short) launch spreads its chains over
-// as many warps as it can (a chunk of a row per lane).
-#define GEMV_SUM_R 1
-
-template <int T>
+// Rows per lane group R of `gemv_id_sum_<ty>`: one, so the (short) launch spreads its chains over
+// as many warps as it can (a chunk of a row per lane); `gemv_id_sum4_<ty>` (Q4_K, Q6_K): four,
+// for rows of 9 to 16 chunks (Qwen3-30B-A3B's 768-wide down rows), where one row a lane group
+// made too many blocks.
+template <int T, int R>
 __device__ __forceinline__ void gemv_sum_impl(const GemvArgs& a, const GemvIdArgs& ida, const GemvSumArgs& s) {
   using F = KqFmt<T>;
-  constexpr int R = GEMV_SUM_R;
   __shared__ float red[2][GEMV_SUM_WARPS][32];  // per warp: the routed sums, the shared dots
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int lpr = a.lpr > 0 ? a.lpr : 32;
@@ -557,7 +555,7 @@ __device__ __forceinline__ void gemv_sum_impl(const GemvArgs& a, const GemvIdArg
   extern "C" __global__ void __launch_bounds__(GEMV_SUM_WARPS * 32, 4)                              \
       gemv_id_sum_##NAME(const __grid_constant__ GemvArgs a, const __grid_constant__ GemvIdArgs ida, \
                          const __grid_constant__ GemvSumArgs sa) {                                   \
-    gemv_sum_impl<T>(a, ida, sa);                                                                    \
+    gemv_sum_impl<T, 1>(a, ida, sa);                                                                 \
   }                                                                                                  \
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GemvTune<T, 1>::MIN_BLOCKS)           \
       gemv_id_##NAME(const __grid_constant__ GemvArgs a, const __grid_constant__ GemvIdArgs ida) {  \
@@ -591,9 +589,24 @@ __device__ __forceinline__ void gemv_sum_impl(const GemvArgs& a, const GemvIdArg
 GEMV_X8(q4_k, KQ_Q4_K)
 GEMV_X8(q6_k, KQ_Q6_K)
 
+// (registers for 2 blocks per SM: 4 rows' chunks spill at 4)
+#define GEMV_SUM4(NAME, T)                                                                          \
+  extern "C" __global__ void __launch_bounds__(GEMV_SUM_WARPS * 32, 2)                              \
+      gemv_id_sum4_##NAME(const __grid_constant__ GemvArgs a, const __grid_constant__ GemvIdArgs ida, \
+                          const __grid_constant__ GemvSumArgs sa) {                                  \
+    gemv_sum_impl<T, 4>(a, ida, sa);                                                                 \
+  }
+GEMV_SUM4(q4_k, KQ_Q4_K)
+GEMV_SUM4(q6_k, KQ_Q6_K)
+
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_ID5_MIN_BLOCKS)
     gemv_id5_q4_k(const __grid_constant__ GemvArgs a, const __grid_constant__ GemvIdArgs ida) {
   gemv_impl<KQ_Q4_K, 1, false, true>(a, ida);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_ID5_MIN_BLOCKS)
+    gemv_id5_x8_q4_k(const __grid_constant__ GemvArgs a, const __grid_constant__ GemvIdArgs ida) {
+  gemv_impl<KQ_Q4_K, 1, false, true, true>(a, ida);
 }
 
 // x [n_tok, n_in] f32 -> n_tok x8 rows (`gemv_chunk_x8`'s layout, row stride
@@ -609,19 +622,7 @@ extern "C" __global__ void __launch_bounds__(256) quantize_x8_f32(const float* _
   for (size_t wi = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; wi < n_warps;
        wi += ((size_t)gridDim.x * blockDim.x) >> 5) {
     const size_t t = wi / nb, b = wi - t * nb;
-    const float v = x[t * n_in + b * 32 + lane];
-    float amax = fabsf(v);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float d = amax / 127.0f;
-    const int q = d > 0.0f ? __float2int_rn(v / d) : 0;
-    uint8_t* row = out + t * (size_t)gemv_x8_row_bytes(n_in);
-    row[b * 32 + lane] = (uint8_t)(int8_t)q;
-    int sum = q;
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);  // per 16 lanes
-    if (lane == 0) reinterpret_cast<float*>(row + n_in)[b] = d;
-    if ((lane & 15) == 0) reinterpret_cast<int*>(row + n_in + n_in / 8)[2 * b + (lane >> 4)] = sum;
+    x8_store(x[t * n_in + b * 32 + lane], out + t * (size_t)gemv_x8_row_bytes(n_in), n_in, b * 32 + lane);
   }
 }
 

@@ -99,8 +99,11 @@ extern "C" __global__ void scatter_rows_f32(const float* __restrict__ src, float
 // one memory round trip before the reduction instead of one per loop iteration; the rest
 // is read twice.
 #define RMS_CACHE 8
+// With X8 (width a multiple of 32, blockDim too) the result also goes to x8row in the int8
+// layout of common.cuh `x8_store`.
+template <bool X8 = false>
 __device__ __forceinline__ void rms_norm_row(const float* in, float* out, const float* __restrict__ w,
-                                             uint32_t width, float eps) {
+                                             uint32_t width, float eps, uint8_t* __restrict__ x8row = nullptr) {
   __shared__ float scratch[32];
   float xv[RMS_CACHE], wv[RMS_CACHE];
   float ss = 0.0f;
@@ -115,12 +118,21 @@ __device__ __forceinline__ void rms_norm_row(const float* in, float* out, const 
   for (uint32_t i = threadIdx.x + RMS_CACHE * blockDim.x; i < width; i += blockDim.x) ss += in[i] * in[i];
   ss = block_sum(ss, scratch);  // syncs: in place (out == in), every read is done
   const float scale = 1.0f / sqrtf(ss / (float)width + eps);
+  // (with X8, `i < width` is the same for the 32 lanes of a warp: both are multiples of 32)
+  float v[RMS_CACHE];
+  uint32_t idx[RMS_CACHE];
 #pragma unroll
   for (int u = 0; u < RMS_CACHE; u++) {
-    const uint32_t i = threadIdx.x + u * blockDim.x;
-    if (i < width) out[i] = (xv[u] * scale) * wv[u];
+    idx[u] = threadIdx.x + u * blockDim.x;
+    v[u] = (xv[u] * scale) * wv[u];  // 0 past the row
+    if (idx[u] < width) out[idx[u]] = v[u];
   }
-  for (uint32_t i = threadIdx.x + RMS_CACHE * blockDim.x; i < width; i += blockDim.x) out[i] = (in[i] * scale) * w[i];
+  if constexpr (X8) x8_store_n<RMS_CACHE>(v, x8row, width, idx);
+  for (uint32_t i = threadIdx.x + RMS_CACHE * blockDim.x; i < width; i += blockDim.x) {
+    const float v = (in[i] * scale) * w[i];
+    out[i] = v;
+    if constexpr (X8) x8_store(v, x8row, width, i);
+  }
 }
 
 extern "C" __global__ void rms_norm_f32(float* __restrict__ x, const float* __restrict__ w, uint32_t width,
@@ -135,6 +147,17 @@ extern "C" __global__ void rms_norm_to_f32(const float* __restrict__ x, float* _
                                            const float* __restrict__ w, uint32_t width, float eps) {
   pdl_enter();
   rms_norm_row(x + (uint64_t)blockIdx.x * width, out + (uint64_t)blockIdx.x * width, w, width, eps);
+}
+
+// rms_norm_to_f32, and the row's int8 form into x8 (row stride gemv_x8_row_bytes(width)) for the
+// int8-activation GEMVs that read it (src/buffers.rs `X8Rows`). width and blockDim multiples
+// of 32.
+extern "C" __global__ void rms_norm_to_x8_f32(const float* __restrict__ x, float* __restrict__ out,
+                                              const float* __restrict__ w, uint32_t width, float eps,
+                                              uint8_t* __restrict__ x8) {
+  pdl_enter();
+  const uint64_t r = blockIdx.x;
+  rms_norm_row<true>(x + r * width, out + r * width, w, width, eps, x8 + r * (uint64_t)gemv_x8_row_bytes(width));
 }
 
 // L2 norm of row blockIdx.x in place: x = x * ((1 / sqrt(sum(x^2) + eps)) * scale).

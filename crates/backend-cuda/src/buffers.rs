@@ -63,6 +63,34 @@ fn storage_len(dtype: DType, n: usize) -> usize {
     }
 }
 
+/// A tensor's device storage: its elements, and for f32 activation rows the int8 copy the
+/// pre-norm may write beside them ([`X8Rows`]). Every mutable access to the elements goes
+/// through [`CudaBackend::buf_mut`], which marks that copy stale.
+pub(crate) struct DevBuf<T> {
+    /// The elements (see the module's layouts).
+    data: CudaSlice<T>,
+    /// The int8 rows of `data`, where a kernel wrote them with it.
+    x8: Option<X8Rows>,
+}
+
+impl<T> DevBuf<T> {
+    fn new(data: CudaSlice<T>) -> DevBuf<T> {
+        DevBuf { data, x8: None }
+    }
+}
+
+/// The int8 form of an f32 tensor's rows (kernels/matmul.cu's x8 layout: per row
+/// `gemv_x8_row_bytes(width)` bytes, rows back to back), for the int8-activation GEMVs: the
+/// RMS norm writes it with its output (ops.cu `rms_norm_to_x8_f32`), so a GEMV reading those
+/// rows needs no quantisation launch of its own.
+pub(crate) struct X8Rows {
+    buf: CudaSlice<u8>,
+    /// Row width in elements (the GEMV's `n_in`).
+    width: usize,
+    /// Whether `buf` holds the tensor's current values (cleared by every mutable access).
+    valid: bool,
+}
+
 /// An uploaded weight, in device memory.
 pub(crate) struct DevWeight {
     /// Id of the backend that uploaded it.
@@ -92,8 +120,8 @@ impl CudaBackend {
                 format!("{what} is {:?}, expected {:?}", t.dtype(), T::DTYPE),
             );
         }
-        match t.buf::<CudaSlice<T>>() {
-            Some(s) if self.owns(s) => Ok(s),
+        match t.buf::<DevBuf<T>>() {
+            Some(s) if self.owns(&s.data) => Ok(&s.data),
             _ => Err(BackendError::ForeignHandle { op, what }),
         }
     }
@@ -111,10 +139,76 @@ impl CudaBackend {
                 format!("{what} is {:?}, expected {:?}", t.dtype(), T::DTYPE),
             );
         }
+        Ok(&mut self.dev_buf_mut::<T>(t, op, what)?.data)
+    }
+
+    /// The storage of `t` (dtype checked by the callers), its int8 rows marked stale: the
+    /// one mutable way in.
+    fn dev_buf_mut<'a, T: Elem>(
+        &self,
+        t: &'a mut Tensor,
+        op: &'static str,
+        what: &'static str,
+    ) -> Result<&'a mut DevBuf<T>> {
         let stream = self.stream.cu_stream();
-        match t.buf_mut::<CudaSlice<T>>() {
-            Some(s) if s.stream().cu_stream() == stream => Ok(s),
+        match t.buf_mut::<DevBuf<T>>() {
+            Some(s) if s.data.stream().cu_stream() == stream => {
+                if let Some(x8) = s.x8.as_mut() {
+                    x8.valid = false;
+                }
+                Ok(s)
+            }
             _ => Err(BackendError::ForeignHandle { op, what }),
+        }
+    }
+
+    /// The int8 rows of the f32 tensor `t` (`x8_row_bytes(width)` bytes a row), where the
+    /// last write of `t` produced them for rows of `width` elements; `None` otherwise.
+    pub(crate) fn x8_rows<'a>(&self, t: &'a Tensor, width: usize) -> Option<&'a CudaSlice<u8>> {
+        let b = t.buf::<DevBuf<f32>>()?;
+        match &b.x8 {
+            Some(x) if x.valid && x.width == width && self.owns(&b.data) => Some(&x.buf),
+            _ => None,
+        }
+    }
+
+    /// The f32 elements of `t` (`rows * width` of them, checked) and a buffer for their int8
+    /// rows (allocated on first use, kept with the tensor), for a kernel that writes both;
+    /// the int8 rows count as current only after [`CudaBackend::x8_written`].
+    pub(crate) fn f32_with_x8_mut<'a>(
+        &self,
+        t: &'a mut Tensor,
+        rows: usize,
+        width: usize,
+        op: &'static str,
+        what: &'static str,
+    ) -> Result<(&'a mut CudaSlice<f32>, &'a mut CudaSlice<u8>)> {
+        kapitsa_backend::check_len(op, what, t.len(), rows * width)?;
+        if t.dtype() != DType::F32 {
+            return shape_err(op, format!("{what} is {:?}, expected F32", t.dtype()));
+        }
+        let bytes = rows * crate::matmul::x8_row_bytes(width);
+        let b = self.dev_buf_mut::<f32>(t, op, what)?;
+        if b.x8.as_ref().is_some_and(|x| x.buf.len() < bytes) {
+            b.x8 = None;
+        }
+        let x = match b.x8 {
+            Some(ref mut x) => x,
+            None => b.x8.insert(X8Rows {
+                buf: self.scratch::<u8>(bytes)?,
+                width,
+                valid: false,
+            }),
+        };
+        x.width = width;
+        Ok((&mut b.data, &mut x.buf))
+    }
+
+    /// Mark the int8 rows of `t` that [`CudaBackend::f32_with_x8_mut`] handed out as written
+    /// (the kernel that wrote them is queued).
+    pub(crate) fn x8_written(&self, t: &mut Tensor) {
+        if let Some(x) = t.buf_mut::<DevBuf<f32>>().and_then(|b| b.x8.as_mut()) {
+            x.valid = true;
         }
     }
 
@@ -223,10 +317,10 @@ impl CudaBackend {
         }
         let n = storage_len(dtype, len);
         let buf: Box<dyn std::any::Any + Send + Sync> = match dtype {
-            DType::F32 => Box::new(self.zeros::<f32>(n)?),
-            DType::F16 => Box::new(self.zeros::<u16>(n)?),
-            DType::Q8_0 => Box::new(self.zeros::<u8>(n)?),
-            DType::U32 => Box::new(self.zeros::<u32>(n)?),
+            DType::F32 => Box::new(DevBuf::new(self.zeros::<f32>(n)?)),
+            DType::F16 => Box::new(DevBuf::new(self.zeros::<u16>(n)?)),
+            DType::Q8_0 => Box::new(DevBuf::new(self.zeros::<u8>(n)?)),
+            DType::U32 => Box::new(DevBuf::new(self.zeros::<u32>(n)?)),
         };
         Ok(Tensor::from_parts(dtype, len, buf))
     }
@@ -242,10 +336,10 @@ impl CudaBackend {
         }
         let n = storage_len(dtype, len);
         let buf: Box<dyn std::any::Any + Send + Sync> = match dtype {
-            DType::F32 => Box::new(self.scratch::<f32>(n)?),
-            DType::F16 => Box::new(self.scratch::<u16>(n)?),
-            DType::Q8_0 => Box::new(self.scratch::<u8>(n)?),
-            DType::U32 => Box::new(self.scratch::<u32>(n)?),
+            DType::F32 => Box::new(DevBuf::new(self.scratch::<f32>(n)?)),
+            DType::F16 => Box::new(DevBuf::new(self.scratch::<u16>(n)?)),
+            DType::Q8_0 => Box::new(DevBuf::new(self.scratch::<u8>(n)?)),
+            DType::U32 => Box::new(DevBuf::new(self.scratch::<u32>(n)?)),
         };
         Ok(Tensor::from_parts(dtype, len, buf))
     }

@@ -379,7 +379,8 @@ macro_rules! kernel_table {
 kernel_table! {
     "ops" => [
         add_f32, add_bias_f32, mul_sigmoid_f32, silu_mul_f32, relu2_f32, split_cols_f32,
-        gather_rows_f32, scatter_rows_f32, rms_norm_f32, rms_norm_to_f32, l2_norm_f32, gated_rms_norm_f32,
+        gather_rows_f32, scatter_rows_f32, rms_norm_f32, rms_norm_to_f32, rms_norm_to_x8_f32, l2_norm_f32,
+        gated_rms_norm_f32,
         gated_group_rms_norm_f32, rope_neox_f32, rope_neox_qk_f32, gdn_gates_f32, softplus_bias_f32,
         argmax_rows_f32, layer_norm_f32, gelu_f32, rope_table_f32,
     ],

@@ -70,7 +70,22 @@ impl CudaBackend {
         let (n_out, n_in) = w.dims2(OP)?;
         let m = self.matrix(w, OP)?;
         let xb = self.f32_len(x, n_tok * n_in, OP, "x")?;
+        let x8 = self.x8_rows(x, n_in);
         let yb = self.f32_len_mut(y, n_tok * n_out, OP, "y")?;
+        // rows a pre-norm also wrote in int8: the GEMV that reads those where it takes them
+        if x8.is_some()
+            && self.mm.matmul_epilogue(
+                &self.stream,
+                m,
+                xb,
+                x8,
+                n_tok,
+                yb,
+                GemvEpilogue::default(),
+            )?
+        {
+            return Ok(());
+        }
         self.matmul_dev(m, xb, n_tok, yb)
     }
 
@@ -86,6 +101,7 @@ impl CudaBackend {
         let (n_out, n_in) = w.dims2(OP)?;
         let m = self.matrix(w, OP)?;
         let xb = self.f32_len(x, n_tok * n_in, OP, "x")?;
+        let x8 = self.x8_rows(x, n_in);
         let bias = match ep.bias {
             Some(b) => Some(self.f32_len(b, n_out, OP, "bias")?),
             None => None,
@@ -97,7 +113,7 @@ impl CudaBackend {
         };
         if self
             .mm
-            .matmul_epilogue(&self.stream, m, xb, n_tok, yb, gep)?
+            .matmul_epilogue(&self.stream, m, xb, x8, n_tok, yb, gep)?
         {
             return Ok(());
         }
@@ -167,6 +183,7 @@ impl CudaBackend {
                 continue;
             }
             let xb = self.f32_len(x, n_tok * gm[0].n_in(), OP, "x")?;
+            let x8 = self.x8_rows(x, gm[0].n_in());
             let mut views = Vec::with_capacity(g.len());
             let mut epis = Vec::with_capacity(g.len());
             for ((y, m), &i) in gys.into_iter().zip(&gm).zip(g) {
@@ -194,7 +211,7 @@ impl CudaBackend {
                 })
                 .collect();
             self.mm
-                .gemv_parts(&self.stream, &mut parts, &xb.as_view(), n_tok, false)?;
+                .gemv_parts(&self.stream, &mut parts, &xb.as_view(), x8, n_tok, false)?;
         }
         Ok(())
     }
@@ -242,7 +259,8 @@ impl CudaBackend {
         )
     }
 
-    /// `out[n, d_out] = mlp(x[n, d_in])` for one expert's matrices (hidden width `n_ff`).
+    /// `out[n, d_out] = mlp(x[n, d_in])` for one expert's matrices (hidden width `n_ff`);
+    /// `x8` the int8 form of x's rows where it came with them (matmul/gemv.rs `x8_mode`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn mlp_dev(
         &self,
@@ -250,10 +268,10 @@ impl CudaBackend {
         act: Act,
         n_ff: usize,
         n: usize,
-        x: &CudaSlice<f32>,
+        (x, x8): (&CudaSlice<f32>, Option<&CudaSlice<u8>>),
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        self.mlp_dev_ep(mats, act, n_ff, n, x, out, false)
+        self.mlp_dev_ep(mats, act, n_ff, n, (x, x8), out, false)
     }
 
     /// [`Self::mlp_dev`], adding into `out` when `accumulate` (the down projection's
@@ -265,7 +283,7 @@ impl CudaBackend {
         act: Act,
         n_ff: usize,
         n: usize,
-        x: &CudaSlice<f32>,
+        (x, x8): (&CudaSlice<f32>, Option<&CudaSlice<u8>>),
         out: &mut CudaSlice<f32>,
         accumulate: bool,
     ) -> Result<()> {
@@ -287,7 +305,7 @@ impl CudaBackend {
             if whole
                 && self
                     .mm
-                    .matmul_epilogue(&self.stream, mats.down.w, h, n, out, ep)?
+                    .matmul_epilogue(&self.stream, mats.down.w, h, None, n, out, ep)?
             {
                 return Ok(());
             }
@@ -322,7 +340,7 @@ impl CudaBackend {
                         },
                     ];
                     self.mm
-                        .gemv_parts(&self.stream, &mut parts, &x.as_view(), n, true)?;
+                        .gemv_parts(&self.stream, &mut parts, &x.as_view(), x8, n, true)?;
                 } else {
                     self.mat_dev(&mats.up, x, n, &mut u)?;
                     self.mat_dev(gate, x, n, &mut g)?;
@@ -406,8 +424,9 @@ impl CudaBackend {
         let op = if accumulate { "mlp_add" } else { "mlp" };
         let (mats, n_in, n_ff, n_out) = self.mlp_mats(w, op)?;
         let xb = self.f32_len(x, n * n_in, op, "x")?;
+        let x8 = self.x8_rows(x, n_in);
         let ob = self.f32_len_mut(out, n * n_out, op, "out")?;
-        self.mlp_dev_ep(&mats, w.act, n_ff, n, xb, ob, accumulate)
+        self.mlp_dev_ep(&mats, w.act, n_ff, n, (xb, x8), ob, accumulate)
     }
 }
 

@@ -161,9 +161,6 @@ mod imp {
         /// Zeroed per-(sequence, k head) counters of the fused Gated DeltaNet mixer
         /// (src/recurrent.rs `GDN_COUNTERS`); each launch leaves them zero again.
         pub(crate) gdn_counts: cudarc::driver::CudaSlice<u32>,
-        /// Zeroed per-token block counters of the MoE finish kernel's fused pre-norm
-        /// (src/moe.rs `MOE_NORM_MAX_TOKENS`); each launch leaves them zero again.
-        pub(crate) finish_counts: cudarc::driver::CudaSlice<u32>,
     }
 
     impl Drop for CudaBackend {
@@ -215,9 +212,6 @@ mod imp {
             let gdn_counts = stream
                 .alloc_zeros::<u32>(crate::recurrent::GDN_COUNTERS)
                 .map_err(dev_err)?;
-            let finish_counts = stream
-                .alloc_zeros::<u32>(crate::moe::MOE_NORM_MAX_TOKENS)
-                .map_err(dev_err)?;
             Ok(CudaBackend {
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 info,
@@ -231,7 +225,6 @@ mod imp {
                 staging: std::sync::Mutex::new(None),
                 router_counts,
                 gdn_counts,
-                finish_counts,
             })
         }
     }
@@ -414,16 +407,15 @@ mod imp {
             self.moe_impl(w, x, n, y, true)
         }
 
-        fn moe_add_norm(
+        fn norm_moe_add(
             &self,
             w: &MoeWeights,
-            x: &Tensor,
-            n: usize,
-            y: &mut Tensor,
             norm: (&Tensor, f32),
             h: &mut Tensor,
+            n: usize,
+            y: &mut Tensor,
         ) -> Result<()> {
-            self.moe_add_norm_impl(w, x, n, y, norm, h)
+            self.norm_moe_add_impl(w, norm, h, n, y)
         }
 
         fn moe_reads_back(&self, w: &MoeWeights, n: usize) -> bool {

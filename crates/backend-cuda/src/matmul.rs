@@ -52,7 +52,9 @@ use crate::launch::KernelLaunch;
 mod gemm_grp;
 mod gemv;
 pub(crate) use gemm_grp::GEMM_GRP_TILES;
-pub(crate) use gemv::{fuse_on, GemvPart, GemvRoute, MoeSum, SharedPairs, GEMV_MAX_PARTS};
+pub(crate) use gemv::{
+    fuse_on, x8_from_norm, x8_row_bytes, GemvPart, GemvRoute, MoeSum, SharedPairs, GEMV_MAX_PARTS,
+};
 
 /// The GEMV kernels' epilogue: a bias added to every row, accumulation into `y`.
 #[derive(Clone, Copy, Default)]
@@ -280,12 +282,20 @@ impl CudaWeight {
         self.n_in.is_multiple_of(self.fmt.chunk())
     }
 
-    /// Whether this expert stack's down projection pays as `gemv_id_sum_<ty>` (kernels/
-    /// matmul.cu): rows of at most 8 chunks, so a block holds 4 rows (one per 8 lanes) and a
-    /// decode's grid stays near one wave. Measured on an H100: Qwen3.6's 512-wide rows (8
-    /// chunks) gain 2%, Qwen3-30B-A3B's 768-wide rows (12 chunks, 2 rows a block) lose 4%.
-    pub(crate) fn id_sum_pays(&self) -> bool {
-        self.gemv_ok() && self.n_in / self.fmt.chunk() <= 8
+    /// Rows per lane group of the `gemv_id_sum` kernel this expert stack's down projection
+    /// takes (kernels/matmul.cu), `None` where it does not pay. Rows of at most 8 chunks take
+    /// `gemv_id_sum_<ty>` (1 row: a block holds 4 rows, one per 8 lanes, and a decode's grid
+    /// stays near one wave); Q4_K/Q6_K rows of 9 to 16 chunks `gemv_id_sum4_<ty>` (4 rows,
+    /// `KAPITSA_MOE_DOWN_SUM4=0`: neither). Measured on an H100: Qwen3.6's 512-wide rows (8
+    /// chunks) gain 2% with 1 row; Qwen3-30B-A3B's 768-wide rows (12 chunks) lose 4% with 1
+    /// row (2 rows a block) and gained 3% with 4 (stop 44, call Y2).
+    pub(crate) fn id_sum_rows(&self) -> Option<usize> {
+        let chunks = self.n_in / self.fmt.chunk();
+        match self.gemv_ok() {
+            true if chunks <= 8 => Some(1),
+            true if chunks <= 16 && self.fmt.x8() && gemv::sum4_on() => Some(4),
+            _ => None,
+        }
     }
 
     /// Whether products of `ws` over `n_tok` tokens can share one GEMV launch
@@ -361,9 +371,13 @@ pub(crate) struct MatmulKernels {
     gemv_id: Vec<CudaFunction>,
     /// `gemv_id_sum_<fmt>` (routed down projections and the MoE's weighted sum) by `fmt.id()`.
     gemv_id_sum: Vec<CudaFunction>,
+    /// `gemv_id_sum4_<fmt>` (the same, 4 rows per lane group) by `fmt.id()` (Q4_K, Q6_K).
+    gemv_id_sum4: Vec<Option<CudaFunction>>,
     /// `gemv_id5_q4_k`: `gemv_id_q4_k` compiled for 5 blocks per SM (the default;
     /// `KAPITSA_GEMV_ID5=0`: `gemv_id_q4_k`).
     gemv_id5_q4_k: CudaFunction,
+    /// `gemv_id5_x8_q4_k`: the same for `gemv_id_x8_q4_k`.
+    gemv_id5_x8_q4_k: CudaFunction,
     /// `gemv_grp_<fmt>` (expert-grouped, tiles of up to 8 sorted pairs) by `fmt.id()`.
     gemv_grp: Vec<CudaFunction>,
     /// `gemm_grp_<fmt>_16` / `_64` (expert-grouped on tensor cores) by `fmt.id()` (`None`
@@ -414,6 +428,7 @@ impl MatmulKernels {
         let mut gemv_xs = Vec::with_capacity(Fmt::ALL.len());
         let mut gemv_id = Vec::with_capacity(Fmt::ALL.len());
         let mut gemv_id_sum = Vec::with_capacity(Fmt::ALL.len());
+        let mut gemv_id_sum4 = Vec::with_capacity(Fmt::ALL.len());
         let mut gemv_grp = Vec::with_capacity(Fmt::ALL.len());
         let mut gemm_grp = Vec::with_capacity(Fmt::ALL.len());
         let mut gemv_x8 = Vec::with_capacity(Fmt::ALL.len());
@@ -433,6 +448,10 @@ impl MatmulKernels {
             gemv_xs.push(xs);
             gemv_id.push(f(&format!("gemv_id_{}", fmt.name()))?);
             gemv_id_sum.push(f(&format!("gemv_id_sum_{}", fmt.name()))?);
+            gemv_id_sum4.push(match fmt.x8() {
+                true => Some(f(&format!("gemv_id_sum4_{}", fmt.name()))?),
+                false => None,
+            });
             gemv_grp.push(f(&format!("gemv_grp_{}", fmt.name()))?);
             if fmt.x8() {
                 gemv_x8.push(Some(f(&format!("gemv_x8_{}", fmt.name()))?));
@@ -463,7 +482,9 @@ impl MatmulKernels {
             gemv_xs,
             gemv_id,
             gemv_id_sum,
+            gemv_id_sum4,
             gemv_id5_q4_k: f("gemv_id5_q4_k")?,
+            gemv_id5_x8_q4_k: f("gemv_id5_x8_q4_k")?,
             gemv_grp,
             gemm_grp,
             gemv_x8,
@@ -580,13 +601,15 @@ impl MatmulKernels {
     /// `y = (ep.accumulate ? y : 0) + (x @ w^T + ep.bias)` through the GEMV kernels' epilogue,
     /// for a 2-D weight at most [`GEMV_SPLIT_MAX_TOKENS`] tokens the GEMV takes; `Ok(false)`
     /// (nothing queued) otherwise, and the caller composes the ops. Buffers as in `matmul`,
-    /// the bias `[n_out]`.
+    /// the bias `[n_out]`; `x8` the int8 form of x's rows where it came with them
+    /// ([`gemv::x8_mode`]).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn matmul_epilogue(
         &self,
         stream: &Arc<CudaStream>,
         w: &CudaWeight,
         x: &CudaSlice<f32>,
+        x8: Option<&CudaSlice<u8>>,
         n_tok: usize,
         y: &mut CudaSlice<f32>,
         ep: GemvEpilogue<'_>,
@@ -608,7 +631,7 @@ impl MatmulKernels {
         i32_arg(OP, "n_tok * n_in", n_tok * n_in)?;
         i32_arg(OP, "n_tok * rows", n_tok * n_rows)?;
         let (x, mut y) = (x.as_view(), y.as_view_mut());
-        self.gemv_tokens(stream, w, 0, n_rows, &x, n_tok, &mut y, ep)?;
+        self.gemv_tokens(stream, w, 0, n_rows, (&x, x8), n_tok, &mut y, ep)?;
         Ok(true)
     }
 
@@ -675,7 +698,7 @@ impl MatmulKernels {
             w,
             row0,
             n_rows,
-            x,
+            (x, None),
             n_tok,
             y,
             GemvEpilogue::default(),
@@ -683,7 +706,7 @@ impl MatmulKernels {
     }
 
     /// The GEMV over `n_tok` tokens in launches of up to [`GEMV_MAX_TOKENS`] (views checked
-    /// by the caller).
+    /// by the caller); x with its rows' int8 form where that came with them.
     #[allow(clippy::too_many_arguments)]
     fn gemv_tokens(
         &self,
@@ -691,7 +714,7 @@ impl MatmulKernels {
         w: &CudaWeight,
         row0: usize,
         n_rows: usize,
-        x: &CudaView<'_, f32>,
+        (x, x8): (&CudaView<'_, f32>, Option<&CudaSlice<u8>>),
         n_tok: usize,
         y: &mut CudaViewMut<'_, f32>,
         ep: GemvEpilogue<'_>,
@@ -703,7 +726,7 @@ impl MatmulKernels {
             y,
             ep,
         }];
-        self.gemv_parts(stream, &mut parts, x, n_tok, false)
+        self.gemv_parts(stream, &mut parts, x, x8, n_tok, false)
     }
 
     /// `out[i, :] = dequant(w[ids[i], :])` for `i < n` (2-D weight; `ids` and `out` device

@@ -1,4 +1,4 @@
-//! The routed mixture of experts on the GPU (`Backend::moe`, `moe_add`, `moe_add_norm`): the
+//! The routed mixture of experts on the GPU (`Backend::moe`, `moe_add`, `norm_moe_add`): the
 //! CUDA twin of the MoE half of the CPU backend's src/ffn.rs (the dense MLP and the matmul
 //! entry points are in ffn.rs).
 //!
@@ -37,6 +37,22 @@ use crate::matmul::{
     fuse_on, CudaWeight, GemvEpilogue, GemvPart, GemvRoute, MoeSum, SharedPairs, GEMM_GRP_TILES,
 };
 use crate::CudaBackend;
+
+/// The input rows of [`CudaBackend::moe_rows`].
+enum MoeIn<'a> {
+    /// Given rows `[n, d]`, with their int8 form where it came with them
+    /// (matmul/gemv.rs `x8_mode`).
+    Rows(&'a CudaSlice<f32>, Option<&'a CudaSlice<u8>>),
+    /// The pre-norm of the output's own rows (`norm_moe_add`): the fused router computes
+    /// `h = rms_norm(out) * nw` into `h` (`[n, d]`) and `h8` (int8 rows), which the rest of
+    /// the block reads.
+    Norm {
+        nw: &'a CudaSlice<f32>,
+        eps: f32,
+        h: &'a mut CudaSlice<f32>,
+        h8: Option<&'a mut CudaSlice<u8>>,
+    },
+}
 
 impl CudaBackend {
     /// The matrices of experts `which` of `w.experts` for expert inputs/outputs of width `de`
@@ -154,44 +170,93 @@ impl CudaBackend {
         out: &mut Tensor,
         accumulate: bool,
     ) -> Result<()> {
-        self.moe_norm_impl(w, x, n, out, accumulate, None)
+        const OP: &str = "moe";
+        let (_, d) = w.router.dims2(OP)?;
+        let xb = self.f32_len(x, n * d, OP, "x")?;
+        // x's rows in int8 where its pre-norm wrote them
+        let x8 = self.x8_rows(x, d);
+        let ob = self.f32_len_mut(out, n * d, OP, "out")?;
+        self.moe_rows(w, MoeIn::Rows(xb, x8), n, ob, accumulate)
     }
 
-    /// [`kapitsa_backend::Backend::moe_add_norm`]: `moe_add`, then the next block's pre-norm
-    /// of the result into `h`: in the MoE's last kernel where it can and `KAPITSA_MOE_NORM=1`
-    /// (no latent space, up to [`MOE_NORM_MAX_TOKENS`] tokens), else by `rms_norm_to`.
-    pub(crate) fn moe_add_norm_impl(
+    /// [`kapitsa_backend::Backend::norm_moe_add`]: `h = rms_norm(y)`, then `y += moe(h)`; the
+    /// norm inside the fused router where it takes it ([`Self::router_norms`]), else by
+    /// `rms_norm_to` first.
+    pub(crate) fn norm_moe_add_impl(
         &self,
         w: &MoeWeights,
-        x: &Tensor,
-        n: usize,
-        y: &mut Tensor,
         (norm, eps): (&Tensor, f32),
         h: &mut Tensor,
+        n: usize,
+        y: &mut Tensor,
     ) -> Result<()> {
-        const OP: &str = "moe_add_norm";
-        let d = norm.len();
-        let fused = w.latent.is_none() && n <= MOE_NORM_MAX_TOKENS && moe_norm_on();
-        if !fused {
-            self.moe_impl(w, x, n, y, true)?;
-            return self.rms_norm_to_impl(y, h, d, norm, eps);
+        const OP: &str = "norm_moe_add";
+        let (_, d) = w.router.dims2(OP)?;
+        if norm.len() != d {
+            return shape_err(OP, format!("a norm of {} for width {d}", norm.len()));
         }
-        let nb = self.f32_len(norm, d, OP, "norm")?;
+        if !self.router_norms(w, n)? {
+            self.rms_norm_to_impl(y, h, d, norm, eps)?;
+            return self.moe_impl(w, h, n, y, true);
+        }
+        let nw = self.f32_len(norm, d, OP, "norm")?;
+        let with_x8 = crate::matmul::x8_from_norm(n, d);
+        let yb = self.f32_len_mut(y, n * d, OP, "y")?;
+        if with_x8 {
+            let (hb, h8) = self.f32_with_x8_mut(h, n, d, OP, "h")?;
+            let input = MoeIn::Norm {
+                nw,
+                eps,
+                h: hb,
+                h8: Some(h8),
+            };
+            self.moe_rows(w, input, n, yb, true)?;
+            self.x8_written(h);
+            return Ok(());
+        }
         let hb = self.f32_len_mut(h, n * d, OP, "h")?;
-        self.moe_norm_impl(w, x, n, y, true, Some((nb, eps, hb)))
+        let input = MoeIn::Norm {
+            nw,
+            eps,
+            h: hb,
+            h8: None,
+        };
+        self.moe_rows(w, input, n, yb, true)
     }
 
-    /// `out = moe(x)` (or `+=` with `accumulate`), and with `norm` = (weights `[d]`, eps, h
-    /// `[n, d]`) the pre-norm of `out` into h by the last kernel (no latent space, n <=
-    /// [`MOE_NORM_MAX_TOKENS`]: the caller's contract).
-    fn moe_norm_impl(
+    /// Whether the fused router takes `w` over `n` tokens (`moe_router_topk_f32`: an f32
+    /// router, warp top-k, a decode's token count).
+    fn router_fuses(&self, w: &MoeWeights, n: usize) -> Result<bool> {
+        const OP: &str = "moe";
+        let (n_exp, d) = w.router.dims2(OP)?;
+        let router = self.matrix(&w.router, OP)?;
+        Ok(router.f32_rows().is_some()
+            && n_exp <= TOPK_WARP_MAX_EXPERTS
+            && w.top_k <= 32
+            && topk_warp_on()
+            && n <= MOE_ROUTED_MAX_TOKENS
+            && d.is_multiple_of(4)
+            && router_fused_on())
+    }
+
+    /// Whether `norm_moe_add` of `w` over `n` tokens computes the pre-norm in the fused
+    /// router (its widths: a multiple of 128, at least 256; only with `KAPITSA_MOE_PRENORM=1`,
+    /// see [`prenorm_on`]).
+    fn router_norms(&self, w: &MoeWeights, n: usize) -> Result<bool> {
+        let (_, d) = w.router.dims2("norm_moe_add")?;
+        Ok(d.is_multiple_of(128) && d >= 256 && prenorm_on() && self.router_fuses(w, n)?)
+    }
+
+    /// `out = moe(x)` (or `+=` with `accumulate`) on device rows: `x` given, or (with
+    /// [`MoeIn::Norm`], `accumulate`, [`Self::router_norms`]) the pre-norm of `out` itself,
+    /// written by the fused router.
+    fn moe_rows(
         &self,
         w: &MoeWeights,
-        x: &Tensor,
+        mut x: MoeIn<'_>,
         n: usize,
-        out: &mut Tensor,
+        ob: &mut CudaSlice<f32>,
         accumulate: bool,
-        pre_norm: Option<(&CudaSlice<f32>, f32, &mut CudaSlice<f32>)>,
     ) -> Result<()> {
         const OP: &str = "moe";
         let (n_exp, d) = w.router.dims2(OP)?;
@@ -200,7 +265,12 @@ impl CudaBackend {
             return shape_err(OP, format!("top_k {k} of {n_exp} experts"));
         }
         let router = self.matrix(&w.router, OP)?;
-        let xb = self.f32_len(x, n * d, OP, "x")?;
+        if ob.len() < n * d {
+            return shape_err(
+                OP,
+                format!("out has {} floats, [{n}, {d}] needs more", ob.len()),
+            );
+        }
         let latent = match &w.latent {
             Some(l) => {
                 let (ld, ldin) = l.down.dims2(OP)?;
@@ -257,7 +327,6 @@ impl CudaBackend {
                 },
             ),
         };
-        let ob = self.f32_len_mut(out, n * d, OP, "out")?;
         if n == 0 {
             return Ok(());
         }
@@ -273,36 +342,46 @@ impl CudaBackend {
         let (norm, scale) = (u32::from(w.norm_topk), w.scale);
         let warp = n_exp <= TOPK_WARP_MAX_EXPERTS && k <= 32 && topk_warp_on();
         let mut logits = self.scratch::<f32>(n * n_exp)?;
-        let fused_router = router.f32_rows().is_some()
-            && warp
-            && n <= MOE_ROUTED_MAX_TOKENS
-            && d.is_multiple_of(4)
-            && router_fused_on();
+        let fused_router = self.router_fuses(w, n)?;
+        if let MoeIn::Norm { .. } = &x {
+            if !(fused_router && accumulate && self.router_norms(w, n)?) {
+                return shape_err(OP, "a pre-norm where the fused router does not compute it");
+            }
+        }
         // decode's routed down projections and weighted sum in one launch (the fused router
         // computes the shared expert's gate for it)
         let gated = shared.is_some() && sgate.is_some();
         let sum_down = n <= MOE_SUM_MAX_TOKENS
             && latent.is_none()
-            && pre_norm.is_none()
-            && routed.as_ref().is_some_and(|m| m.down.w.id_sum_pays())
+            && routed
+                .as_ref()
+                .is_some_and(|m| m.down.w.id_sum_rows().is_some())
             && (!gated || fused_router)
             && id_sum_on();
         let mut g_out = match sum_down && gated {
             true => Some(self.scratch::<f32>(n)?),
             false => None,
         };
-        match router.f32_rows() {
-            Some((rw, ld)) if fused_router => {
-                // the router product and the routing in one launch
+        match (router.f32_rows(), &mut x) {
+            (Some((rw, ld)), x) if fused_router => {
+                // the router product and the routing in one launch (and the pre-norm: the
+                // router reads the residual rows `ob` and writes h, h8)
+                let (xin, nw, eps, hout, h8) = match x {
+                    MoeIn::Rows(xb, _) => (&**xb, None, 0.0f32, None, None),
+                    MoeIn::Norm { nw, eps, h, h8 } => {
+                        (&*ob, Some(*nw), *eps, Some(&mut **h), h8.as_deref_mut())
+                    }
+                };
                 let da = u32_arg(OP, "width", d)?;
                 let rows = ne + u32::from(g_out.is_some());
                 let mut b = self.stream.kernel(&self.k.moe_router_topk_f32);
-                b.arg(rw).arg(&ld).arg(xb).arg(&da);
+                b.arg(rw).arg(&ld).arg(xin).arg(&da);
                 b.arg(&ne).arg(&ka).arg(&gating);
                 b.arg(bias);
                 b.arg(&norm).arg(&scale).arg(&mut logits);
                 b.arg(&self.router_counts).arg(&mut ids).arg(&mut wts);
                 b.arg(sgate.filter(|_| g_out.is_some())).arg(g_out.as_mut());
+                b.arg(nw).arg(&eps).arg(hout).arg(h8);
                 let cfg = LaunchConfig {
                     grid_dim: (rows.div_ceil(ROUTER_WARPS), nt, 1),
                     block_dim: (32 * ROUTER_WARPS, 1, 1),
@@ -311,18 +390,24 @@ impl CudaBackend {
                 // SAFETY: moe_router_topk_f32(const float* w, uint64_t ld, const float* x,
                 // uint32_t d, uint32_t n_exp, uint32_t k, uint32_t gating, const float* bias (or
                 // null), uint32_t norm_topk, float scale, float* logits, uint32_t* counts,
-                // uint32_t* ids, float* weights, const float* sgate (or null), float* gout),
-                // grid (ceil((n_exp + gate row) / 4), n), 128 threads: w is the router's f32
-                // image of n_exp rows of ld >= d floats, 16-byte aligned rows (f32_rows); x
-                // holds n * d floats (checked), d a multiple of 4 (checked); logits n * n_exp,
-                // ids and weights n * k; counts holds MOE_ROUTED_MAX_TOKENS >= n zeros
-                // (allocated zeroed, and every launch's last block of a token sets its counter
-                // back to zero); n_exp <= 512 and k <= 32 (warp), bias n_exp; with the gate
-                // row, sgate holds d floats (checked, a device allocation: 16-byte aligned) and
-                // gout n.
+                // uint32_t* ids, float* weights, const float* sgate (or null), float* gout,
+                // const float* nw (or null), float eps, float* hout (or null), uint8_t* h8 (or
+                // null)), grid (ceil((n_exp + gate row) / 4), n), 128 threads: w is the
+                // router's f32 image of n_exp rows of ld >= d floats, 16-byte aligned rows
+                // (f32_rows); x holds n * d floats (checked: the given rows, or out), d a
+                // multiple of 4 (checked); logits n * n_exp, ids and weights n * k; counts
+                // holds MOE_ROUTED_MAX_TOKENS >= n zeros (allocated zeroed, and every launch's
+                // last block of a token sets its counter back to zero); n_exp <= 512 and k <=
+                // 32 (warp), bias n_exp; with the gate row, sgate holds d floats (checked, a
+                // device allocation: 16-byte aligned) and gout n; with nw (d floats, checked),
+                // d is a multiple of 128 and >= 256 (router_norms), hout holds n * d floats and
+                // h8 (or null) n * x8_row_bytes(d) bytes (norm_moe_add_impl's checked tensors).
                 unsafe { b.launch(cfg) }.map_err(dev_err)?;
             }
-            _ => {
+            (_, MoeIn::Norm { .. }) => {
+                return shape_err(OP, "a pre-norm without the fused router");
+            }
+            (_, MoeIn::Rows(xb, _)) => {
                 self.matmul_dev(router, xb, n, &mut logits)?;
                 let smem = u32_arg(OP, "experts", (n_exp * 9).div_ceil(4) * 4)?;
                 if smem > 48 * 1024 {
@@ -356,6 +441,12 @@ impl CudaBackend {
                 unsafe { b.launch(cfg) }.map_err(dev_err)?;
             }
         }
+        // the block's input rows (the pre-norm's, now written) and their int8 form where it
+        // came with them (the experts' inputs unless a latent projection comes first)
+        let (xb, x8): (&CudaSlice<f32>, Option<&CudaSlice<u8>>) = match x {
+            MoeIn::Rows(xb, x8) => (xb, x8),
+            MoeIn::Norm { h, h8, .. } => (h, h8.map(|v| &*v)),
+        };
         // expert inputs (projected into the latent space when there is one)
         let x_lat = match &latent {
             Some((down, _, ld)) => {
@@ -388,7 +479,7 @@ impl CudaBackend {
         let sh = match &shared {
             Some((m, n_ff, act)) if !fold => {
                 let mut sh = self.scratch::<f32>(n * d)?;
-                self.mlp_dev(m, *act, *n_ff, n, xb, &mut sh)?;
+                self.mlp_dev(m, *act, *n_ff, n, (xb, x8), &mut sh)?;
                 Some(sh)
             }
             _ => None,
@@ -414,7 +505,7 @@ impl CudaBackend {
                         twins: &[],
                     }),
                 };
-                let io = (xe, &mut ye);
+                let io = (xe, x8.filter(|_| latent.is_none()), &mut ye);
                 let sh_mats = match (fold, &shared) {
                     (true, Some((s, _, _))) => Some(s),
                     _ => None,
@@ -453,7 +544,7 @@ impl CudaBackend {
                 gate: sgate,
                 accumulate,
             };
-            return self.moe_finish(&ye, &wts, n, k, d, &fin, ob, pre_norm);
+            return self.moe_finish(&ye, &wts, n, k, d, &fin, ob);
         };
         // the weighted sum in the latent space, projected back up; then the shared expert
         let mut routed_lat = self.scratch::<f32>(n * de)?;
@@ -463,10 +554,7 @@ impl CudaBackend {
             gate: None,
             accumulate: false,
         };
-        if pre_norm.is_some() {
-            return shape_err(OP, "a fused pre-norm after a latent MoE");
-        }
-        self.moe_finish(&ye, &wts, n, k, de, &plain, &mut routed_lat, None)?;
+        self.moe_finish(&ye, &wts, n, k, de, &plain, &mut routed_lat)?;
         let mut sum = if accumulate {
             Some(self.scratch::<f32>(n * d)?)
         } else {
@@ -511,19 +599,11 @@ impl CudaBackend {
         d: usize,
         fin: &MoeFinish<'_>,
         out: &mut CudaSlice<f32>,
-        norm: Option<(&CudaSlice<f32>, f32, &mut CudaSlice<f32>)>,
     ) -> Result<()> {
         const OP: &str = "moe";
         if n == 0 || d == 0 {
             return Ok(());
         }
-        if norm.is_some() && n > MOE_NORM_MAX_TOKENS {
-            return shape_err(OP, format!("a fused pre-norm over {n} tokens"));
-        }
-        let (nw, eps, hout) = match norm {
-            Some((nw, eps, h)) => (Some(nw), eps, Some(h)),
-            None => (None, 0.0f32, None),
-        };
         const THREADS: usize = 256;
         let (ka, da, acc) = (
             u32_arg(OP, "top_k", k)?,
@@ -536,7 +616,6 @@ impl CudaBackend {
         b.arg(fin.x);
         b.arg(fin.gate);
         b.arg(&da).arg(&acc).arg(out);
-        b.arg(nw).arg(&eps).arg(hout).arg(&self.finish_counts);
         let cfg = LaunchConfig {
             grid_dim: (
                 u32_arg(OP, "column blocks", d.div_ceil(THREADS))?,
@@ -548,13 +627,10 @@ impl CudaBackend {
         };
         // SAFETY: moe_finish_f32(const float* ye, const float* w, uint32_t k, uint32_t d,
         // const float* sh (or null), const float* x, const float* gate (or null), uint32_t dx,
-        // uint32_t accumulate, float* out, const float* nw, float eps, float* hout (or null),
-        // uint32_t* counts), grid (ceil(d / 256), n): ye holds n * k * d floats (every pair's
-        // row written by the expert products), w n * k, sh and out n * d, x n * d (dx = d: the
-        // shared expert's input is the block's input), gate d (callers' buffers of those
-        // sizes); with hout (n * d) nw holds d floats and counts MOE_NORM_MAX_TOKENS >= n
-        // zeros (allocated zeroed; each launch's last block of a token sets its counter back
-        // to zero).
+        // uint32_t accumulate, float* out), grid (ceil(d / 256), n): ye holds n * k * d floats
+        // (every pair's row written by the expert products), w n * k, sh and out n * d, x n * d
+        // (dx = d: the shared expert's input is the block's input), gate d (callers' buffers
+        // of those sizes).
         unsafe { b.launch(cfg) }.map_err(dev_err)?;
         Ok(())
     }
@@ -584,7 +660,8 @@ impl CudaBackend {
     /// `r_in` gives it on `xe`'s row (`r_in.x_div` = top_k: token rows; tiles: x row q), with
     /// `r_down` (x_div 1) routing its hidden row q through the down projection. `m` is any
     /// expert's matrices of stacks that [`Self::routed_mats`] accepted (the kernel adds
-    /// `expert * rows per expert`). Device buffers; with tiles `xe` holds 7 rows more.
+    /// `expert * rows per expert`). Device buffers; with tiles `xe` holds 7 rows more; `xe8`
+    /// the int8 form of `xe`'s rows where it came with them (matmul/gemv.rs `x8_mode`).
     /// `shared` (with `r_in.shared` and `r_down.shared` of `tokens` pairs, `x0` 0 and `rows`):
     /// the shared expert's matrices, twins of `m`'s, run for every token in the same
     /// launches into `ye` rows `rows ..  rows + tokens` (`ye` holds them).
@@ -598,7 +675,7 @@ impl CudaBackend {
         act: Act,
         n_ff: usize,
         rows: usize,
-        (xe, ye): (&CudaSlice<f32>, &mut CudaSlice<f32>),
+        (xe, xe8, ye): (&CudaSlice<f32>, Option<&CudaSlice<u8>>, &mut CudaSlice<f32>),
         r_in: &GemvRoute<'_>,
         r_down: &GemvRoute<'_>,
         shared: Option<&ExpertMats<'_>>,
@@ -619,7 +696,7 @@ impl CudaBackend {
         // one routed launch; the route's shared pairs run the twins of its products
         let launch = |ps: &[(&CudaWeight, usize, usize)],
                       ys: Vec<&mut CudaSlice<f32>>,
-                      x: &CudaSlice<f32>,
+                      (x, x8): (&CudaSlice<f32>, Option<&CudaSlice<u8>>),
                       route: &GemvRoute<'_>,
                       twins: &[Option<&CudaWeight>],
                       glu: bool|
@@ -638,7 +715,7 @@ impl CudaBackend {
                 }
                 r.shared = Some(SharedPairs { twins: &tw, ..s });
             }
-            self.routed_launch(ps, ys, x, &r, glu)
+            self.routed_launch(ps, ys, (x, x8), &r, glu)
         };
         let per_token = r_in;
         match (act, &m.gate) {
@@ -647,10 +724,17 @@ impl CudaBackend {
                 if gate.w.dtype() == m.up.w.dtype() && fuse_on() {
                     // gate and up in one launch, silu(gate) * up in its epilogue
                     let tw = [sh_gate, sh_up];
-                    launch(&[g, up], vec![&mut h, &mut u], xe, per_token, &tw, true)?;
+                    launch(
+                        &[g, up],
+                        vec![&mut h, &mut u],
+                        (xe, xe8),
+                        per_token,
+                        &tw,
+                        true,
+                    )?;
                 } else {
-                    launch(&[g], vec![&mut h], xe, per_token, &[sh_gate], false)?;
-                    launch(&[up], vec![&mut u], xe, per_token, &[sh_up], false)?;
+                    launch(&[g], vec![&mut h], (xe, xe8), per_token, &[sh_gate], false)?;
+                    launch(&[up], vec![&mut u], (xe, xe8), per_token, &[sh_up], false)?;
                     self.silu_mul_dev(&mut h, &u, np * n_ff)?;
                 }
             }
@@ -658,7 +742,7 @@ impl CudaBackend {
                 launch(
                     &[part(&m.up, n_ff)],
                     vec![&mut h],
-                    xe,
+                    (xe, xe8),
                     per_token,
                     &[sh_up],
                     false,
@@ -673,7 +757,7 @@ impl CudaBackend {
             return launch(
                 &[part(&m.down, de)],
                 vec![ye],
-                &h,
+                (&h, None),
                 r_down,
                 &[sh_down],
                 false,
@@ -716,14 +800,14 @@ impl CudaBackend {
         &self,
         ps: &[(&CudaWeight, usize, usize)],
         ys: Vec<&mut CudaSlice<f32>>,
-        x: &CudaSlice<f32>,
+        (x, x8): (&CudaSlice<f32>, Option<&CudaSlice<u8>>),
         route: &GemvRoute<'_>,
         glu: bool,
     ) -> Result<()> {
         let mut views: Vec<_> = ys.into_iter().map(|y| y.as_view_mut()).collect();
         let mut parts = expert_parts(ps, &mut views);
         self.mm
-            .gemv_id(&self.stream, &mut parts, &x.as_view(), route, glu)
+            .gemv_id(&self.stream, &mut parts, &x.as_view(), x8, route, glu)
     }
 
     /// The `[n * k]` routed ids brought back to the host (one synchronisation) and the
@@ -822,7 +906,17 @@ impl CudaBackend {
             tiles: true,
             shared: None,
         };
-        self.moe_experts(m, act, n_ff, np, (&xg, &mut yg), &route, &route, None, None)?;
+        self.moe_experts(
+            m,
+            act,
+            n_ff,
+            np,
+            (&xg, None, &mut yg),
+            &route,
+            &route,
+            None,
+            None,
+        )?;
         self.scatter_rows_dev(&yg, &order_d, np, de, ye, np)
     }
 
@@ -917,7 +1011,7 @@ impl CudaBackend {
             let mut xg = self.scratch::<f32>(cnt * de)?;
             self.gather_rows_dev(xe, n, &idx, k, cnt, de, &mut xg)?;
             let mut yg = self.scratch::<f32>(cnt * de)?;
-            self.mlp_dev(mats, act, n_ff, cnt, &xg, &mut yg)?;
+            self.mlp_dev(mats, act, n_ff, cnt, (&xg, None), &mut yg)?;
             self.scatter_rows_dev(&yg, &idx, cnt, de, ye, n * k)?;
         }
         Ok(())
@@ -1060,16 +1154,14 @@ const TOPK_WARP_MAX_EXPERTS: usize = 512;
 /// Expert rows per block of the fused router (kernels/ffn.cu `ROUTER_WARPS`).
 const ROUTER_WARPS: u32 = 4;
 
-/// Most tokens whose MoE writes the next block's pre-norm in its last kernel
-/// (`Backend::moe_add_norm`; the size of the finish kernel's counters).
-pub(crate) const MOE_NORM_MAX_TOKENS: usize = MOE_ROUTED_MAX_TOKENS;
-
-/// Whether `moe_add_norm` fuses the norm into the MoE's last kernel (`KAPITSA_MOE_NORM=1`;
-/// off by default: measured slower on an H100, the finish kernel's last-block tail cost more
-/// than the `rms_norm_to` launch it saves; BENCHMARKS.md).
-fn moe_norm_on() -> bool {
+/// Whether `norm_moe_add` computes its pre-norm in the fused router (`KAPITSA_MOE_PRENORM=1`;
+/// off otherwise: an `rms_norm_to` launch first). One launch fewer per MoE layer, but the
+/// router's warps then read the row twice and its last block waits for the norm's writers: on
+/// an H100 the router went from ~9 to 15 us a launch and tg128 lost 1.3% (Qwen3.6, 306.9 to
+/// 303.0 t/s) and Qwen3-30B-A3B 1.3% (257.1 to 253.9; BENCHMARKS.md, stop 45).
+fn prenorm_on() -> bool {
     static CELL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *CELL.get_or_init(|| std::env::var("KAPITSA_MOE_NORM").is_ok_and(|v| v == "1"))
+    *CELL.get_or_init(|| std::env::var("KAPITSA_MOE_PRENORM").is_ok_and(|v| v == "1"))
 }
 
 /// Per-token counters of the fused router's blocks (kernels/ffn.cu `moe_router_topk_f32`):

@@ -306,11 +306,25 @@ impl CudaBackend {
         let rows = rows_of(OP, x.len(), width)?;
         let wb = self.f32_len(w, width, OP, "w")?;
         let xb = self.f32_len(x, rows * width, OP, "x")?;
-        let ob = self.f32_len_mut(out, rows * width, OP, "out")?;
         if rows == 0 {
-            return Ok(());
+            return self.f32_len_mut(out, 0, OP, "out").map(|_| ());
         }
         let (r, wd) = (u32_arg(OP, "rows", rows)?, u32_arg(OP, "width", width)?);
+        // decode's pre-norms also write their int8 rows for the GEMVs that read them
+        if crate::matmul::x8_from_norm(rows, width) {
+            let (ob, x8) = self.f32_with_x8_mut(out, rows, width, OP, "out")?;
+            let mut b = self.stream.kernel(&self.k.rms_norm_to_x8_f32);
+            b.arg(xb).arg(ob).arg(wb).arg(&wd).arg(&eps).arg(x8);
+            // SAFETY: rms_norm_to_x8_f32(const float* x, float* out, const float* w, uint32_t
+            // width, float eps, uint8_t* x8), one block per row of row_threads(width) (a
+            // multiple of 32) threads: x and out hold rows * width floats (checked; distinct
+            // tensors), w holds width, x8 rows * x8_row_bytes(width) bytes (allocated so),
+            // width a multiple of 32 (x8_from_norm).
+            unsafe { b.launch(rows_cfg(r, 1, row_threads(width), 0)) }.map_err(dev_err)?;
+            self.x8_written(out);
+            return Ok(());
+        }
+        let ob = self.f32_len_mut(out, rows * width, OP, "out")?;
         let mut b = self.stream.kernel(&self.k.rms_norm_to_f32);
         b.arg(xb).arg(ob).arg(wb).arg(&wd).arg(&eps);
         // SAFETY: rms_norm_to_f32(const float* x, float* out, const float* w, uint32_t width,

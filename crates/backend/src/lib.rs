@@ -362,21 +362,20 @@ pub trait Backend: Send + Sync {
         self.add(y, &t)
     }
 
-    /// [`Backend::moe_add`], then the next block's pre-norm of its result:
-    /// `y += moe(x)`, then `h = rms_norm(y)` with weights `norm.0 [d]` and eps `norm.1`
-    /// (as [`Backend::rms_norm_to`]; `h` as long as `y`). The default is those two ops, which
-    /// defines the result; a device backend fuses the norm into the MoE's last kernel.
-    fn moe_add_norm(
+    /// A residual MoE block with its pre-norm: `h = rms_norm(y)` (weights `norm.0 [d]`, eps
+    /// `norm.1`, as [`Backend::rms_norm_to`]; `h` as long as `y`, left holding the normed
+    /// rows), then `y += moe(h)` ([`Backend::moe_add`]). The default is those two ops, which
+    /// defines the result; a device backend computes the norm inside the MoE's router.
+    fn norm_moe_add(
         &self,
         w: &MoeWeights,
-        x: &Tensor,
-        n: usize,
-        y: &mut Tensor,
         (norm, eps): (&Tensor, f32),
         h: &mut Tensor,
+        n: usize,
+        y: &mut Tensor,
     ) -> Result<()> {
-        self.moe_add(w, x, n, y)?;
-        self.rms_norm_to(y, h, norm.len(), norm, eps)
+        self.rms_norm_to(y, h, norm.len(), norm, eps)?;
+        self.moe_add(w, h, n, y)
     }
 
     /// Whether [`Backend::moe`] of `w` over `n` tokens reads results back to the host mid-op

@@ -17,16 +17,21 @@
 //!   `KAPITSA_GEMV_FUSE=0` turns the multi-product and gate/up launches off, and
 //!   `KAPITSA_GEMV_XS=0` the one-token kernels with x staged in shared memory (`2`: for every
 //!   one-token launch; default: launches of more blocks than fit at once) (for measurements).
-//! - `KAPITSA_GEMV_X8=1` (off by default: measured correct and no faster on an H100, the extra
-//!   quantisation launch per GEMV eating the gain; see BENCHMARKS.md) takes the int8-activation
-//!   kernels (`gemv_x8_<ty>`, `gemv_id_x8_<ty>`: Q4_K, Q6_K) for one-token and routed
-//!   launches: the activations are quantised to int8 per 32 elements first
-//!   (`quantize_x8_f32`, as llama.cpp's CUDA backend does with q8_1) and each 4 weights cost
-//!   one `__dp4a`.
+//! - Int8 activations (`gemv_x8_<ty>`, `gemv_id_x8_<ty>`: Q4_K, Q6_K; one-token and routed
+//!   launches): the activations quantised to int8 per 32 elements (as llama.cpp's CUDA
+//!   backend does with q8_1) and each 4 weights cost one `__dp4a`. The quantisation is free
+//!   where the rows come from a pre-norm: `rms_norm_to` writes their int8 form beside them
+//!   (src/buffers.rs `X8Rows`) and the launches take it as `x8`. A launch of its own
+//!   (`quantize_x8_f32`) costs more than the cheaper inner loop saves at decode sizes
+//!   (BENCHMARKS.md, 2026-12-06). `KAPITSA_GEMV_X8` ([`x8_mode`]): `norm` (the default) the
+//!   int8 kernels where the norm wrote the rows, `id` only for routed launches, `1` every
+//!   launch of those formats (quantising where needed), `0` never.
 
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig,
+};
 use kapitsa_backend::{shape_err, Result};
 
 use super::{
@@ -74,11 +79,56 @@ fn xs_bytes(n_in: usize) -> usize {
     4 * (n_in + 4 * n_in.div_ceil(64))
 }
 
-/// Whether one-token and routed launches of the formats that have them take the
-/// int8-activation kernels (`KAPITSA_GEMV_X8=1`; off otherwise).
-fn x8_on() -> bool {
-    static CELL: OnceLock<bool> = OnceLock::new();
-    *CELL.get_or_init(|| std::env::var("KAPITSA_GEMV_X8").is_ok_and(|v| v == "1"))
+/// Which one-token and routed launches of the formats that have int8-activation kernels
+/// take them (`KAPITSA_GEMV_X8`, see the module's contract).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum X8Mode {
+    /// Never (`0`).
+    Off,
+    /// Routed launches whose rows a pre-norm wrote in int8 (`id`).
+    Routed,
+    /// Every launch whose rows a pre-norm wrote in int8 (`norm`, the default).
+    Norm,
+    /// Every launch, quantising the rows first where no int8 form came with them (`1`).
+    Always,
+}
+
+impl X8Mode {
+    fn parse(v: Option<&str>) -> X8Mode {
+        match v {
+            Some("0") => X8Mode::Off,
+            Some("id") => X8Mode::Routed,
+            Some("1") => X8Mode::Always,
+            _ => X8Mode::Norm,
+        }
+    }
+
+    /// Whether a launch (`routed` or not) takes the int8 kernel, given whether its rows came
+    /// with their int8 form.
+    fn takes(self, routed: bool, given: bool) -> bool {
+        match self {
+            X8Mode::Off => false,
+            X8Mode::Routed => routed && given,
+            X8Mode::Norm => given,
+            X8Mode::Always => true,
+        }
+    }
+}
+
+/// The process's [`X8Mode`] (`KAPITSA_GEMV_X8`, read once).
+pub(crate) fn x8_mode() -> X8Mode {
+    static CELL: OnceLock<X8Mode> = OnceLock::new();
+    *CELL.get_or_init(|| X8Mode::parse(std::env::var("KAPITSA_GEMV_X8").ok().as_deref()))
+}
+
+/// Most rows a pre-norm writes in int8 as well: the routed launches' token limit (one-token
+/// launches need one).
+const X8_NORM_MAX_ROWS: usize = 16;
+
+/// Whether `rms_norm_to` of `rows` rows of `width` writes their int8 form too: a mode that
+/// reads it, rows the GEMVs can take, and a width of whole 32-element blocks.
+pub(crate) fn x8_from_norm(rows: usize, width: usize) -> bool {
+    x8_mode() != X8Mode::Off && rows <= X8_NORM_MAX_ROWS && width.is_multiple_of(32)
 }
 
 /// Whether a grid of `blocks` 128-thread blocks fits `sms` multiprocessors in one wave at 5
@@ -97,8 +147,8 @@ env_switch! {
 }
 
 /// Bytes of one activation row of `n_in` elements in the int8 layout of kernels/matmul.cu
-/// `gemv_chunk_x8` (quants, a scale per 32, a sum per 16): `gemv_x8_row_bytes`.
-fn x8_row_bytes(n_in: usize) -> usize {
+/// `gemv_chunk_x8` (quants, a scale per 32, a sum per 16): common.cuh `gemv_x8_row_bytes`.
+pub(crate) fn x8_row_bytes(n_in: usize) -> usize {
     n_in + n_in / 8 + n_in / 4
 }
 
@@ -198,10 +248,14 @@ struct GemvSumArgs {
 
 host_arg!(GemvSumArgs);
 
-/// Threads of a `gemv_id_sum_<ty>` block (kernels/matmul.cu `GEMV_SUM_WARPS` warps) and
-/// rows per lane group (`GEMV_SUM_R`).
+/// Threads of a `gemv_id_sum_<ty>` block (kernels/matmul.cu `GEMV_SUM_WARPS` warps).
 const GEMV_SUM_THREADS: u32 = 8 * 32;
-const GEMV_SUM_ROWS: usize = 1;
+
+env_switch! {
+    /// Whether Q4_K/Q6_K down rows of 9 to 16 chunks take `gemv_id_sum4_<ty>`
+    /// (`KAPITSA_MOE_DOWN_SUM4=0`: the down launch and the combining kernel, as before).
+    pub(crate) fn sum4_on = "KAPITSA_MOE_DOWN_SUM4"
+}
 
 /// The combination [`MatmulKernels::gemv_id_sum`] applies (all device buffers).
 pub(crate) struct MoeSum<'a> {
@@ -342,13 +396,15 @@ impl MatmulKernels {
     /// (`n_experts() > 1` or not: rows per expert are its `n_out`), all of one expert count;
     /// no epilogues. x `[n_pairs / x_div (rounded up), n_in]`, 16-byte aligned. With
     /// `route.shared`, the shared expert's pairs follow (see [`GemvRoute::shared`]): each y
-    /// then holds `n_pairs + tokens` rows and x row `x0 + tokens - 1` exists. Views checked
-    /// by the caller.
+    /// then holds `n_pairs + tokens` rows and x row `x0 + tokens - 1` exists. `x8`: the int8
+    /// form of x's rows (every row read, `x8_row_bytes(n_in)` bytes each) where it came with
+    /// them (see [`x8_mode`]). Views checked by the caller.
     pub(crate) fn gemv_id(
         &self,
         stream: &Arc<CudaStream>,
         parts: &mut [GemvPart<'_, '_>],
         x: &CudaView<'_, f32>,
+        x8: Option<&CudaSlice<u8>>,
         route: &GemvRoute<'_>,
         glu: bool,
     ) -> Result<()> {
@@ -416,12 +472,20 @@ impl MatmulKernels {
             lanes_per_row(n_chunks, 1)
         };
         let per_block = warp_groups * (32 / lpr);
-        // int8 activations: the x rows the pairs read, quantised
+        // int8 activations: the rows' int8 form where it came with them, else (mode `1`)
+        // the x rows the pairs read, quantised
+        let mut own_x8 = None;
         let x8 = match &self.gemv_id_x8[fmt.id()] {
-            Some(f) if x8_on() && !route.tiles => {
-                let shared_rows = route.shared.map_or(0, |s| s.x0 + s.tokens);
-                let rows = route.n_pairs.div_ceil(route.x_div).max(shared_rows);
-                Some((f, self.quantize_x8(stream, x, rows, n_in)?))
+            Some(f) if !route.tiles && x8_mode().takes(true, x8.is_some()) => {
+                let q = match x8 {
+                    Some(q) => q,
+                    None => {
+                        let shared_rows = route.shared.map_or(0, |s| s.x0 + s.tokens);
+                        let rows = route.n_pairs.div_ceil(route.x_div).max(shared_rows);
+                        own_x8.insert(self.quantize_x8(stream, x, rows, n_in)?)
+                    }
+                };
+                Some((f, q))
             }
             _ => None,
         };
@@ -485,15 +549,18 @@ impl MatmulKernels {
         // the 5-blocks-per-SM Q4_K kernel where that fits the grid in one wave and 4 do not
         // (a decode's 9 pairs of Qwen3.6's 2048-wide rows); its spills cost more elsewhere
         let one_wave = one_wave_at_5_only(blocks * grid_pairs, self.sms);
-        let plain = match route.tiles {
-            true => &self.gemv_grp[fmt.id()],
-            false if fmt == Fmt::Q4K && one_wave && id5_on() => &self.gemv_id5_q4_k,
-            false => &self.gemv_id[fmt.id()],
+        let five = fmt == Fmt::Q4K && one_wave && id5_on();
+        let f = match (&x8, route.tiles) {
+            (Some(_), _) if five => &self.gemv_id5_x8_q4_k,
+            (Some((f, _)), _) => *f,
+            (None, true) => &self.gemv_grp[fmt.id()],
+            (None, false) if five => &self.gemv_id5_q4_k,
+            (None, false) => &self.gemv_id[fmt.id()],
         };
-        let mut b = stream.kernel(x8.as_ref().map_or(plain, |(f, _)| *f));
+        let mut b = stream.kernel(f);
         b.arg(&args).arg(&ida);
         // SAFETY: gemv_id_<ty>(GemvArgs, GemvIdArgs) (or gemv_id_x8_<ty> with x the int8 rows
-        // `quantize_x8` wrote for every x row the pairs read; or gemv_grp_<ty> with ids the
+        // of every x row the pairs read, `quantize_x8`'s or the caller's `x8`; or gemv_grp_<ty> with ids the
         // tiles, x and y rows the sorted pairs, x 7 rows longer: the caller's contract, y
         // written only at the tiles' rows): every part's weight image,
         // plane offsets and stride come from `upload`; rows row0 + e * n_out + r (r < n_rows, e < n_exp, the
@@ -559,8 +626,13 @@ impl MatmulKernels {
         if xp % 16 != 0 {
             return shape_err(OP, "x must start 16-byte aligned for the GEMV kernels");
         }
+        let (r, f) = match (w.id_sum_rows(), &self.gemv_id_sum4[w.fmt.id()]) {
+            (Some(1), _) => (1, &self.gemv_id_sum[w.fmt.id()]),
+            (Some(4), Some(f)) => (4, f),
+            _ => return shape_err(OP, "routed down projection and sum: rows it does not take"),
+        };
         let lpr = lanes_per_row(w.n_in / w.fmt.chunk(), 1);
-        let rows_per_block = (32 / lpr) * GEMV_SUM_ROWS;
+        let rows_per_block = (32 / lpr) * r;
         let blocks = down.n_rows.div_ceil(rows_per_block);
         let mut args = GemvArgs {
             n_parts: 1 + i32::from(sum.twin.is_some()),
@@ -621,16 +693,16 @@ impl MatmulKernels {
             block_dim: (GEMV_SUM_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = stream.kernel(&self.gemv_id_sum[w.fmt.id()]);
+        let mut b = stream.kernel(f);
         b.arg(&args).arg(&ida).arg(&sa);
-        // SAFETY: gemv_id_sum_<ty>(GemvArgs, GemvIdArgs, GemvSumArgs), grid (blocks, n), 256
+        // SAFETY: gemv_id_sum[4]_<ty>(GemvArgs, GemvIdArgs, GemvSumArgs), grid (blocks, n), 256
         // threads: the stack's and the twin's images, plane offsets and strides come from
         // `upload`; rows e * n_out + row0 + r (e < n_exp: the kernel skips other ids, r <
         // n_rows, row0 + n_rows <= n_out checked) and the twin's rows r < n_rows <= its n_out
         // (checked) exist; x holds the x_rows rows the pairs read (checked), 16-byte aligned
         // (checked), n_in a multiple of the chunk (gemv_ok); ids and weights hold n * k
         // entries, y and sh n * n_rows floats, g n (checked); blocks cover n_rows with
-        // rows_per_block = 32 / lpr row groups of GEMV_SUM_ROWS, as the kernel maps them.
+        // rows_per_block = 32 / lpr row groups of the kernel's r rows, as it maps them.
         unsafe { b.launch(cfg) }.map_err(dev_err)?;
         Ok(())
     }
@@ -638,13 +710,16 @@ impl MatmulKernels {
     /// The products `parts` (at most [`GEMV_MAX_PARTS`], one format and `n_in`) of `x`
     /// (`[n_tok, n_in]`) in launches of up to [`GEMV_MAX_TOKENS`] tokens. With `glu`, exactly
     /// two parts (gate, up) of equal row counts without epilogues: part 0's y receives
-    /// `silu(gate . x) * (up . x)` and part 1's y is not written. Views checked by the caller
-    /// (lengths, rows inside the weights, the x alignment is checked here).
+    /// `silu(gate . x) * (up . x)` and part 1's y is not written. `x8`: the int8 form of x's
+    /// rows (`x8_row_bytes(n_in)` bytes each) where it came with them (see [`x8_mode`]).
+    /// Views checked by the caller (lengths, rows inside the weights, the x alignment is
+    /// checked here).
     pub(crate) fn gemv_parts(
         &self,
         stream: &Arc<CudaStream>,
         parts: &mut [GemvPart<'_, '_>],
         x: &CudaView<'_, f32>,
+        x8: Option<&CudaSlice<u8>>,
         n_tok: usize,
         glu: bool,
     ) -> Result<()> {
@@ -720,10 +795,16 @@ impl MatmulKernels {
                 block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: if xs { smem as u32 } else { 0 },
             };
-            // int8 activations for one token where the format has the kernel
+            // int8 activations for one token where the format has the kernel: the row's int8
+            // form where it came with it, else (mode `1`) the row quantised
+            let mut own_x8 = None;
             let x8 = match &self.gemv_x8[fmt.id()] {
-                Some(f) if n_tok == 1 && x8_on() => {
-                    Some((f, self.quantize_x8(stream, x, 1, n_in)?))
+                Some(f) if n_tok == 1 && x8_mode().takes(false, x8.is_some()) => {
+                    let q = match x8 {
+                        Some(q) => q,
+                        None => own_x8.insert(self.quantize_x8(stream, x, 1, n_in)?),
+                    };
+                    Some((f, q))
                 }
                 _ => None,
             };
@@ -743,7 +824,7 @@ impl MatmulKernels {
             let mut b = stream.kernel(f);
             b.arg(&args);
             // SAFETY: gemv_<ty>_<nt>[xs](GemvArgs), or gemv_x8_<ty>(GemvArgs) with x the one
-            // int8 row `quantize_x8` wrote (that layout's size for n_in): every part's weight
+            // int8 row (that layout's size for n_in) of `quantize_x8` or the caller's `x8`: every part's weight
             // image, plane offsets and stride come from `upload`, its rows row0 .. row0 + n_rows exist and its y
             // holds n_tok * n_rows floats from token 0 (the caller's contract; the offsets
             // above stay inside for tokens t0 .. t0 + nt), its bias is null or holds n_rows
@@ -783,6 +864,23 @@ mod tests {
         // the 512-wide down projection of Q4_K (8 chunks of 64): 4 row groups a warp
         assert_eq!(lanes_per_row(8, 1), 8);
         assert_eq!(lanes_per_row(32, 1), 32);
+    }
+
+    #[test]
+    fn int8_modes_pick_the_launches() {
+        assert_eq!(X8Mode::parse(None), X8Mode::Norm);
+        assert_eq!(X8Mode::parse(Some("0")), X8Mode::Off);
+        assert_eq!(X8Mode::parse(Some("id")), X8Mode::Routed);
+        assert_eq!(X8Mode::parse(Some("1")), X8Mode::Always);
+        for routed in [false, true] {
+            assert!(!X8Mode::Off.takes(routed, true));
+            assert!(X8Mode::Norm.takes(routed, true));
+            assert!(!X8Mode::Norm.takes(routed, false));
+            assert!(X8Mode::Always.takes(routed, false));
+        }
+        assert!(X8Mode::Routed.takes(true, true));
+        assert!(!X8Mode::Routed.takes(false, true));
+        assert!(!X8Mode::Routed.takes(true, false));
     }
 
     #[test]

@@ -305,6 +305,8 @@ pub fn check_ops_with(
     mixers::mamba2(&mut s)?;
     mixers::vision(&mut s)?;
     argmax(&mut s)?;
+    // last: its draws leave the other ops' random cases as they were
+    normed_matmul(&mut s)?;
     for b in s.bes {
         b.synchronize().map_err(|e| format!("synchronize: {e}"))?;
     }
@@ -1049,6 +1051,59 @@ fn matmul_many(s: &mut Suite<'_>) -> R<()> {
     Ok(())
 }
 
+/// Products of a pre-norm's output (a device backend may keep another form of the normed
+/// rows for its GEMVs, e.g. int8): `matmul_many`, `matmul_with` and `mlp` of `rms_norm_to`'s
+/// rows, then the same after those rows were changed by another op, which must be what the
+/// products read.
+fn normed_matmul(s: &mut Suite<'_>) -> R<()> {
+    for _ in 0..s.cases {
+        let n_in = 256 * s.rng.range(1, 3);
+        let n_tok = s.rng.pick(&[1, 1, 2, 3]);
+        let ty = s
+            .rng
+            .pick(&[GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0]);
+        let ws = (0..s.rng.range(1, 4))
+            .map(|_| {
+                let n_out = s.rng.range(1, 70);
+                s.rand_weight("w", ty, vec![n_out, n_in], 0.5)
+            })
+            .collect::<R<Vec<_>>>()?;
+        let mut ys = ws
+            .iter()
+            .map(|w| s.alloc(DType::F32, n_tok * w[0].shape[0]))
+            .collect::<R<Vec<_>>>()?;
+        let mlp = rand_mlp(s, ty, Act::SwiGlu, (n_in, 256, n_in))?;
+        let mut ym = s.alloc(DType::F32, n_tok * n_in)?;
+        let x = s.rand(n_tok * n_in, 2.0)?;
+        let nw = s.rand(n_in, 1.0)?;
+        let delta = s.rand(n_tok * n_in, 1.0)?;
+        let mut h = s.alloc(DType::F32, n_tok * n_in)?;
+        s.both("rms_norm_to", |be, i| {
+            be.rms_norm_to(&x[i], &mut h[i], n_in, &nw[i], 1e-6)
+        })?;
+        for changed in [false, true] {
+            if changed {
+                s.both("add", |be, i| be.add(&mut h[i], &delta[i]))?;
+            }
+            let name = match changed {
+                false => "matmul of normed rows",
+                true => "matmul of normed rows, changed",
+            };
+            s.both(name, |be, i| {
+                let w: Vec<&Weight> = ws.iter().map(|p| &p[i]).collect();
+                let mut y: Vec<&mut Tensor> = ys.iter_mut().map(|p| &mut p[i]).collect();
+                be.matmul_many(&w, &h[i], n_tok, &mut y)?;
+                be.matmul_with(w[0], &h[i], n_tok, y[0], crate::Epilogue::default())?;
+                be.mlp(&mlp[i], &h[i], n_tok, &mut ym[i])
+            })?;
+            let mut refs: Vec<&Two<Tensor>> = ys.iter().collect();
+            refs.push(&ym);
+            s.cmp_all(name, s.tol.ffn, &refs)?;
+        }
+    }
+    Ok(())
+}
+
 /// Matrix products with an epilogue: a bias, accumulation into `y`, both; GEMV and GEMM
 /// token counts.
 fn matmul_with(s: &mut Suite<'_>) -> R<()> {
@@ -1314,13 +1369,13 @@ fn moe(s: &mut Suite<'_>, sigmoid: bool) -> R<()> {
         let mut y = s.rand(n * d, 1.0)?;
         s.both("moe_add", |be, i| be.moe_add(&w[i], &x[i], n, &mut y[i]))?;
         s.cmp(&format!("{name} add"), s.tol.ffn, &y)?;
-        // with the next block's pre-norm: y += moe(x), h = rms_norm(y)
+        // with its pre-norm: h = rms_norm(y), y += moe(h)
         let norm = s.rand(d, 1.0)?;
         let mut h = s.alloc(DType::F32, n * d)?;
-        s.both("moe_add_norm", |be, i| {
-            be.moe_add_norm(&w[i], &x[i], n, &mut y[i], (&norm[i], 1e-6), &mut h[i])
+        s.both("norm_moe_add", |be, i| {
+            be.norm_moe_add(&w[i], (&norm[i], 1e-6), &mut h[i], n, &mut y[i])
         })?;
-        s.cmp_all(&format!("{name} add norm"), s.tol.ffn, &[&y, &h])?;
+        s.cmp_all(&format!("{name} norm add"), s.tol.ffn, &[&y, &h])?;
     }
     Ok(())
 }

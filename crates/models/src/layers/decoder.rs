@@ -541,9 +541,6 @@ impl Decoder {
         }
         let rope_tables = self.rope_tables(&batch.mrope)?;
         let mut h = tensor(be, n * d)?;
-        // the next block's pre-norm when an FFN block wrote it with its result
-        let mut h_next = tensor(be, n * d)?;
-        let mut normed = false;
         let mut cx = ForwardCtx {
             be,
             batch,
@@ -553,22 +550,17 @@ impl Decoder {
         };
         for (i, b) in self.blocks.iter().enumerate() {
             // x += op(rmsnorm(x)): each op adds into x itself (in its last product's epilogue);
-            // an FFN block followed by another block also writes that block's rmsnorm(x)
-            if !normed {
+            // an FFN block's norm is its own op's (an MoE's router computes it)
+            if !matches!(b.op, DeviceOp::Ffn(_)) {
                 be.rms_norm_to(&x, &mut h, d, &b.norm, self.rms_eps)?;
             }
-            normed = false;
-            match (&b.op, self.blocks.get(i + 1)) {
-                (DeviceOp::Attention(a), _) => a.forward(&mut cx, b.layer, &h, &mut x)?,
-                (DeviceOp::Gdn(g), _) => g.forward(&mut cx, b.layer, &h, &mut x)?,
-                (DeviceOp::Mamba2(m), _) => m.forward(&mut cx, b.layer, &h, &mut x)?,
-                (DeviceOp::Ffn(f), Some(next)) => {
-                    let norm = (&next.norm, self.rms_eps);
-                    f.forward_add_norm(be, &h, n, &mut x, norm, &mut h_next)?;
-                    std::mem::swap(&mut h, &mut h_next);
-                    normed = true;
+            match &b.op {
+                DeviceOp::Attention(a) => a.forward(&mut cx, b.layer, &h, &mut x)?,
+                DeviceOp::Gdn(g) => g.forward(&mut cx, b.layer, &h, &mut x)?,
+                DeviceOp::Mamba2(m) => m.forward(&mut cx, b.layer, &h, &mut x)?,
+                DeviceOp::Ffn(f) => {
+                    f.forward_norm_add(be, (&b.norm, self.rms_eps), &mut h, n, &mut x)?
                 }
-                (DeviceOp::Ffn(f), None) => f.forward_add(be, &h, n, &mut x)?,
             }
             // after the last block of a layer, x is that layer's output
             let layer_done = self

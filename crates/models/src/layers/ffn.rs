@@ -325,24 +325,23 @@ impl DeviceFfn {
         Ok(())
     }
 
-    /// `y[n, d] += ffn(h[n, d])`, then the next block's pre-norm `h_next = rms_norm(y)` with
-    /// `norm` = (weights `[d]`, eps) ([`Backend::moe_add_norm`] for an MoE: a device backend
-    /// fuses the norm into its last kernel).
-    pub fn forward_add_norm(
+    /// A residual FFN block with its pre-norm: `h = rms_norm(y)` with `norm` = (weights
+    /// `[d]`, eps), then `y[n, d] += ffn(h)` ([`Backend::norm_moe_add`] for an MoE: a device
+    /// backend computes the norm inside its router).
+    pub fn forward_norm_add(
         &self,
         be: &dyn Backend,
-        h: &Tensor,
+        norm: (&Tensor, f32),
+        h: &mut Tensor,
         n: usize,
         y: &mut Tensor,
-        norm: (&Tensor, f32),
-        h_next: &mut Tensor,
     ) -> Result<()> {
         match self {
             DeviceFfn::Mlp(m) => {
+                be.rms_norm_to(y, h, norm.0.len(), norm.0, norm.1)?;
                 be.mlp_add(m, h, n, y)?;
-                be.rms_norm_to(y, h_next, norm.0.len(), norm.0, norm.1)?;
             }
-            DeviceFfn::Moe(m) => be.moe_add_norm(m, h, n, y, norm, h_next)?,
+            DeviceFfn::Moe(m) => be.norm_moe_add(m, norm, h, n, y)?,
         }
         Ok(())
     }
