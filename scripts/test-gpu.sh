@@ -19,7 +19,8 @@
 #      (`KAPITSA_GDN_CHUNK_MIN=1 KAPITSA_MAMBA2_CHUNK_MIN=1`; by default only sequences of 64
 #      tokens or more take them); then the
 #      ops, one fixture and the synthetic files with the int8-activation GEMVs on every
-#      one-token launch (`KAPITSA_GEMV_X8=1`; by default only on rows a pre-norm wrote).
+#      one-token launch (`KAPITSA_GEMV_X8=1`; by default only on rows a pre-norm wrote) and
+#      the MoE's pre-norm inside its router (`KAPITSA_MOE_PRENORM=1`, off by default).
 #   2. `--gpu-memory`: a budget below the synthetic Qwen3.6 file fails before loading with a
 #      clear error; one that fits runs it with the reported peak within the budget.
 #   3. `kapitsa serve --device cuda --gpu-memory 4GiB` answering the same HTTP checks as on
@@ -76,8 +77,8 @@ KAPITSA_GDN_CHUNK_MIN=1 KAPITSA_MAMBA2_CHUNK_MIN=1 "$BIN" selftest --device cuda
   --archs qwen3_5,qwen3_5_moe,nemotron_h,nemotron_h_moe "${scan_models[@]}" 2>&1 \
   | tee "$OUT/selftest-chunked-scans.log" || status=1
 
-echo "== selftest, int8 activations for the Q4_K/Q6_K one-token GEMVs (KAPITSA_GEMV_X8=1) =="
-KAPITSA_GEMV_X8=1 "$BIN" selftest --device cuda --fixtures tests/fixtures/tiny --archs qwen3_5_moe \
+echo "== selftest, int8 activations for the Q4_K/Q6_K one-token GEMVs and the MoE pre-norm in the router (KAPITSA_GEMV_X8=1 KAPITSA_MOE_PRENORM=1) =="
+KAPITSA_GEMV_X8=1 KAPITSA_MOE_PRENORM=1 "$BIN" selftest --device cuda --fixtures tests/fixtures/tiny --archs qwen3_5_moe \
   "${models[@]}" 2>&1 | tee "$OUT/selftest-x8.log" || status=1
 
 echo "== --gpu-memory: a budget too small fails before loading; one that fits holds =="

@@ -1369,13 +1369,26 @@ fn moe(s: &mut Suite<'_>, sigmoid: bool) -> R<()> {
         let mut y = s.rand(n * d, 1.0)?;
         s.both("moe_add", |be, i| be.moe_add(&w[i], &x[i], n, &mut y[i]))?;
         s.cmp(&format!("{name} add"), s.tol.ffn, &y)?;
-        // with its pre-norm: h = rms_norm(y), y += moe(h)
+        // with its pre-norm: h = rms_norm(y), y += moe(h); h is rms_norm_to's to the bit on
+        // each backend, wherever it computes it
         let norm = s.rand(d, 1.0)?;
         let mut h = s.alloc(DType::F32, n * d)?;
+        let mut h_to = s.alloc(DType::F32, n * d)?;
+        s.both("rms_norm_to", |be, i| {
+            be.rms_norm_to(&y[i], &mut h_to[i], d, &norm[i], 1e-6)
+        })?;
         s.both("norm_moe_add", |be, i| {
             be.norm_moe_add(&w[i], (&norm[i], 1e-6), &mut h[i], n, &mut y[i])
         })?;
         s.cmp_all(&format!("{name} norm add"), s.tol.ffn, &[&y, &h])?;
+        let ([h0, h1], [t0, t1]) = (s.read(&h)?, s.read(&h_to)?);
+        let bits = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        let same = bits(&h0, &t0) && bits(&h1, &t1);
+        s.record(
+            &format!("{name} norm add: h as rms_norm_to"),
+            0.0,
+            if same { 0.0 } else { 1.0 },
+        );
     }
     Ok(())
 }
