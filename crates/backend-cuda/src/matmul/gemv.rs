@@ -24,8 +24,8 @@
 //!   (src/buffers.rs `X8Rows`) and the launches take it as `x8`. A launch of its own
 //!   (`quantize_x8_f32`) costs more than the cheaper inner loop saves at decode sizes
 //!   (BENCHMARKS.md, 2026-12-06). `KAPITSA_GEMV_X8` ([`x8_mode`]): `norm` (the default) the
-//!   int8 kernels where the norm wrote the rows, `id` only for routed launches, `1` every
-//!   launch of those formats (quantising where needed), `0` never.
+//!   int8 kernels where the norm wrote the rows, `1` every launch of those formats
+//!   (quantising where needed), `0` never.
 
 use std::sync::{Arc, OnceLock};
 
@@ -85,8 +85,6 @@ fn xs_bytes(n_in: usize) -> usize {
 pub(crate) enum X8Mode {
     /// Never (`0`).
     Off,
-    /// Routed launches whose rows a pre-norm wrote in int8 (`id`).
-    Routed,
     /// Every launch whose rows a pre-norm wrote in int8 (`norm`, the default).
     Norm,
     /// Every launch, quantising the rows first where no int8 form came with them (`1`).
@@ -97,18 +95,16 @@ impl X8Mode {
     fn parse(v: Option<&str>) -> X8Mode {
         match v {
             Some("0") => X8Mode::Off,
-            Some("id") => X8Mode::Routed,
             Some("1") => X8Mode::Always,
             _ => X8Mode::Norm,
         }
     }
 
-    /// Whether a launch (`routed` or not) takes the int8 kernel, given whether its rows came
-    /// with their int8 form.
-    fn takes(self, routed: bool, given: bool) -> bool {
+    /// Whether a launch takes the int8 kernel, given whether its rows came with their int8
+    /// form.
+    fn takes(self, given: bool) -> bool {
         match self {
             X8Mode::Off => false,
-            X8Mode::Routed => routed && given,
             X8Mode::Norm => given,
             X8Mode::Always => true,
         }
@@ -389,6 +385,27 @@ impl MatmulKernels {
         Ok(q)
     }
 
+    /// The int8 rows a launch over `rows` rows of `x` reads where [`x8_mode`] takes the int8
+    /// kernel: `given` (the rows' int8 form that came with them), else (mode `1`) those rows
+    /// quantised into `own`; `None`: the f32 kernel.
+    fn x8_input<'a>(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: &CudaView<'_, f32>,
+        given: Option<&'a CudaSlice<u8>>,
+        rows: usize,
+        n_in: usize,
+        own: &'a mut Option<CudaSlice<u8>>,
+    ) -> Result<Option<&'a CudaSlice<u8>>> {
+        if !x8_mode().takes(given.is_some()) {
+            return Ok(None);
+        }
+        Ok(Some(match given {
+            Some(q) => q,
+            None => own.insert(self.quantize_x8(stream, x, rows, n_in)?),
+        }))
+    }
+
     /// The expert-routed GEMV (kernels/matmul.cu `gemv_id_<ty>`): for every pair q,
     /// `parts[p].y[q, r] = x[q / x_div, :] . W_p[ids[q] * rows_per_expert_p + row0_p + r, :]`
     /// (or, with `glu`, `silu(gate) * up` into part 0's y). `parts` as in
@@ -476,16 +493,11 @@ impl MatmulKernels {
         // the x rows the pairs read, quantised
         let mut own_x8 = None;
         let x8 = match &self.gemv_id_x8[fmt.id()] {
-            Some(f) if !route.tiles && x8_mode().takes(true, x8.is_some()) => {
-                let q = match x8 {
-                    Some(q) => q,
-                    None => {
-                        let shared_rows = route.shared.map_or(0, |s| s.x0 + s.tokens);
-                        let rows = route.n_pairs.div_ceil(route.x_div).max(shared_rows);
-                        own_x8.insert(self.quantize_x8(stream, x, rows, n_in)?)
-                    }
-                };
-                Some((f, q))
+            Some(f) if !route.tiles => {
+                let shared_rows = route.shared.map_or(0, |s| s.x0 + s.tokens);
+                let rows = route.n_pairs.div_ceil(route.x_div).max(shared_rows);
+                self.x8_input(stream, x, x8, rows, n_in, &mut own_x8)?
+                    .map(|q| (f, q))
             }
             _ => None,
         };
@@ -560,7 +572,8 @@ impl MatmulKernels {
         let mut b = stream.kernel(f);
         b.arg(&args).arg(&ida);
         // SAFETY: gemv_id_<ty>(GemvArgs, GemvIdArgs) (or gemv_id_x8_<ty> with x the int8 rows
-        // of every x row the pairs read, `quantize_x8`'s or the caller's `x8`; or gemv_grp_<ty> with ids the
+        // of every x row the pairs read, `quantize_x8`'s or the caller's `x8`; or
+        // gemv_grp_<ty> with ids the
         // tiles, x and y rows the sorted pairs, x 7 rows longer: the caller's contract, y
         // written only at the tiles' rows): every part's weight image,
         // plane offsets and stride come from `upload`; rows row0 + e * n_out + r (r < n_rows, e < n_exp, the
@@ -799,13 +812,9 @@ impl MatmulKernels {
             // form where it came with it, else (mode `1`) the row quantised
             let mut own_x8 = None;
             let x8 = match &self.gemv_x8[fmt.id()] {
-                Some(f) if n_tok == 1 && x8_mode().takes(false, x8.is_some()) => {
-                    let q = match x8 {
-                        Some(q) => q,
-                        None => own_x8.insert(self.quantize_x8(stream, x, 1, n_in)?),
-                    };
-                    Some((f, q))
-                }
+                Some(f) if n_tok == 1 => self
+                    .x8_input(stream, x, x8, 1, n_in, &mut own_x8)?
+                    .map(|q| (f, q)),
                 _ => None,
             };
             let (f, grid, smem) = match &x8 {
@@ -824,7 +833,8 @@ impl MatmulKernels {
             let mut b = stream.kernel(f);
             b.arg(&args);
             // SAFETY: gemv_<ty>_<nt>[xs](GemvArgs), or gemv_x8_<ty>(GemvArgs) with x the one
-            // int8 row (that layout's size for n_in) of `quantize_x8` or the caller's `x8`: every part's weight
+            // int8 row (that layout's size for n_in) of `quantize_x8` or the caller's `x8`:
+            // every part's weight
             // image, plane offsets and stride come from `upload`, its rows row0 .. row0 + n_rows exist and its y
             // holds n_tok * n_rows floats from token 0 (the caller's contract; the offsets
             // above stay inside for tokens t0 .. t0 + nt), its bias is null or holds n_rows
@@ -869,18 +879,13 @@ mod tests {
     #[test]
     fn int8_modes_pick_the_launches() {
         assert_eq!(X8Mode::parse(None), X8Mode::Norm);
+        assert_eq!(X8Mode::parse(Some("norm")), X8Mode::Norm);
         assert_eq!(X8Mode::parse(Some("0")), X8Mode::Off);
-        assert_eq!(X8Mode::parse(Some("id")), X8Mode::Routed);
         assert_eq!(X8Mode::parse(Some("1")), X8Mode::Always);
-        for routed in [false, true] {
-            assert!(!X8Mode::Off.takes(routed, true));
-            assert!(X8Mode::Norm.takes(routed, true));
-            assert!(!X8Mode::Norm.takes(routed, false));
-            assert!(X8Mode::Always.takes(routed, false));
-        }
-        assert!(X8Mode::Routed.takes(true, true));
-        assert!(!X8Mode::Routed.takes(false, true));
-        assert!(!X8Mode::Routed.takes(true, false));
+        assert!(!X8Mode::Off.takes(true));
+        assert!(X8Mode::Norm.takes(true));
+        assert!(!X8Mode::Norm.takes(false));
+        assert!(X8Mode::Always.takes(false));
     }
 
     #[test]
